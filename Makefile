@@ -1,0 +1,21 @@
+# Two commands: `make demo` runs the main job, `make test` runs the whole suite.
+# Each creates .venv first when it is missing.
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test setup bench
+
+$(VENV)/.ready: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+setup: $(VENV)/.ready
+
+demo: $(VENV)/.ready
+	$(VENV)/bin/deltaspec demo
+
+test: $(VENV)/.ready
+	$(PY) -m pytest
+
+bench: $(VENV)/.ready
+	$(VENV)/bin/deltaspec bench
