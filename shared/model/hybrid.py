@@ -1,0 +1,64 @@
+"""The hybrid stack and its LM head: `HybridLM`, whose state_dict keys are HF's `Qwen3_5ForCausalLM` keys."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from shared.model.config import ModelConfig
+from shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
+from shared.state.rollback import ModelState
+
+
+class HybridStack(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kind) for kind in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class HybridLM(nn.Module):
+    """Qwen3.5 text model. `forward` stages tokens into a `ModelState`; the caller commits or reverts."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = HybridStack(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp: dict[str, Tensor] = {}  # the checkpoint's mtp.* tensors, kept for the MTP drafter
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_state(self, capacity: int = 256) -> ModelState:
+        return ModelState(self.config, device=self.device, dtype=self.dtype, capacity=capacity)
+
+    def set_gdn_kernel(self, name: str) -> None:
+        """Force one gated delta rule kernel (`auto`, `naive`, `chunk`, `recurrent`, `triton`)."""
+        for layer in self.model.layers:
+            if layer.kind == "linear_attention":
+                layer.linear_attn.kernel_name = name
+
+    @torch.inference_mode()
+    def forward(self, ids: Tensor, state: ModelState) -> tuple[Tensor, Tensor]:
+        """Stage `ids (T,)` after the head and what is already staged.
+
+        Returns float32 logits `(T, vocab)` and the last layer's hidden states `(T, hidden)` before the final norm.
+        """
+        if ids.ndim != 1 or ids.numel() == 0:
+            raise ValueError("forward takes a non-empty 1-D tensor of token ids")
+        start = state.length + state.staged
+        positions = torch.arange(start, start + ids.numel(), device=self.device)
+        x = self.model.embed_tokens(ids.to(self.device))
+        rope = rotary_cos_sin(self.config, positions, x.dtype)
+        for layer, st in zip(self.model.layers, state.layers):
+            x = layer(x, st, start, rope)
+        state.staged += ids.numel()
+        return self.lm_head(self.model.norm(x)).float(), x

@@ -1,0 +1,92 @@
+"""Load a HF checkpoint directory into a `HybridLM`.
+
+Reads `config.json` and `model.safetensors` or its shards (`model.safetensors.index.json`);
+weight prefixes `model.` and `model.language_model.`; float32, bfloat16, float16. `mtp.*` tensors
+are kept on `model.mtp`. Any mismatch stops with one `CheckpointError` naming the tensor or field.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import Tensor
+
+from shared.model.config import ConfigError, ModelConfig
+from shared.model.hybrid import HybridLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file, field or tensor."""
+
+
+def read_tensors(directory: Path) -> dict[str, Tensor]:
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.exists():
+        files = [single]
+    elif index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+    else:
+        raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+    tensors: dict[str, Tensor] = {}
+    for path in files:
+        try:
+            tensors.update(load_file(path))
+        except (FileNotFoundError, SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
+    return tensors
+
+
+def canonical_name(name: str) -> str:
+    """Map `model.language_model.X` (multimodal checkpoints) to `model.X`."""
+    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+
+
+def load_model(directory: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> HybridLM:
+    directory = Path(directory)
+    try:
+        cfg = ModelConfig.from_file(directory / "config.json")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    raw_dtype = cfg.raw.get("dtype") or cfg.raw.get("torch_dtype") or "float32"
+    if dtype is None:
+        if raw_dtype not in DTYPES:
+            raise CheckpointError(f"config.json: field 'dtype' {raw_dtype!r} is not one of {sorted(DTYPES)}")
+        dtype = DTYPES[raw_dtype]
+    tensors = {canonical_name(k): v for k, v in read_tensors(directory).items()}
+    mtp = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("mtp.")]}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensor {missing[0]!r}" + _more(missing))
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise CheckpointError(f"{directory}: unexpected tensor {extra[0]!r}" + _more(extra))
+    for name, shape in expected.items():
+        if tensors[name].shape != shape:
+            raise CheckpointError(
+                f"{directory}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(shape)}"
+            )
+    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.mtp = {k: v.to(dtype) for k, v in mtp.items()}
+    return model.to(device).eval()
+
+
+def _more(names: list[str]) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
