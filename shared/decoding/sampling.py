@@ -1,0 +1,56 @@
+"""Turning logits into the distribution a token is drawn from, and drawing it.
+
+Both sides of speculative decoding use the same `SamplingParams` so that the draft's q and the
+target's p are comparable. Temperature 0 means greedy: p is the one-hot argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed)
+
+
+def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
+    """`(..., V)` float32 logits -> `(..., V)` probabilities after temperature, top-k and top-p."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        outside = sorted_p.cumsum(-1) - sorted_p >= params.top_p  # keep the smallest prefix reaching top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draw(probs: Tensor, generator: torch.Generator) -> int:
+    """One token from a 1-D distribution; deterministic for a given generator state."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))

@@ -1,0 +1,63 @@
+"""Writing checkpoints in HF layout, and random models for tests and benchmarks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from shared.model.config import ModelConfig
+from shared.model.hybrid import HybridLM
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def save_checkpoint(model: HybridLM, directory: str | Path) -> Path:
+    """`config.json` + `model.safetensors` that HF's `Qwen3_5ForCausalLM` loads as they are."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = dict(model.config.raw)
+    config["dtype"] = DTYPE_NAMES[model.dtype]
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight")
+    tensors.update(model.mtp)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def hf_config(**overrides: Any) -> dict[str, Any]:
+    """A small Qwen3.5 text config dict; every field can be overridden."""
+    cfg: dict[str, Any] = {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+        "vocab_size": 257, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "eos_token_id": 256,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 4096,
+    }
+    cfg.update(overrides)
+    cfg["num_hidden_layers"] = len(cfg["layer_types"])
+    return cfg
+
+
+def random_model(config: dict[str, Any], seed: int = 0, scale: float = 0.3) -> HybridLM:
+    """Every parameter drawn at random (norm weights and decays included, so no path is trivially exact)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = HybridLM(ModelConfig.from_dict(config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 16, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            else:
+                fan_in = p.shape[-1] if p.ndim > 1 else 1
+                p.copy_(torch.randn(p.shape, generator=gen) * (scale if p.ndim == 1 else fan_in**-0.5))
+    return model.eval()
