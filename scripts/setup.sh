@@ -7,3 +7,8 @@ python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q "torch==2.13.0"
 .venv/bin/pip install -q -e ".[dev]"
+# gRPC code is generated from protos/, then the editable install is redone so it maps deltaspec/.
+bash scripts/gen_protos.sh
+.venv/bin/pip install -q --no-deps -e .
+# buf lints protos/ in the tests; it is an npm package (skip quietly where npm is missing).
+if command -v npm >/dev/null; then npm install -q --no-fund --no-audit --prefix .venv/buf @bufbuild/buf; fi
