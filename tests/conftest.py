@@ -1,8 +1,43 @@
-"""Test-wide set-up. Triton kernels run under the interpreter when there is no GPU; the
-variable must be set before triton is first imported."""
+"""Test-wide set-up and shared fixtures.
+
+Triton kernels run under the interpreter when there is no GPU; the variable must be set before
+triton is first imported.
+"""
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from shared.model.checkpoint import hf_config, random_model  # noqa: E402
+
+# Small configs covering the architecture's axes: key/value head ratios, d_k != d_v,
+# GDN-first and attention-first orders, tied and untied embeddings.
+CONFIGS = {
+    "gdn_first-ratio2-dk16dv24-tied": hf_config(
+        vocab_size=97, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=24, layer_types=["linear_attention", "linear_attention", "full_attention",
+                                               "linear_attention"], tie_word_embeddings=True),
+    "attn_first-ratio1-untied": hf_config(
+        vocab_size=89, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=["full_attention", "linear_attention", "linear_attention",
+                                              "full_attention"], tie_word_embeddings=False),
+    "ratio3-dk12dv20-kv1-rot05": hf_config(
+        vocab_size=101, linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=12,
+        linear_value_head_dim=20, num_key_value_heads=1, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+}
+
+
+@pytest.fixture(params=list(CONFIGS), ids=list(CONFIGS))
+def config_dict(request):
+    return CONFIGS[request.param]
+
+
+@pytest.fixture
+def tiny_model():
+    """A random 4-layer hybrid (3 GDN + 1 attention) with vocab 257."""
+    return random_model(hf_config(), seed=11)
