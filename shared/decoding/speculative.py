@@ -1,15 +1,20 @@
 """The in-process speculative decoding loop: propose, verify, commit, repeat.
 
 With `NoDrafter` (or k = 0) it is plain target-only decoding through the same round protocol.
+`decode` is the one loop: in process, in the target service's `Generate`, and in the gRPC client.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from torch import Tensor
 
 from shared.decoding.drafters import Drafter, NoDrafter
 from shared.decoding.sampling import SamplingParams
-from shared.decoding.target import TargetSession
+from shared.decoding.target import Round, TargetSession
 from shared.model.hybrid import HybridLM
 
 
@@ -51,6 +56,41 @@ class Generation:
                 "stats": self.stats.as_dict(len(self.token_ids))}
 
 
+class Session(Protocol):
+    """What the loop needs of a target session: a `TargetSession`, or a client of a remote one."""
+
+    version: int
+
+    def verify(self, round_id: str, drafts: list[int], base_version: int | None = None,
+               draft_probs: Tensor | None = None) -> Round: ...
+
+    def commit(self, round_id: str, accepted: int) -> int: ...
+
+    @property
+    def generated(self) -> list[int]: ...
+
+
+def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_tokens: int, eos: set[int],
+           stats: Stats) -> Iterator[list[int]]:
+    """Run rounds until `max_new_tokens` or an EOS (included), yielding the tokens each round commits."""
+    out = session.generated
+    while len(out) < max_new_tokens and not (out and out[-1] in eos):
+        room = max_new_tokens - len(out)
+        proposal = drafter.propose(min(num_draft_tokens, room - 1))
+        rnd = session.verify(f"r{stats.rounds}", proposal.tokens, session.version, proposal.probs)
+        keep = rnd.verdict.accepted
+        for i, token in enumerate(proposal.tokens[:keep]):  # stop at an accepted EOS
+            if token in eos:
+                keep = i
+                break
+        session.commit(rnd.round_id, keep)
+        stats.add_round(len(proposal.tokens), keep, rnd.staged_bytes)
+        new = session.generated
+        drafter.advance(keep, new[-1])
+        yield new[len(out):]
+        out = new
+
+
 def generate(
     target: HybridLM,
     prompt_ids: list[int],
@@ -64,21 +104,8 @@ def generate(
     started = time.perf_counter()
     session = TargetSession(target, prompt_ids, sampling)
     drafter.start(list(prompt_ids))
-    eos = set(target.config.eos_token_id)
     stats = Stats()
-    out: list[int] = []
-    while len(out) < max_new_tokens and not (out and out[-1] in eos):
-        room = max_new_tokens - len(out)
-        proposal = drafter.propose(min(num_draft_tokens, room - 1))
-        rnd = session.verify(f"r{stats.rounds}", proposal.tokens, session.version, proposal.probs)
-        keep = rnd.verdict.accepted
-        for i, token in enumerate(proposal.tokens[:keep]):  # stop at an accepted EOS
-            if token in eos:
-                keep = i
-                break
-        session.commit(rnd.round_id, keep)
-        stats.add_round(len(proposal.tokens), keep, rnd.staged_bytes)
-        out = session.generated
-        drafter.advance(keep, out[-1])
+    for _ in decode(session, drafter, max_new_tokens, num_draft_tokens, set(target.config.eos_token_id), stats):
+        pass
     stats.seconds = time.perf_counter() - started
-    return Generation(list(prompt_ids), out, stats)
+    return Generation(list(prompt_ids), session.generated, stats)
