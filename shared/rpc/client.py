@@ -1,0 +1,97 @@
+"""Generating over gRPC, on either path, with the result shaped as in-process `generate` returns it.
+
+- `generate_on_server`: one `Generate` stream; the target runs the loop against its own draft
+  peer. If the stream breaks (the target restarted), it is opened again on the prompt plus the
+  tokens received so far, for the tokens still missing.
+- `generate_client_driven`: this process runs the loop (`shared.decoding.speculative.decode`)
+  with the target and the draft as remote peers: one Propose, one Verify and one Commit a round.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+
+import grpc
+
+from deltaspec.v1 import draft_service_pb2_grpc, target_service_pb2, target_service_pb2_grpc
+from shared.decoding.drafters import NoDrafter
+from shared.decoding.sampling import SamplingParams
+from shared.decoding.speculative import Generation, Stats, decode
+from shared.rpc.convert import sampling_to_proto, stats_from_proto
+from shared.rpc.options import channel
+from shared.rpc.remote_drafter import RemoteDrafter
+from shared.rpc.remote_target import RemoteTargetSession
+
+OnTokens = Callable[[list[int], str], None]
+
+
+def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt_text: str, max_new_tokens: int,
+                       num_draft_tokens: int = 4, sampling: SamplingParams = SamplingParams(),
+                       timeout_s: float | None = None, on_tokens: OnTokens | None = None,
+                       max_attempts: int = 8) -> tuple[Generation, str]:
+    started = time.perf_counter()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    prompt, out, text, stats = list(prompt_ids or []), [], "", Stats()
+    with channel(target_address) as ch:
+        stub = target_service_pb2_grpc.TargetServiceStub(ch)
+        for attempt in range(max_attempts):
+            request = target_service_pb2.GenerateRequest(
+                prompt_ids=prompt + out, prompt_text="" if prompt else prompt_text,
+                sampling=sampling_to_proto(sampling), max_new_tokens=max_new_tokens - len(out),
+                num_draft_tokens=num_draft_tokens)
+            try:
+                for msg in stub.Generate(request, timeout=None if deadline is None else deadline - time.monotonic(),
+                                         wait_for_ready=True):
+                    prompt = prompt or list(msg.prompt_ids)
+                    out += msg.token_ids
+                    text += msg.text
+                    if on_tokens and (msg.token_ids or msg.text):
+                        on_tokens(list(msg.token_ids), msg.text)
+                    if msg.HasField("stats"):
+                        _merge(stats, stats_from_proto(msg.stats))
+                break
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == max_attempts - 1:
+                    raise
+    stats.seconds = time.perf_counter() - started
+    return Generation(prompt, out, stats), text
+
+
+def generate_client_driven(target_address: str, draft_address: str | None, prompt_ids: list[int] | None,
+                           prompt_text: str, max_new_tokens: int, num_draft_tokens: int = 4,
+                           sampling: SamplingParams = SamplingParams(), timeout_s: float | None = None,
+                           draft_timeout_s: float = 1.0, on_tokens: OnTokens | None = None) -> tuple[Generation, str]:
+    started = time.perf_counter()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    with ExitStack() as stack:
+        target_ch = stack.enter_context(channel(target_address))
+        session = RemoteTargetSession(target_service_pb2_grpc.TargetServiceStub(target_ch), prompt_ids, prompt_text,
+                                      sampling, deadline)
+        stack.callback(session.close)
+        remote = None
+        if draft_address:
+            draft_stub = draft_service_pb2_grpc.DraftServiceStub(stack.enter_context(channel(draft_address)))
+            remote = RemoteDrafter(draft_stub, sampling, session.vocab_size, draft_timeout_s, deadline)
+            stack.callback(remote.close)
+        drafter = remote or NoDrafter()
+        drafter.start(list(session.tokens))
+        stats = Stats()
+        for new in decode(session, drafter, max_new_tokens, num_draft_tokens, session.eos, stats):
+            if on_tokens:
+                on_tokens(new, "")
+        text = session.text()
+    stats.seconds = time.perf_counter() - started
+    return Generation(session.tokens[:session.prompt_len], session.generated, stats), text
+
+
+def _merge(total: Stats, part: Stats) -> None:
+    """Add the stats of one stream (a generation resumed after a restart has several)."""
+    total.rounds += part.rounds
+    total.drafted += part.drafted
+    total.accepted += part.accepted
+    total.staged_bytes += part.staged_bytes
+    width = max(len(total.accepted_per_position), len(part.accepted_per_position))
+    total.accepted_per_position = [
+        (total.accepted_per_position[i] if i < len(total.accepted_per_position) else 0)
+        + (part.accepted_per_position[i] if i < len(part.accepted_per_position) else 0) for i in range(width)]

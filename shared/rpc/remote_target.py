@@ -1,0 +1,106 @@
+"""A TargetService session behind the loop's `Session` protocol, surviving a target restart.
+
+Calls are retried on UNAVAILABLE (safe: every call is idempotent under its round id). When the
+target no longer knows the session (it restarted, or the session expired), a new one is opened
+on the committed history this class keeps, the round in flight is verified again, and the call
+goes on; with greedy decoding the final tokens are exactly those of an uninterrupted run.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import grpc
+import torch
+from torch import Tensor
+
+from deltaspec.v1 import target_service_pb2 as pb
+from deltaspec.v1 import target_service_pb2_grpc
+from shared.decoding.sampling import SamplingParams
+from shared.decoding.target import Round
+from shared.decoding.verify import Verdict
+from shared.rpc.convert import probs_to_proto, sampling_to_proto
+from shared.rpc.status import field_of
+
+
+class RemoteTargetSession:
+    def __init__(self, stub: target_service_pb2_grpc.TargetServiceStub, prompt_ids: list[int] | None = None,
+                 prompt_text: str = "", sampling: SamplingParams = SamplingParams(), deadline: float | None = None,
+                 call_timeout_s: float = 30.0, max_attempts: int = 8) -> None:
+        self.stub, self.sampling, self.prompt_text = stub, sampling, prompt_text
+        self.deadline, self.call_timeout_s, self.max_attempts = deadline, call_timeout_s, max_attempts
+        self.tokens: list[int] = list(prompt_ids or [])  # committed history, prompt first
+        self.session_id: str | None = None
+        self.version = 0
+        self.reopened = -1  # times the session had to be opened again
+        self._in_flight: tuple[str, list[int], Tensor | None] | None = None  # the round verified, not yet committed
+        self._round: Round | None = None
+        self._call(lambda: None)  # opens the session, with the usual retries
+        self.prompt_len = len(self.tokens)
+        self.vocab_size: int = self._created.vocab_size
+        self.eos = set(self._created.eos_token_ids)
+        self.max_draft_tokens: int = self._created.max_draft_tokens
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    def verify(self, round_id: str, drafts: list[int], base_version: int | None = None,
+               draft_probs: Tensor | None = None) -> Round:
+        self._in_flight = (round_id, list(drafts), draft_probs)
+        return self._call(self._verify)
+
+    def commit(self, round_id: str, accepted: int) -> int:
+        reply = self._call(lambda: self.stub.Commit(pb.CommitRequest(
+            session_id=self.session_id, round_id=round_id,
+            accepted=min(accepted, self._round.verdict.accepted)), **self._opts()))  # type: ignore[union-attr]
+        self.tokens += reply.committed_tokens
+        self.version = reply.head_version
+        self._in_flight = None
+        return self.version
+
+    def text(self) -> str:
+        return self._call(lambda: self.stub.GetSession(pb.GetSessionRequest(session_id=self.session_id),
+                                                       **self._opts())).text
+
+    def close(self) -> None:
+        try:
+            self.stub.CloseSession(pb.CloseSessionRequest(session_id=self.session_id), timeout=1.0)
+        except grpc.RpcError:
+            pass
+
+    def _verify(self) -> Round:
+        round_id, drafts, probs = self._in_flight  # type: ignore[misc]
+        reply = self.stub.Verify(pb.VerifyRequest(
+            session_id=self.session_id, round_id=round_id, base_version=self.version, draft_tokens=drafts,
+            draft_probs=probs_to_proto(probs, self.sampling.greedy)), **self._opts())
+        self._round = Round(round_id, self.version, tuple(drafts), Verdict(reply.accepted, reply.next_token),
+                            reply.round.staged_bytes, hidden=torch.empty(0))
+        return self._round
+
+    def _open(self) -> None:
+        """A new session on the committed history (the prompt text only the first time), then the round in flight."""
+        self._created = self.stub.CreateSession(pb.CreateSessionRequest(
+            prompt_ids=self.tokens, prompt_text="" if self.tokens else self.prompt_text,
+            sampling=sampling_to_proto(self.sampling)), **self._opts())
+        self.session_id, self.version = self._created.session_id, self._created.head_version
+        self.tokens = self.tokens or list(self._created.prompt_ids)
+        self.reopened += 1
+        if self._in_flight is not None:
+            self._verify()
+
+    def _call(self, rpc: Callable):
+        for attempt in range(self.max_attempts):
+            try:
+                if self.session_id is None:
+                    self._open()
+                return rpc()
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND and field_of(e) == "session_id":
+                    self.session_id = None
+                elif e.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.max_attempts - 1:
+                    raise
+
+    def _opts(self) -> dict:
+        timeout = self.call_timeout_s if self.deadline is None else self.deadline - time.monotonic()
+        return {"timeout": max(timeout, 0.0), "wait_for_ready": True}

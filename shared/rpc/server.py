@@ -1,0 +1,133 @@
+"""Running services: a grpc.aio server with health, reflection, error mapping and a graceful drain.
+
+Life of a server: it listens at once with every service NOT_SERVING (health answers, calls get
+UNAVAILABLE), loads its models in a worker thread, then turns each service SERVING. A drain
+(SIGTERM, or `drain()`) turns everything NOT_SERVING, lets in-flight calls finish within the
+grace period, and stops. `serve` runs one in the foreground for the CLI; `BackgroundServer` runs
+one on its own event-loop thread, for the demo and the tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shared.rpc.options import SERVER_OPTIONS
+from shared.rpc.status import ErrorInterceptor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Service:
+    """One servicer: its full name, how to add it to a server, and how to load what it serves (blocking)."""
+
+    name: str
+    register: Callable[[grpc.aio.Server], None]
+    load: Callable[[], None]
+
+
+class ModelServer:
+    def __init__(self, services: list[Service], host: str = "127.0.0.1", port: int = 0, grace_s: float = 10.0) -> None:
+        self.services, self.address, self.grace_s = services, f"{host}:{port}", grace_s
+        self.ready: set[str] = set()
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.ready.__contains__)], options=SERVER_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        for service in services:
+            service.register(self.server)
+        reflection.enable_server_reflection(
+            [s.name for s in services] + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.port = 0
+
+    async def start(self) -> int:
+        """Listen (every service NOT_SERVING until `load`); returns the bound port."""
+        for name in ["", *(s.name for s in self.services)]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self.server.add_insecure_port(self.address)
+        if not self.port:
+            raise OSError(f"cannot listen on {self.address}")
+        await self.server.start()
+        return self.port
+
+    async def load(self) -> None:
+        for service in self.services:
+            await asyncio.to_thread(service.load)
+            self.ready.add(service.name)
+            await self.health.set(service.name, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    async def drain(self) -> None:
+        """NOT_SERVING everywhere, refuse new calls, let in-flight ones finish within the grace period."""
+        self.ready.clear()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.grace_s)
+
+
+def serve(services: list[Service], host: str, port: int, grace_s: float = 10.0) -> int:
+    """Run until SIGTERM or SIGINT, then drain. Announces `listening on HOST:PORT` on stderr."""
+    async def main() -> None:
+        server = ModelServer(services, host, port, grace_s)
+        bound = await server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+        print(f"listening on {host}:{bound}", file=sys.stderr, flush=True)
+        await server.load()
+        print(f"serving {', '.join(s.name for s in services)}", file=sys.stderr, flush=True)
+        await server.server.wait_for_termination()
+
+    asyncio.run(main())
+    return 0
+
+
+class BackgroundServer:
+    """A `ModelServer` on its own event-loop thread; a context manager that stops it on exit."""
+
+    def __init__(self, services: list[Service], host: str = "127.0.0.1", port: int = 0, grace_s: float = 10.0) -> None:
+        self.host = host
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-server", daemon=True)
+        self.thread.start()
+        self.server: ModelServer = self._run(self._make(services, host, port, grace_s))
+        self.port = self._run(self.server.start())
+        self.loaded = asyncio.run_coroutine_threadsafe(self.server.load(), self.loop)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def wait_loaded(self, timeout: float | None = None) -> BackgroundServer:
+        self.loaded.result(timeout)
+        return self
+
+    def drain(self) -> None:
+        self._run(self.server.drain())
+
+    def stop(self) -> None:
+        """Stop at once (no grace): what a crash looks like to clients."""
+        if self.thread.is_alive():
+            self._run(self.server.server.stop(None))
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+
+    def __enter__(self) -> BackgroundServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @staticmethod
+    async def _make(services: list[Service], host: str, port: int, grace_s: float) -> ModelServer:
+        return ModelServer(services, host, port, grace_s)  # grpc.aio objects must be made on their loop
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()

@@ -1,0 +1,126 @@
+"""One mapping from engine errors to gRPC statuses with google.rpc details, and back.
+
+Server side, `ErrorInterceptor` wraps every handler: a `DeltaspecError` becomes its status with
+details naming the field at fault (BadRequest for INVALID_ARGUMENT, ResourceInfo for NOT_FOUND,
+PreconditionFailure, QuotaFailure); any other exception becomes INTERNAL; a service that is still
+loading answers UNAVAILABLE. Client side, `field_of` reads the field back from a failed call.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import grpc
+from google.protobuf import any_pb2
+from google.protobuf.message import Message
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from shared.errors import DeltaspecError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
+log = logging.getLogger(__name__)
+
+
+def _bad_request(field: str, description: str) -> Message:
+    return error_details_pb2.BadRequest(
+        field_violations=[error_details_pb2.BadRequest.FieldViolation(field=field, description=description)])
+
+
+def _resource_info(field: str, description: str) -> Message:
+    return error_details_pb2.ResourceInfo(resource_type=field, description=description)
+
+
+def _precondition(field: str, description: str) -> Message:
+    return error_details_pb2.PreconditionFailure(
+        violations=[error_details_pb2.PreconditionFailure.Violation(type="STATE", subject=field,
+                                                                    description=description)])
+
+
+def _quota(field: str, description: str) -> Message:
+    return error_details_pb2.QuotaFailure(
+        violations=[error_details_pb2.QuotaFailure.Violation(subject=field, description=description)])
+
+
+MAPPING: dict[type[DeltaspecError], tuple[int, Callable[[str, str], Message]]] = {
+    InvalidArgument: (code_pb2.INVALID_ARGUMENT, _bad_request),
+    NotFound: (code_pb2.NOT_FOUND, _resource_info),
+    FailedPrecondition: (code_pb2.FAILED_PRECONDITION, _precondition),
+    ResourceExhausted: (code_pb2.RESOURCE_EXHAUSTED, _quota),
+}
+
+
+def to_status(err: DeltaspecError) -> grpc.Status:
+    code, detail = next(v for cls, v in MAPPING.items() if isinstance(err, cls))
+    status = status_pb2.Status(code=code, message=str(err))
+    if err.field:
+        packed = any_pb2.Any()
+        packed.Pack(detail(err.field, str(err)))
+        status.details.append(packed)
+    return rpc_status.to_status(status)
+
+
+def field_of(err: grpc.RpcError) -> str | None:
+    """The request field a refused call names in its details, or None."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    for packed in status.details if status else ():
+        for cls, read in ((error_details_pb2.BadRequest, lambda m: m.field_violations[0].field),
+                          (error_details_pb2.ResourceInfo, lambda m: m.resource_type),
+                          (error_details_pb2.PreconditionFailure, lambda m: m.violations[0].subject),
+                          (error_details_pb2.QuotaFailure, lambda m: m.violations[0].subject)):
+            if packed.Is(cls.DESCRIPTOR):
+                msg = cls()
+                packed.Unpack(msg)
+                return read(msg)
+    return None
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps engine errors to statuses, and answers UNAVAILABLE for a service `ready` says is not up."""
+
+    def __init__(self, ready: Callable[[str], bool]) -> None:
+        self.ready = ready
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        service = handler_call_details.method.split("/")[1]
+        if handler.unary_unary:
+            return handler._replace(unary_unary=self._unary(service, handler.unary_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=self._stream(service, handler.unary_stream))
+        return handler
+
+    def _unary(self, service: str, behavior):
+        async def wrapped(request, context: grpc.aio.ServicerContext):
+            await self._check_ready(service, context)
+            try:
+                return await behavior(request, context)
+            except DeltaspecError as e:
+                await context.abort_with_status(to_status(e))
+            except Exception as e:  # noqa: BLE001 - the one place unexpected errors become a status
+                await _internal(context, e)
+        return wrapped
+
+    def _stream(self, service: str, behavior):
+        async def wrapped(request, context: grpc.aio.ServicerContext):
+            await self._check_ready(service, context)
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except DeltaspecError as e:
+                await context.abort_with_status(to_status(e))
+            except Exception as e:  # noqa: BLE001
+                await _internal(context, e)
+        return wrapped
+
+    async def _check_ready(self, service: str, context: grpc.aio.ServicerContext) -> None:
+        if not self.ready(service):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{service} is not serving (loading or draining)")
+
+
+async def _internal(context: grpc.aio.ServicerContext, e: Exception) -> None:
+    if isinstance(e, grpc.aio.AbortError):  # an abort the handler chose: let it through
+        raise e
+    log.exception("unexpected error in handler")
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")

@@ -1,0 +1,186 @@
+"""TargetService: convert messages, call the engine (`TargetSession`, `decode`), convert back.
+
+Engine calls are CPU/accelerator-bound, so they run in worker threads; a session's own lock
+makes each call atomic. Errors are raised as `shared.errors` classes and become statuses in
+`shared.rpc.status`. The target never dials an address or opens a path taken from a request:
+its draft peer and its model come from the command line.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from deltaspec.v1 import draft_service_pb2_grpc, sampling_pb2, target_service_pb2_grpc
+from deltaspec.v1 import target_service_pb2 as pb
+from shared.decoding.drafters import NoDrafter
+from shared.decoding.sampling import SamplingParams
+from shared.decoding.session_table import Limits, SessionTable
+from shared.decoding.speculative import Stats, decode
+from shared.decoding.target import MAX_DRAFT_TOKENS, Round, TargetSession
+from shared.errors import InvalidArgument
+from shared.model.hybrid import HybridLM
+from shared.model.tokenizer import Tokenizer
+from shared.rpc.convert import probs_from_proto, sampling_from_proto, stats_to_proto
+from shared.rpc.options import channel
+from shared.rpc.remote_drafter import RemoteDrafter
+from shared.rpc.server import Service
+
+NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+@dataclass
+class DraftPeer:
+    """The configured draft service, and how long one Propose may take before a round goes on without it."""
+
+    address: str
+    timeout_s: float = 1.0
+
+
+class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
+    def __init__(self, load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
+                 draft: DraftPeer | None = None) -> None:
+        self._load, self.limits, self.draft = load, limits, draft
+        self.sessions: SessionTable[TargetSession] = SessionTable(limits)
+
+    def load(self) -> None:
+        self.model, self.tokenizer = self._load()
+        self.vocab_size = self.model.config.vocab_size
+        self.eos = set(self.model.config.eos_token_id)
+        self.draft_stub = (draft_service_pb2_grpc.DraftServiceStub(channel(self.draft.address))
+                           if self.draft else None)
+
+    async def CreateSession(self, request: pb.CreateSessionRequest, context) -> pb.CreateSessionResponse:
+        prompt, sampling = self._prompt(request), sampling_from_proto(request.sampling)
+        self.sessions.reserve()
+        session = await asyncio.to_thread(TargetSession, self.model, prompt, sampling)
+        return pb.CreateSessionResponse(
+            session_id=self.sessions.add(session), head_version=session.version, prompt_ids=prompt,
+            vocab_size=self.vocab_size, eos_token_ids=sorted(self.eos), max_draft_tokens=MAX_DRAFT_TOKENS)
+
+    async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
+        with self.sessions.use(request.session_id) as session:
+            probs = None if session.sampling.greedy else probs_from_proto(
+                request.draft_probs, len(request.draft_tokens), self.vocab_size, "draft_probs")
+            rnd = await asyncio.to_thread(session.verify, request.round_id, list(request.draft_tokens),
+                                          request.base_version, probs)
+        return pb.VerifyResponse(accepted=rnd.verdict.accepted, next_token=rnd.verdict.next_token,
+                                 round=_staged(rnd))
+
+    async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
+        with self.sessions.use(request.session_id) as session:
+            version, tokens = await asyncio.to_thread(_commit, session, request.round_id, request.accepted)
+        return pb.CommitResponse(head_version=version, committed_tokens=tokens)
+
+    async def Revert(self, request: pb.RevertRequest, context) -> pb.RevertResponse:
+        with self.sessions.use(request.session_id) as session:
+            version = await asyncio.to_thread(session.revert, request.round_id)
+        return pb.RevertResponse(head_version=version)
+
+    async def GetSession(self, request: pb.GetSessionRequest, context) -> pb.GetSessionResponse:
+        with self.sessions.use(request.session_id) as session, session.lock:
+            pending = session.pending
+            return pb.GetSessionResponse(
+                session_id=request.session_id, length=len(session.tokens), head_version=session.version,
+                pending_round=_staged(pending) if pending else None, generated_ids=session.generated,
+                text=self.tokenizer.decode(session.generated))
+
+    async def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionResponse:
+        self.sessions.remove(request.session_id)
+        return pb.CloseSessionResponse()
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        prompt, sampling = self._prompt(request), sampling_from_proto(request.sampling)
+        if request.num_draft_tokens > MAX_DRAFT_TOKENS:
+            raise InvalidArgument(f"num_draft_tokens = {request.num_draft_tokens} is over the limit "
+                                  f"{MAX_DRAFT_TOKENS}", "num_draft_tokens")
+        self.sessions.reserve()
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        loop, queue, cancelled = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+
+        def run() -> None:  # in a worker thread: the loop, one queue item per round, then the stats
+            remote = self._remote_drafter(sampling, deadline, request.num_draft_tokens)
+            try:
+                drafter = remote or NoDrafter()
+                session = TargetSession(self.model, prompt, sampling)
+                drafter.start(list(prompt))
+                stats, started = Stats(), time.perf_counter()
+                with self.sessions.use(self.sessions.add(session)):
+                    for new in decode(session, drafter, request.max_new_tokens, request.num_draft_tokens,
+                                      self.eos, stats):
+                        loop.call_soon_threadsafe(queue.put_nowait, new)
+                        if cancelled.is_set():
+                            return
+                stats.seconds = time.perf_counter() - started
+                loop.call_soon_threadsafe(queue.put_nowait, stats_to_proto(stats, remote.failures if remote else 0))
+            except Exception as e:  # noqa: BLE001 - handed to the handler, which raises it
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+            finally:
+                if remote:
+                    remote.close()
+
+        loop.run_in_executor(None, run)
+        text, generated = _TextStream(self.tokenizer), []
+        try:
+            yield pb.GenerateResponse(prompt_ids=prompt)
+            while not isinstance(item := await queue.get(), sampling_pb2.GenerationStats):
+                if isinstance(item, Exception):
+                    raise item
+                generated += item
+                yield pb.GenerateResponse(token_ids=item, text=text.push(item))
+            reason = pb.FINISH_REASON_EOS if generated and generated[-1] in self.eos else pb.FINISH_REASON_LENGTH
+            yield pb.GenerateResponse(text=text.push([], final=True), stats=item, finish_reason=reason)
+        finally:
+            cancelled.set()
+
+    def _remote_drafter(self, sampling: SamplingParams, deadline: float | None, k: int) -> RemoteDrafter | None:
+        if self.draft_stub is None or k == 0:
+            return None
+        return RemoteDrafter(self.draft_stub, sampling, self.vocab_size, self.draft.timeout_s, deadline)  # type: ignore[union-attr]
+
+    def _prompt(self, request: pb.CreateSessionRequest | pb.GenerateRequest) -> list[int]:
+        if request.prompt_ids and request.prompt_text:
+            raise InvalidArgument("set one of prompt_ids and prompt_text, not both", "prompt_ids")
+        prompt = list(request.prompt_ids) or self.tokenizer.encode(request.prompt_text)
+        if not prompt:
+            raise InvalidArgument("the prompt is empty", "prompt_ids")
+        self.limits.check_prompt(len(prompt), "prompt_ids")
+        return prompt
+
+
+class _TextStream:
+    """Text of a growing token list, in pieces; a trailing incomplete character waits for its next bytes."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids)
+        text = text if final else text.rstrip("\ufffd")
+        piece, self.sent = text[self.sent:], max(self.sent, len(text))
+        return piece
+
+
+def _commit(session: TargetSession, round_id: str, accepted: int) -> tuple[int, list[int]]:
+    """Commit, and the tokens the round appended (also on a retry: nothing moves the head in between)."""
+    with session.lock:
+        version = session.commit(round_id, accepted)
+        return version, session.tokens[len(session.tokens) - session.round.committed - 1:]  # type: ignore[union-attr]
+
+
+def _staged(rnd: Round) -> pb.StagedRound:
+    return pb.StagedRound(round_id=rnd.round_id, base_version=rnd.base_version, draft_count=len(rnd.drafts),
+                          staged_bytes=rnd.staged_bytes)
+
+
+def service(load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
+            draft: DraftPeer | None = None) -> Service:
+    servicer = TargetServicer(load, limits, draft)
+    return Service(NAME, lambda server: target_service_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
+                   servicer.load)
