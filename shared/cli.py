@@ -36,6 +36,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.target_addr:
+        return _generate_remote(args)
+    if args.draft_addr:
+        raise ValueError("--draft-addr needs --target-addr")
     from shared.decoding.drafters.model_drafter import ModelDrafter
     from shared.decoding.speculative import generate
     from shared.model.loader import load_model
@@ -49,9 +53,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target = load_model(target_dir)
     drafter = None if draft == "none" else ModelDrafter(load_model(draft), sampling)
     result = generate(target, prompt, args.max_new_tokens, drafter, args.num_draft_tokens, sampling)
+    _print_generation(result, tokenizer.decode(result.token_ids), args.json)
+    return 0
+
+
+def _print_generation(result, text: str, as_json: bool) -> None:
     out = result.as_dict()
-    out["text"] = tokenizer.decode(result.token_ids)
-    if args.json:
+    out["text"] = text
+    if as_json:
         print(json.dumps(out))
     else:
         s = out["stats"]
@@ -59,7 +68,65 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"[{len(result.token_ids)} tokens, {s['tokens_per_s']:.1f} tok/s, "
               f"acceptance {s['acceptance_rate']:.2f}, mean accepted length {s['mean_accepted_length']:.2f}]",
               file=sys.stderr)
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    """`--target-addr` alone: the server-side loop (Generate); with `--draft-addr`: the loop runs here."""
+    import grpc
+
+    from shared.rpc.client import generate_client_driven, generate_on_server
+
+    if args.target or args.draft:
+        raise ValueError("--target/--draft name local checkpoints; with --target-addr the servers hold the models")
+    prompt = dict(prompt_ids=args.prompt_ids, prompt_text=args.prompt or "", max_new_tokens=args.max_new_tokens,
+                  num_draft_tokens=args.num_draft_tokens, sampling=_sampling(args), timeout_s=args.timeout)
+    try:
+        if args.draft_addr:
+            result, text = generate_client_driven(args.target_addr, args.draft_addr, **prompt)
+        else:
+            result, text = generate_on_server(args.target_addr, **prompt)
+    except grpc.RpcError as e:
+        print(f"deltaspec: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2
+    _print_generation(result, text, args.json)
     return 0
+
+
+def _limits(args: argparse.Namespace):
+    from shared.decoding.session_table import Limits
+
+    return Limits(args.max_sessions, args.session_ttl, args.max_prompt_tokens)
+
+
+def cmd_serve_target(args: argparse.Namespace) -> int:
+    from shared.model.loader import load_model
+    from shared.model.tokenizer import load_tokenizer
+    from shared.rpc.server import serve
+    from target_service.servicer import DraftPeer, service
+
+    model_dir = Path(args.model or DEFAULT_TARGET)
+    draft = DraftPeer(args.draft_addr, args.draft_timeout) if args.draft_addr else None
+    svc = service(lambda: (load_model(model_dir), load_tokenizer(model_dir)), _limits(args), draft)
+    return serve([svc], args.host, args.port, args.grace)
+
+
+def cmd_serve_draft(args: argparse.Namespace) -> int:
+    from draft_service.servicer import service
+    from shared.model.loader import load_model
+    from shared.rpc.server import serve
+
+    model_dir = Path(args.model or DEFAULT_DRAFT)
+    return serve([service(lambda: load_model(model_dir), _limits(args))], args.host, args.port, args.grace)
+
+
+def _add_server(p: argparse.ArgumentParser, model: str) -> None:
+    p.add_argument("--model", help=f"checkpoint directory (default: the embedded {model})")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True, help="0 picks a free port (printed on stderr)")
+    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
+    p.add_argument("--max-prompt-tokens", type=int, default=8192)
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -83,13 +150,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     _add_sampling(p)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    p.add_argument("--target-addr", help="HOST:PORT of a target service: generate there instead of in process")
+    p.add_argument("--draft-addr", help="HOST:PORT of a draft service: drive the loop from here (with --target-addr)")
+    p.add_argument("--timeout", type=float, help="deadline in seconds for the whole generation over gRPC")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve-target", help="serve the target model (TargetService) over gRPC")
+    _add_server(p, "target")
+    p.add_argument("--draft-addr", help="HOST:PORT of the draft service the Generate loop speculates with")
+    p.add_argument("--draft-timeout", type=float, default=1.0,
+                   help="seconds one draft proposal may take before the round goes on without it")
+    p.set_defaults(func=cmd_serve_target)
+
+    p = sub.add_parser("serve-draft", help="serve the draft model (DraftService) over gRPC")
+    _add_server(p, "draft")
+    p.set_defaults(func=cmd_serve_draft)
 
     p = sub.add_parser("models", help="paths of the embedded default target and draft")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("demo", help="one generation with the embedded pair and a short report")
+    p = sub.add_parser("demo", help="serve the embedded pair on loopback and stream one generation over gRPC")
+    p.add_argument("--prompt", default="def fibonacci(n):")
+    p.add_argument("--max-new-tokens", type=int, default=96)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="rollback benchmark: this project's strategy against the alternatives")
@@ -100,8 +183,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    ns = build_parser().parse_args(["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "96"])
-    return cmd_generate(ns)
+    """Both services on free loopback ports, one streamed generation through the target's loop, a report."""
+    from draft_service.servicer import service as draft_service
+    from shared.model.loader import load_model
+    from shared.model.tokenizer import load_tokenizer
+    from shared.rpc.client import generate_on_server
+    from shared.rpc.server import BackgroundServer
+    from target_service.servicer import DraftPeer, service as target_service
+
+    with BackgroundServer([draft_service(lambda: load_model(DEFAULT_DRAFT))]) as draft:
+        target_svc = target_service(lambda: (load_model(DEFAULT_TARGET), load_tokenizer(DEFAULT_TARGET)),
+                                    draft=DraftPeer(draft.address))
+        with BackgroundServer([target_svc]) as target:
+            print(f"[draft service on {draft.address}, target service on {target.address}]", file=sys.stderr)
+            draft.wait_loaded()
+            target.wait_loaded()
+            print(args.prompt, end="", flush=True)
+            result, _ = generate_on_server(target.address, None, args.prompt, args.max_new_tokens,
+                                           on_tokens=lambda ids, text: print(text, end="", flush=True))
+    s = result.as_dict()["stats"]
+    print(f"\n[{len(result.token_ids)} tokens in {s['seconds']:.2f} s: {s['tokens_per_s']:.1f} tok/s, "
+          f"acceptance rate {s['acceptance_rate']:.2f}, mean accepted length {s['mean_accepted_length']:.2f}]")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
