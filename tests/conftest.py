@@ -11,6 +11,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The test models are tiny: one thread avoids oversubscription on a 2-core machine (15x faster here).
+torch.set_num_threads(1)
+
 from shared.model.checkpoint import hf_config, random_model  # noqa: E402
 
 # Small configs covering the architecture's axes: key/value head ratios, d_k != d_v,

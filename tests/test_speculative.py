@@ -1,0 +1,69 @@
+"""Greedy speculative output equals target-only output for any acceptance pattern."""
+import random
+
+import pytest
+import torch
+
+from shared.decoding.drafters import Proposal
+from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.decoding.speculative import generate
+from shared.model.checkpoint import hf_config, random_model
+
+TARGET = random_model(hf_config(), seed=11)
+PROMPT = [40, 41, 42, 43, 10, 11]
+N = 40
+WANT = generate(TARGET, PROMPT, N).token_ids
+
+
+class OracleDrafter:
+    """Knows the target's greedy continuation and proposes each token right with probability `p_right`."""
+
+    def __init__(self, p_right: float, seed: int) -> None:
+        self.p_right, self.rng = p_right, random.Random(seed)
+
+    def start(self, prompt_ids):
+        self.pos = 0
+
+    def propose(self, k):
+        tokens = [WANT[i] if self.rng.random() < self.p_right else (WANT[i] + 7) % 257
+                  for i in range(self.pos, min(self.pos + k, len(WANT)))]
+        return Proposal(tokens)
+
+    def advance(self, accepted, next_token):
+        self.pos += accepted + 1
+
+
+@pytest.mark.parametrize("k", range(1, 9), ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("p_right", [0.0, 0.7, 1.0], ids=["accept0", "accept07", "accept1"])
+def test_greedy_speculation_equals_target_only(k, p_right):
+    result = generate(TARGET, PROMPT, N, OracleDrafter(p_right, seed=k), k)
+    assert result.token_ids == WANT
+    rate = result.stats.as_dict(N)["acceptance_rate"]
+    if p_right == 1.0:
+        assert rate == 1.0
+    if p_right == 0.0:
+        assert rate == 0.0
+
+
+@pytest.mark.parametrize("k", [1, 4, 8], ids=lambda k: f"k{k}")
+def test_model_drafter_any_acceptance(k):
+    weak = random_model(hf_config(hidden_size=32, intermediate_size=64,
+                                  layer_types=["linear_attention", "full_attention"]), seed=3)
+    assert generate(TARGET, PROMPT, N, ModelDrafter(weak), k).token_ids == WANT
+    assert generate(TARGET, PROMPT, N, ModelDrafter(TARGET), k).token_ids == WANT
+
+
+def test_exact_length_and_eos_stop():
+    eos = WANT[5]
+    model = random_model(hf_config(eos_token_id=eos), seed=11)
+    for drafter in (None, ModelDrafter(model)):
+        out = generate(model, PROMPT, N, drafter, 4).token_ids
+        assert out == WANT[: WANT.index(eos) + 1]
+    for n in (1, 2, 7):
+        assert generate(TARGET, PROMPT, n, ModelDrafter(TARGET), 4).token_ids == WANT[:n]
+
+
+def test_single_token_prompt():
+    want = generate(TARGET, [7], 10).token_ids
+    assert generate(TARGET, [7], 10, ModelDrafter(TARGET), 3).token_ids == want
+    assert len(want) == 10 and torch.tensor(want).max() < 257
