@@ -1,0 +1,169 @@
+"""TargetService semantics over real gRPC: the round protocol, retries, refusals, limits, expiry, concurrency."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from deltaspec.v1 import sampling_pb2
+from deltaspec.v1 import target_service_pb2 as pb
+from shared.decoding.session_table import Limits
+from test_rpc_support import PROMPT, one_torch_thread, pair, refused, start, target_service, target_stub  # noqa: F401
+
+Code = grpc.StatusCode
+
+
+@pytest.fixture(scope="module")
+def stub(pair):
+    with start(target_service(pair[0], Limits(max_prompt_tokens=64))) as server:
+        yield target_stub(server.address)
+
+
+def open_session(stub, **sampling) -> str:
+    return stub.CreateSession(pb.CreateSessionRequest(prompt_ids=PROMPT,
+                                                      sampling=sampling_pb2.SamplingParams(**sampling))).session_id
+
+
+def snapshot(stub, sid: str) -> pb.GetSessionResponse:
+    return stub.GetSession(pb.GetSessionRequest(session_id=sid))
+
+
+def test_round_protocol_with_retries(stub):
+    created = stub.CreateSession(pb.CreateSessionRequest(prompt_ids=PROMPT))
+    sid = created.session_id
+    assert (created.head_version, list(created.prompt_ids), created.vocab_size, list(created.eos_token_ids)) == \
+        (0, PROMPT, 257, [256])
+    verify = pb.VerifyRequest(session_id=sid, round_id="a", base_version=0, draft_tokens=[7, 8, 9])
+    first = stub.Verify(verify)
+    assert stub.Verify(verify) == first  # a retry: same answer
+    assert snapshot(stub, sid).pending_round.round_id == "a" and snapshot(stub, sid).head_version == 0
+    before = snapshot(stub, sid)
+    refused(lambda: stub.Verify(pb.VerifyRequest(session_id=sid, round_id="a", base_version=0, draft_tokens=[7])),
+            Code.FAILED_PRECONDITION, "round_id")  # same round id, other input
+    refused(lambda: stub.Verify(pb.VerifyRequest(session_id=sid, round_id="b", base_version=0)),
+            Code.FAILED_PRECONDITION, "round_id")  # one pending round per session
+    refused(lambda: stub.Commit(pb.CommitRequest(session_id=sid, round_id="a", accepted=first.accepted + 1)),
+            Code.INVALID_ARGUMENT, "accepted")
+    assert snapshot(stub, sid) == before  # refused calls changed nothing
+
+    commit = pb.CommitRequest(session_id=sid, round_id="a", accepted=first.accepted)
+    committed = stub.Commit(commit)
+    assert committed.head_version == 1
+    assert list(committed.committed_tokens) == [7, 8, 9][:first.accepted] + [first.next_token]
+    assert stub.Commit(commit) == committed  # a retry: no second advance
+    after = snapshot(stub, sid)
+    assert (after.length, after.head_version, after.HasField("pending_round")) == \
+        (len(PROMPT) + first.accepted + 1, 1, False)
+    refused(lambda: stub.Commit(pb.CommitRequest(session_id=sid, round_id="a", accepted=0)) if first.accepted
+            else stub.Revert(pb.RevertRequest(session_id=sid, round_id="a")), Code.FAILED_PRECONDITION)
+
+    refused(lambda: stub.Verify(pb.VerifyRequest(session_id=sid, round_id="b", base_version=0)),
+            Code.FAILED_PRECONDITION, "base_version")  # stale base
+    stub.Verify(pb.VerifyRequest(session_id=sid, round_id="b", base_version=1, draft_tokens=[3]))
+    assert stub.Revert(pb.RevertRequest(session_id=sid, round_id="b")).head_version == 1
+    assert stub.Revert(pb.RevertRequest(session_id=sid, round_id="b")).head_version == 1  # retry
+    refused(lambda: stub.Commit(pb.CommitRequest(session_id=sid, round_id="b")), Code.FAILED_PRECONDITION)
+    assert snapshot(stub, sid) == after
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+
+
+def test_unknown_session_and_round_are_not_found(stub):
+    sid = open_session(stub)
+    refused(lambda: stub.Verify(pb.VerifyRequest(session_id="nope", round_id="a")), Code.NOT_FOUND, "session_id")
+    refused(lambda: stub.Commit(pb.CommitRequest(session_id=sid, round_id="never")), Code.NOT_FOUND, "round_id")
+    refused(lambda: stub.Revert(pb.RevertRequest(session_id=sid, round_id="never")), Code.NOT_FOUND, "round_id")
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    refused(lambda: stub.GetSession(pb.GetSessionRequest(session_id=sid)), Code.NOT_FOUND, "session_id")
+    refused(lambda: stub.CloseSession(pb.CloseSessionRequest(session_id=sid)), Code.NOT_FOUND, "session_id")
+
+
+@pytest.mark.parametrize("request_, field", [
+    (pb.VerifyRequest(round_id="r", draft_tokens=[5, 257]), "draft_tokens"),
+    (pb.VerifyRequest(round_id="r", draft_tokens=[1] * 17), "draft_tokens"),
+    (pb.VerifyRequest(round_id="r", draft_tokens=[1, 2], draft_probs=[0.5] * 3), "draft_probs"),
+    (pb.CreateSessionRequest(), "prompt_ids"),
+    (pb.CreateSessionRequest(prompt_ids=[1, 300]), "prompt_ids"),
+    (pb.CreateSessionRequest(prompt_ids=[1], prompt_text="x"), "prompt_ids"),
+    (pb.CreateSessionRequest(prompt_ids=[1], sampling=sampling_pb2.SamplingParams(top_p=2.0)), "sampling"),
+    (pb.GenerateRequest(prompt_ids=[1], max_new_tokens=2, num_draft_tokens=17), "num_draft_tokens"),
+], ids=["token-out-of-vocab", "k-over-limit", "probs-shape", "empty-prompt", "prompt-out-of-vocab",
+        "two-prompts", "bad-sampling", "generate-k-over-limit"])
+def test_invalid_arguments_carry_bad_request(stub, request_, field):
+    sid = open_session(stub, temperature=1.0)
+    before = snapshot(stub, sid)
+    if isinstance(request_, pb.VerifyRequest):
+        request_.session_id = sid
+        call = lambda: stub.Verify(request_)  # noqa: E731
+    elif isinstance(request_, pb.GenerateRequest):
+        call = lambda: list(stub.Generate(request_))  # noqa: E731
+    else:
+        call = lambda: stub.CreateSession(request_)  # noqa: E731
+    err = refused(call, Code.INVALID_ARGUMENT, field)
+    details = rpc_status.from_call(err).details
+    assert len(details) == 1 and details[0].Is(error_details_pb2.BadRequest.DESCRIPTOR)
+    assert snapshot(stub, sid) == before
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+
+
+def test_resource_limits(pair):
+    with start(target_service(pair[0], Limits(max_sessions=2, max_prompt_tokens=8))) as server:
+        stub = target_stub(server.address)
+        refused(lambda: stub.CreateSession(pb.CreateSessionRequest(prompt_ids=[1] * 9)),
+                Code.RESOURCE_EXHAUSTED, "prompt_ids")
+        refused(lambda: list(stub.Generate(pb.GenerateRequest(prompt_ids=[1] * 9, max_new_tokens=1))),
+                Code.RESOURCE_EXHAUSTED, "prompt_ids")
+        first, _ = open_session(stub), open_session(stub)
+        refused(lambda: open_session(stub), Code.RESOURCE_EXHAUSTED, "session_id")
+        refused(lambda: list(stub.Generate(pb.GenerateRequest(prompt_ids=[1], max_new_tokens=1))),
+                Code.RESOURCE_EXHAUSTED, "session_id")
+        stub.CloseSession(pb.CloseSessionRequest(session_id=first))
+        open_session(stub)
+
+
+def test_idle_sessions_expire_after_ttl(pair):
+    with start(target_service(pair[0], Limits(ttl_s=0.6))) as server:
+        stub = target_stub(server.address)
+        idle, busy = open_session(stub), open_session(stub)
+        for _ in range(6):  # touch `busy` every 0.2 s, leave `idle` alone
+            time.sleep(0.2)
+            snapshot(stub, busy)
+        refused(lambda: snapshot(stub, idle), Code.NOT_FOUND, "session_id")
+        assert snapshot(stub, busy).head_version == 0
+
+
+def test_concurrent_calls_are_atomic(stub):
+    sid = open_session(stub)
+    barrier = threading.Barrier(6)
+
+    def verify(i: int):
+        barrier.wait()
+        try:
+            return stub.Verify(pb.VerifyRequest(session_id=sid, round_id=f"r{i}", base_version=0, draft_tokens=[i]))
+        except grpc.RpcError as e:
+            return e.code()
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(verify, range(6)))
+    winners = [i for i, r in enumerate(results) if isinstance(r, pb.VerifyResponse)]
+    assert len(winners) == 1 and all(r == Code.FAILED_PRECONDITION for i, r in enumerate(results) if i != winners[0])
+
+    commit = pb.CommitRequest(session_id=sid, round_id=f"r{winners[0]}", accepted=0)
+
+    def retry(_: int):
+        barrier.wait()
+        return stub.Commit(commit)
+
+    with ThreadPoolExecutor(6) as pool:
+        commits = list(pool.map(retry, range(6)))
+    assert all(c == commits[0] for c in commits) and commits[0].head_version == 1
+    assert snapshot(stub, sid).length == len(PROMPT) + 1  # advanced once
+
+
+def test_prompt_as_text(stub):
+    created = stub.CreateSession(pb.CreateSessionRequest(prompt_text="hi"))
+    assert list(created.prompt_ids) == [104, 105]  # the byte tokenizer
