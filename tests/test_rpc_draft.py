@@ -1,0 +1,89 @@
+"""DraftService semantics over real gRPC: proposals match the in-process drafter, retries, refusals."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from deltaspec.v1 import draft_service_pb2 as pb
+from deltaspec.v1 import sampling_pb2
+from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.decoding.session_table import Limits
+from shared.model.loader import load_model
+from test_rpc_support import PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start  # noqa: F401
+
+Code = grpc.StatusCode
+
+
+@pytest.fixture(scope="module")
+def stub(pair):
+    with start(draft_service(pair[1], Limits(max_sessions=3))) as server:
+        yield draft_stub(server.address)
+
+
+def open_session(stub, **sampling) -> str:
+    return stub.CreateSession(pb.DraftServiceCreateSessionRequest(
+        token_ids=PROMPT, sampling=sampling_pb2.SamplingParams(**sampling))).session_id
+
+
+def outcome(round_id: str, accepted: int, next_token: int) -> pb.RoundOutcome:
+    return pb.RoundOutcome(round_id=round_id, accepted=accepted, next_token=next_token)
+
+
+def test_propose_carries_the_previous_outcome_and_retries_are_safe(stub, pair):
+    reference = ModelDrafter(load_model(pair[1]))
+    reference.start(PROMPT)
+    sid = open_session(stub)
+    r1 = pb.ProposeRequest(session_id=sid, round_id="r1", k=3)
+    first = stub.Propose(r1)
+    assert list(first.draft_tokens) == reference.propose(3).tokens and not first.draft_probs
+    assert stub.Propose(r1) == first
+    refused(lambda: stub.Propose(pb.ProposeRequest(session_id=sid, round_id="r1", k=2)),
+            Code.FAILED_PRECONDITION, "round_id")
+    refused(lambda: stub.Propose(pb.ProposeRequest(session_id=sid, round_id="r2", k=3)),
+            Code.FAILED_PRECONDITION, "previous")  # r1 is still open
+    for previous, code, field in [(outcome("r1", 4, 9), Code.INVALID_ARGUMENT, "previous.accepted"),
+                                  (outcome("r1", 1, 257), Code.INVALID_ARGUMENT, "previous.next_token"),
+                                  (outcome("r0", 1, 9), Code.NOT_FOUND, "previous.round_id")]:
+        refused(lambda: stub.Propose(pb.ProposeRequest(session_id=sid, round_id="r2", k=3, previous=previous)),
+                code, field)
+    refused(lambda: stub.Propose(pb.ProposeRequest(session_id=sid, round_id="r2", k=17, previous=outcome("r1", 1, 9))),
+            Code.INVALID_ARGUMENT, "k")
+    r2 = pb.ProposeRequest(session_id=sid, round_id="r2", k=3, previous=outcome("r1", 1, 9))
+    second = stub.Propose(r2)
+    assert stub.Propose(r2) == second  # no second advance
+    reference.advance(1, 9)
+    assert list(second.draft_tokens) == reference.propose(3).tokens  # refusals changed nothing
+
+    stub.Commit(pb.DraftServiceCommitRequest(session_id=sid, outcome=outcome("r2", 2, 11)))
+    stub.Commit(pb.DraftServiceCommitRequest(session_id=sid, outcome=outcome("r2", 2, 11)))  # retry
+    refused(lambda: stub.Commit(pb.DraftServiceCommitRequest(session_id=sid, outcome=outcome("r2", 0, 11))),
+            Code.FAILED_PRECONDITION)
+    reference.advance(2, 11)
+    third = stub.Propose(pb.ProposeRequest(session_id=sid, round_id="r3", k=2))
+    stub.Revert(pb.DraftServiceRevertRequest(session_id=sid, round_id="r3"))
+    refused(lambda: stub.Commit(pb.DraftServiceCommitRequest(session_id=sid, outcome=outcome("r3", 0, 1))),
+            Code.FAILED_PRECONDITION)
+    fourth = stub.Propose(pb.ProposeRequest(session_id=sid, round_id="r4", k=2))
+    assert list(third.draft_tokens) == list(fourth.draft_tokens) == reference.propose(2).tokens
+    refused(lambda: stub.Revert(pb.DraftServiceRevertRequest(session_id=sid, round_id="r3")), Code.NOT_FOUND)
+    stub.CloseSession(pb.DraftServiceCloseSessionRequest(session_id=sid))
+    refused(lambda: stub.Propose(pb.ProposeRequest(session_id=sid, round_id="r5", k=1)), Code.NOT_FOUND, "session_id")
+
+
+def test_probabilities_travel_only_when_sampling(stub):
+    sid = open_session(stub, temperature=0.8, seed=3)
+    reply = stub.Propose(pb.ProposeRequest(session_id=sid, round_id="r1", k=3))
+    q = torch.tensor(list(reply.draft_probs)).view(len(reply.draft_tokens), 257)
+    assert torch.allclose(q.sum(-1), torch.ones(len(reply.draft_tokens)), atol=1e-5)
+    stub.CloseSession(pb.DraftServiceCloseSessionRequest(session_id=sid))
+
+
+def test_refused_sessions(stub):
+    refused(lambda: stub.CreateSession(pb.DraftServiceCreateSessionRequest()), Code.INVALID_ARGUMENT, "token_ids")
+    refused(lambda: stub.CreateSession(pb.DraftServiceCreateSessionRequest(token_ids=[999])),
+            Code.INVALID_ARGUMENT, "token_ids")
+    sids = [open_session(stub) for _ in range(3)]
+    refused(lambda: open_session(stub), Code.RESOURCE_EXHAUSTED, "session_id")
+    for sid in sids:
+        stub.CloseSession(pb.DraftServiceCloseSessionRequest(session_id=sid))
