@@ -217,3 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     except (DeltaspecError, CheckpointError, ValueError) as e:
         print(f"deltaspec: error: {e}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

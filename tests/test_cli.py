@@ -1,0 +1,47 @@
+"""The command line as a user runs it: a real process, real files."""
+import json
+import subprocess
+import sys
+
+from shared.decoding.speculative import generate
+from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from shared.model.checkpoint import hf_config, random_model, save_checkpoint
+from shared.model.loader import load_model
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_models_json():
+    out = run("models", "--json")
+    assert out.returncode == 0
+    assert json.loads(out.stdout.splitlines()[-1]) == {"target": str(DEFAULT_TARGET), "draft": str(DEFAULT_DRAFT)}
+
+
+def test_generate_json_equals_target_only():
+    out = run("generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--json")
+    assert out.returncode == 0, out.stderr
+    line = json.loads(out.stdout.splitlines()[-1])
+    assert line["prompt_ids"] == [1, 2, 3]
+    assert line["token_ids"] == generate(load_model(DEFAULT_TARGET), [1, 2, 3], 12).token_ids
+    assert set(line["stats"]) >= {"rounds", "drafted", "accepted", "acceptance_rate", "tokens_per_s"}
+    assert isinstance(line["text"], str)
+
+
+def test_generate_with_explicit_draft_dir(tmp_path):
+    save_checkpoint(random_model(hf_config(), seed=5), tmp_path / "t")
+    save_checkpoint(random_model(hf_config(hidden_size=32, intermediate_size=64,
+                                           layer_types=["linear_attention", "full_attention"]), seed=6), tmp_path / "d")
+    base = ["generate", "--target", str(tmp_path / "t"), "--prompt", "abc", "--max-new-tokens", "9", "--json"]
+    plain = json.loads(run(*base).stdout.splitlines()[-1])
+    spec = json.loads(run(*base, "--draft", str(tmp_path / "d"), "--num-draft-tokens", "3").stdout.splitlines()[-1])
+    assert plain["stats"]["drafted"] == 0 and spec["stats"]["drafted"] > 0
+    assert spec["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 9
+
+
+def test_bad_checkpoint_is_one_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    out = run("generate", "--target", str(tmp_path), "--prompt", "x")
+    assert out.returncode == 2
+    assert "unknown model_type None" in out.stderr and "Traceback" not in out.stderr
