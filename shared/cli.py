@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="rollback benchmark: this project's strategy against the alternatives")
     p.add_argument("--json", action="store_true")
     p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a shared 2-core machine)")
     p.set_defaults(func=cmd_bench)
     return parser
 
