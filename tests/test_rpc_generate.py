@@ -1,0 +1,182 @@
+"""Both client paths and the server path give the tokens of in-process decoding, also when things go wrong.
+
+Greedy: every path equals target-only decoding. Sampling: every path equals in-process
+speculative decoding with the same seed (the same random draws, in the same order). A draft
+that is unreachable, too slow or talks garbage costs speculation, never tokens; a target that
+restarts mid-generation costs a session, never tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+
+from deltaspec.v1 import draft_service_pb2 as dpb
+from deltaspec.v1 import draft_service_pb2_grpc
+from deltaspec.v1 import target_service_pb2 as pb
+from deltaspec.v1 import target_service_pb2_grpc
+from draft_service.servicer import NAME as DRAFT_NAME, DraftServicer
+from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.decoding.sampling import SamplingParams
+from shared.decoding.speculative import generate
+from shared.model.loader import load_model
+from shared.model.tokenizer import load_tokenizer
+from shared.rpc.client import generate_client_driven, generate_on_server
+from shared.rpc.server import BackgroundServer, Service
+from target_service.servicer import NAME as TARGET_NAME, TargetServicer
+from test_rpc_support import (PROMPT, draft_service, one_torch_thread, pair, start, target_service,  # noqa: F401
+                              target_stub)
+
+N = 24
+SLACK = 0.02  # deadlines travel rounded to the clock's resolution
+
+
+class FlakyDraft(DraftServicer):
+    """A real draft service that misbehaves on demand and records the deadline of every Propose."""
+
+    def __init__(self, load) -> None:
+        super().__init__(load)
+        self.faults: list[str] = []  # one per coming Propose: "slow", "garbage" or "error"
+        self.deadlines: list[float | None] = []
+
+    async def Propose(self, request, context):
+        self.deadlines.append(context.time_remaining())
+        fault = self.faults.pop(0) if self.faults else None
+        if fault == "slow":
+            await asyncio.sleep(0.6)
+        if fault == "error":
+            await context.abort(grpc.StatusCode.INTERNAL, "injected")
+        reply = await super().Propose(request, context)
+        return dpb.ProposeResponse(draft_tokens=[10**6] * request.k) if fault == "garbage" else reply
+
+
+@pytest.fixture(scope="module")
+def flaky(pair):
+    servicer = FlakyDraft(lambda: load_model(pair[1]))
+    service = Service(DRAFT_NAME, lambda s: draft_service_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
+                      servicer.load)
+    with start(service) as server:
+        yield servicer, server.address
+
+
+@pytest.fixture(scope="module")
+def target(pair, flaky):
+    with start(target_service(pair[0], draft_address=flaky[1], draft_timeout_s=0.3)) as server:
+        yield server.address
+
+
+@pytest.fixture(scope="module")
+def reference(pair) -> list[int]:
+    return generate(load_model(pair[0]), PROMPT, N).token_ids
+
+
+def final_stats(address: str, **request) -> tuple[list[int], pb.GenerateResponse]:
+    messages = list(target_stub(address).Generate(pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=N, **request)))
+    return [t for m in messages for t in m.token_ids], messages[-1]
+
+
+def test_every_path_equals_target_only_decoding(target, flaky, reference):
+    server_path, text = generate_on_server(target, PROMPT, "", N)
+    assert server_path.token_ids == reference and server_path.prompt_ids == PROMPT
+    assert server_path.stats.drafted > 0 and server_path.stats.accepted > 0  # it did speculate
+    assert generate_on_server(target, PROMPT, "", N, num_draft_tokens=0)[0].token_ids == reference
+    client_path, client_text = generate_client_driven(target, flaky[1], PROMPT, "", N)
+    assert client_path.token_ids == reference and client_text == text
+    assert client_path.stats.accepted > 0
+    assert generate_client_driven(target, None, PROMPT, "", N)[0].token_ids == reference
+    tokens, last = final_stats(target, num_draft_tokens=4)
+    assert tokens == reference and last.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_sampled_paths_equal_in_process_speculation(pair, target, flaky):
+    sampling = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=4)
+    expected = generate(load_model(pair[0]), PROMPT, N, ModelDrafter(load_model(pair[1]), sampling), 4, sampling)
+    assert expected.stats.accepted > 0
+    assert generate_on_server(target, PROMPT, "", N, 4, sampling)[0].token_ids == expected.token_ids
+    assert generate_client_driven(target, flaky[1], PROMPT, "", N, 4, sampling)[0].token_ids == expected.token_ids
+
+
+def test_draft_outage_costs_speculation_not_tokens(pair, target, flaky, reference):
+    servicer, address = flaky
+    servicer.faults = ["slow", "garbage", "error"]
+    tokens, last = final_stats(target, num_draft_tokens=4)
+    assert tokens == reference
+    assert last.stats.draft_failures == 3 and last.stats.accepted > 0  # speculation resumed afterwards
+    servicer.faults = ["garbage", "slow"]
+    assert generate_client_driven(target, address, PROMPT, "", N, draft_timeout_s=0.3)[0].token_ids == reference
+    assert not servicer.faults
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    with start(target_service(pair[0], draft_address=dead, draft_timeout_s=0.3)) as lonely:
+        tokens, last = final_stats(lonely.address, num_draft_tokens=4)
+        assert tokens == reference and last.stats.drafted == 0 and last.stats.draft_failures > 0
+        assert generate_client_driven(lonely.address, dead, PROMPT, "", N)[0].token_ids == reference
+
+
+def test_deadlines_reach_the_draft(target, flaky):
+    servicer, address = flaky
+    servicer.deadlines.clear()
+    final_stats(target, num_draft_tokens=2)
+    assert servicer.deadlines and all(d is not None and d <= 0.3 + SLACK for d in servicer.deadlines)  # per-round budget
+    servicer.deadlines.clear()
+    generate_client_driven(target, address, PROMPT, "", 4, timeout_s=20.0, draft_timeout_s=60.0)
+    assert servicer.deadlines and all(d is not None and d <= 20.0 + SLACK for d in servicer.deadlines)  # the caller's
+    servicer.deadlines.clear()
+    list(target_stub(target).Generate(pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=4, num_draft_tokens=2),
+                                      timeout=0.25))
+    assert servicer.deadlines and all(d is not None and d <= 0.25 + SLACK for d in servicer.deadlines)
+
+
+class CountingTarget(TargetServicer):
+    """A real target service that counts the sessions and streams it opens."""
+
+    def __init__(self, load) -> None:
+        super().__init__(load)
+        self.opened: list[int] = []  # prompt length of every CreateSession and Generate
+
+    async def CreateSession(self, request, context):
+        self.opened.append(len(request.prompt_ids))
+        return await super().CreateSession(request, context)
+
+    def Generate(self, request, context):
+        self.opened.append(len(request.prompt_ids))
+        return super().Generate(request, context)
+
+
+def counting_target(directory, port: int = 0) -> tuple[CountingTarget, BackgroundServer]:
+    servicer = CountingTarget(lambda: (load_model(directory), load_tokenizer(directory)))
+    service = Service(TARGET_NAME, lambda s: target_service_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
+                      servicer.load)
+    return servicer, BackgroundServer([service], port=port).wait_loaded(60)
+
+
+@pytest.mark.parametrize("path", ["client-driven", "server"])
+def test_target_restart_mid_generation(pair, reference, path):
+    first, server = counting_target(pair[0])
+    restarted: list[tuple[CountingTarget, BackgroundServer]] = []
+    received = 0
+
+    def crash_early(ids: list[int], text: str) -> None:
+        nonlocal received
+        received += len(ids)
+        if received >= 2 and not restarted:
+            server.stop()  # no grace: sessions and streams are lost
+            restarted.append(counting_target(pair[0], port=server.port))
+
+    try:
+        if path == "client-driven":
+            result, _ = generate_client_driven(server.address, None, PROMPT, "", N, on_tokens=crash_early)
+        else:
+            result, _ = generate_on_server(server.address, PROMPT, "", N, num_draft_tokens=0, on_tokens=crash_early)
+    finally:
+        server.stop()
+        for _, again in restarted:
+            again.stop()
+    assert result.token_ids == reference and result.prompt_ids == PROMPT
+    assert first.opened == [len(PROMPT)]
+    reopened = restarted[0][0].opened  # the new target saw the committed history, not just the prompt
+    assert len(reopened) == 1 and len(PROMPT) + 2 <= reopened[0] < len(PROMPT) + N
