@@ -40,13 +40,17 @@ class ModelServer:
         self.services, self.address, self.grace_s = services, f"{host}:{port}", grace_s
         self.ready: set[str] = set()
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.ready.__contains__)], options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self._serving)], options=SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for service in services:
             service.register(self.server)
         reflection.enable_server_reflection(
             [s.name for s in services] + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.port = 0
+
+    def _serving(self, service: str) -> bool:
+        """Model services answer once loaded and until drained; health and reflection always."""
+        return service in self.ready or all(s.name != service for s in self.services)
 
     async def start(self) -> int:
         """Listen (every service NOT_SERVING until `load`); returns the bound port."""
