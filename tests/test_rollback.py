@@ -21,7 +21,7 @@ from shared.decoding.speculative import generate
 from shared.decoding.target import TargetSession
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from shared.model.checkpoint import hf_config, random_model
-from shared.state.rollback import GDNLayerState, ModelState
+from shared.state.rollback import GDNSlot, ModelState
 
 TOL = 1e-5  # rollback of one layer on identical inputs
 MODEL_RTOL = 1e-4  # whole model: verify pass vs one-token run
@@ -43,15 +43,14 @@ def sequential_state(model, tokens, state: ModelState | None = None) -> ModelSta
 
 def assert_same_head(state: ModelState, ref: ModelState) -> None:
     assert state.length == ref.length and state.staged == 0
-    for i, (a, b) in enumerate(zip(state.layers, ref.layers)):
-        if isinstance(a, GDNLayerState):
-            assert a.recurrent.dtype == torch.float32
-            pairs = (("recurrent", a.recurrent, b.recurrent), ("conv window", a.conv, b.conv))
-        else:
-            n = state.length
-            pairs = (("keys", a.k[:, :n], b.k[:, :n]), ("values", a.v[:, :n], b.v[:, :n]))
-        for name, x, y in pairs:
-            assert (x - y).abs().max() <= MODEL_RTOL * y.abs().max().clamp_min(1e-3), f"layer {i} {name}"
+    assert state.gdn.recurrent.dtype == torch.float32
+    n = state.length
+    pairs = [("recurrent", state.gdn.recurrent, ref.gdn.recurrent), ("conv window", state.gdn.conv, ref.gdn.conv)]
+    for i, (a, b) in enumerate(zip(state.attn, ref.attn)):
+        pairs += [(f"attention {i} keys", a.k[:, :n], b.k[:, :n]), (f"attention {i} values", a.v[:, :n], b.v[:, :n])]
+    for name, x, y in pairs:
+        for layer, (xl, yl) in enumerate(zip(x, y)):
+            assert (xl - yl).abs().max() <= MODEL_RTOL * yl.abs().max().clamp_min(1e-3), f"{name}, layer {layer}"
 
 
 @settings(max_examples=30, deadline=None)
@@ -59,23 +58,24 @@ def assert_same_head(state: ModelState, ref: ModelState) -> None:
        seed=st.integers(0, 2**16))
 def test_gdn_layer_rollback_is_exact(plan, seed):
     """One GDN layer on identical inputs: staged + committed state equals the naive sequential state."""
-    layer = MODEL.model.layers[0].linear_attn
+    layer, ref_layer = MODEL.model.layers[0].linear_attn, REFERENCE.model.layers[0].linear_attn
     gen = torch.Generator().manual_seed(seed)
     xs = torch.randn(sum(k for k, _ in plan) + len(plan), MODEL.config.hidden_size, generator=gen)
-    state, ref = MODEL.new_state().layers[0], REFERENCE.new_state().layers[0]
-    ref_layer = REFERENCE.model.layers[0].linear_attn
+    state, ref = MODEL.new_state(), REFERENCE.new_state()
     pos = 0
     for k, a in plan:
         a = min(a, k)
         with torch.inference_mode():
-            layer(xs[pos : pos + k + 1], state)  # verify pass: k+1 tokens staged at once
-            state.apply(*state.prepare_commit(a + 1, k + 1))
+            layer(xs[pos : pos + k + 1], GDNSlot(state.gdn, 0, 0))  # verify pass: k+1 tokens staged at once
+            state.staged = k + 1
+            state.commit(a + 1)
             for t in range(pos, pos + a + 1):  # reference: the kept tokens one by one, naive kernel
-                ref_layer(xs[t : t + 1], ref)
-                ref.apply(*ref.prepare_commit(1, 1))
+                ref_layer(xs[t : t + 1], GDNSlot(ref.gdn, 0, 0))
+                ref.staged = 1
+                ref.commit(1)
         pos += k + 1
-        assert (state.recurrent - ref.recurrent).abs().max() <= TOL
-        assert (state.conv - ref.conv).abs().max() <= TOL
+        assert (state.gdn.recurrent[0] - ref.gdn.recurrent[0]).abs().max() <= TOL
+        assert (state.gdn.conv[0] - ref.gdn.conv[0]).abs().max() <= TOL
 
 
 def drafts_for(session: TargetSession, k: int, a: int) -> list[int]:
@@ -120,17 +120,14 @@ def test_partial_commit_after_full_verify(accepted):
 
 
 def snapshot(session: TargetSession):
-    heads = [(l.conv.clone(), l.recurrent.clone()) if isinstance(l, GDNLayerState) else None
-             for l in session.state.layers]
-    return session.version, list(session.tokens), session.state.length, heads
+    gdn = session.state.gdn
+    return session.version, list(session.tokens), session.state.length, gdn.conv.clone(), gdn.recurrent.clone()
 
 
 def assert_unchanged(session, snap):
-    version, tokens, length, heads = snap
+    version, tokens, length, conv, recurrent = snap
     assert (session.version, session.tokens, session.state.length) == (version, tokens, length)
-    for layer, head in zip(session.state.layers, heads):
-        if head is not None:
-            assert torch.equal(layer.conv, head[0]) and torch.equal(layer.recurrent, head[1])
+    assert torch.equal(session.state.gdn.conv, conv) and torch.equal(session.state.gdn.recurrent, recurrent)
 
 
 def test_retries_never_advance_twice_and_refusals_change_nothing():
@@ -184,6 +181,6 @@ def test_draft_model_rolls_back_exactly():
 def test_bf16_weights_keep_float32_state_and_exact_speculation():
     model = random_model(hf_config(), seed=11).to(torch.bfloat16)
     session = TargetSession(model, PROMPT)
-    assert all(l.recurrent.dtype == torch.float32 for l in session.state.layers if isinstance(l, GDNLayerState))
+    assert session.state.gdn.recurrent.dtype == torch.float32 and session.state.gdn.conv.dtype == torch.bfloat16
     want = generate(model, PROMPT, 16).token_ids
     assert generate(model, PROMPT, 16, ModelDrafter(model), 5).token_ids == want

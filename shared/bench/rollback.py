@@ -15,102 +15,98 @@ drafts, same accept counts) and must end with the same head.
 from __future__ import annotations
 
 import random
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.model.hybrid import HybridLM
-from shared.state.rollback import GDNLayerState, ModelState
+from shared.state.rollback import ModelState
 
 
 @dataclass
 class RoundCost:
-    verify_s: float = 0.0  # the target forward over k+1 tokens (plus what the strategy adds to it)
-    rollback_s: float = 0.0  # everything spent to keep the head exact: commit, revert, copies, replay
+    """Per-round timings; medians, because a shared machine preempts a few rounds at random."""
+
+    verify: list[float] = field(default_factory=list)  # the forward over k+1 tokens (plus what the strategy adds)
+    rollback: list[float] = field(default_factory=list)  # all spent keeping the head exact: commit, copies, replay
     staged_bytes: int = 0  # bytes written per round beyond the forward pass itself
     rounds: int = 0
 
+    def add(self, verify_s: float, rollback_s: float) -> None:
+        self.verify.append(verify_s)
+        self.rollback.append(rollback_s)
+
     @property
     def round_s(self) -> float:
-        return (self.verify_s + self.rollback_s) / max(self.rounds, 1)
+        return statistics.median(v + r for v, r in zip(self.verify, self.rollback))
 
     @property
     def rollback_share(self) -> float:
-        total = self.verify_s + self.rollback_s
-        return self.rollback_s / total if total else 0.0
+        return statistics.median(self.rollback) / self.round_s
 
     @property
     def bytes_per_round(self) -> float:
         return self.staged_bytes / max(self.rounds, 1)
 
 
-def _gdn(state: ModelState) -> list[GDNLayerState]:
-    return [layer for layer in state.layers if isinstance(layer, GDNLayerState)]
-
-
-def _state_bytes(layer: GDNLayerState) -> int:
-    return layer.recurrent.numel() * 4 + layer.conv.numel() * layer.conv.element_size()
+def _head_bytes(state: ModelState) -> int:
+    gdn = state.gdn
+    return gdn.recurrent.numel() * 4 + gdn.conv.numel() * gdn.conv.element_size()
 
 
 def round_closed_form(model: HybridLM, state: ModelState, tokens: torch.Tensor, keep: int, cost: RoundCost) -> None:
     t0 = time.perf_counter()
     model(tokens, state)
     t1 = time.perf_counter()
-    cost.staged_bytes += state.staged_bytes() + sum(l.spare.numel() * 4 for l in _gdn(state))
-    state.commit(keep)
+    staged = state.staged_bytes() + state.gdn.spare.numel() * 4
     t2 = time.perf_counter()
-    cost.verify_s += t1 - t0
-    cost.rollback_s += t2 - t1
+    state.commit(keep)
+    t3 = time.perf_counter()
+    cost.staged_bytes += staged
+    cost.add(t1 - t0, t3 - t2)
 
 
 def round_snapshots(model: HybridLM, state: ModelState, tokens: torch.Tensor, keep: int, cost: RoundCost) -> None:
     t0 = time.perf_counter()
     model(tokens, state)
     # materialise the state after each position: what a per-position snapshot kernel writes
-    snaps = []
-    for layer in _gdn(state):
-        k, delta, g = layer.k_log[-1], layer.delta_log[-1], layer.g_log[-1]
-        slots = torch.empty((len(tokens), *layer.recurrent.shape))
-        s = layer.recurrent
-        for t in range(len(tokens)):
-            s = g[t].exp()[:, None, None] * s + k[t][:, :, None] * delta[t][:, None, :]
-            slots[t] = s
-        window = torch.cat([layer.conv, layer.x_log[-1].t()], dim=1)
-        width = layer.conv.shape[1]
-        convs = torch.stack([window[:, t + 1 : t + 1 + width] for t in range(len(tokens))])
-        snaps.append((slots, convs))
-        cost.staged_bytes += slots.numel() * 4 + convs.numel() * convs.element_size()
+    gdn, T = state.gdn, len(tokens)
+    slots = torch.empty((T, *gdn.recurrent.shape))
+    s = gdn.recurrent
+    for t in range(T):
+        s = gdn.g[..., t, None, None].exp() * s + gdn.k[..., t, None] * gdn.delta[:, :, t, None, :]
+        slots[t] = s
+    width = gdn.conv.shape[1]
+    window = torch.cat([gdn.conv, gdn.x[:, :T]], dim=1)
+    convs = torch.stack([window[:, t + 1 : t + 1 + width] for t in range(T)])
+    cost.staged_bytes += slots.numel() * 4 + convs.numel() * convs.element_size()
     t1 = time.perf_counter()
-    for layer, (slots, convs) in zip(_gdn(state), snaps):  # commit: copy slot keep-1 into the head
-        layer.recurrent.copy_(slots[keep - 1])
-        layer.conv = convs[keep - 1].clone()
-        layer.clear()
+    gdn.recurrent.copy_(slots[keep - 1])  # commit: copy slot keep-1 into the head
+    gdn.conv.copy_(convs[keep - 1])
     state.length += keep
     state.staged = 0
     t2 = time.perf_counter()
-    cost.verify_s += t1 - t0
-    cost.rollback_s += t2 - t1
+    cost.add(t1 - t0, t2 - t1)
 
 
 def round_checkpoint_replay(model: HybridLM, state: ModelState, tokens: torch.Tensor, keep: int,
                             cost: RoundCost) -> None:
     t0 = time.perf_counter()
-    saved = [(l.conv.clone(), l.recurrent.clone()) for l in _gdn(state)]
-    cost.staged_bytes += sum(_state_bytes(l) for l in _gdn(state))
+    saved = state.gdn.conv.clone(), state.gdn.recurrent.clone()
+    cost.staged_bytes += _head_bytes(state)
     t1 = time.perf_counter()
     model(tokens, state)
     state.commit(len(tokens))  # a verify pass without rollback advances the head over every token
     t2 = time.perf_counter()
     if keep < len(tokens):
-        for layer, (conv, recurrent) in zip(_gdn(state), saved):
-            layer.conv, layer.recurrent = conv, recurrent
+        state.gdn.conv, state.gdn.recurrent = saved
         state.length -= len(tokens)
         model(tokens[:keep], state)  # replay the accepted tokens through the whole model
         state.commit(keep)
     t3 = time.perf_counter()
-    cost.verify_s += t2 - t1
-    cost.rollback_s += (t1 - t0) + (t3 - t2)
+    cost.add(t2 - t1, (t1 - t0) + (t3 - t2))
 
 
 STRATEGIES = {
@@ -138,8 +134,7 @@ def compare(model: HybridLM, prompt: list[int], k: int, rounds: int, seed: int =
         heads[name] = state
     ref = heads["closed_form"]
     for name, state in heads.items():
-        for a, b in zip(_gdn(state), _gdn(ref)):
-            err = (a.recurrent - b.recurrent).abs().max().item()
-            if err > 1e-4:
-                raise AssertionError(f"{name} ends {err:.2e} away from the closed-form head")
+        err = (state.gdn.recurrent - ref.gdn.recurrent).abs().max().item()
+        if err > 1e-4:
+            raise AssertionError(f"{name} ends {err:.2e} away from the closed-form head")
     return costs

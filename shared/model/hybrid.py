@@ -58,7 +58,7 @@ class HybridLM(nn.Module):
         positions = torch.arange(start, start + ids.numel(), device=self.device)
         x = self.model.embed_tokens(ids.to(self.device))
         rope = rotary_cos_sin(self.config, positions, x.dtype)
-        for layer, st in zip(self.model.layers, state.layers):
+        for layer, st in zip(self.model.layers, state.layer_views()):
             x = layer(x, st, start, rope)
         state.staged += ids.numel()
         return self.lm_head(self.model.norm(x)).float(), x

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from shared.kernels import pick_kernel
 from shared.model.config import ModelConfig
-from shared.state.rollback import AttnLayerState, GDNLayerState
+from shared.state.rollback import AttnLayerState, GDNSlot
 
 
 class RMSNorm(nn.Module):
@@ -76,10 +76,10 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.d_v, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(cfg.value_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, st: GDNLayerState) -> Tensor:
+    def forward(self, x: Tensor, st: GDNSlot) -> Tensor:
         T = x.shape[0]
         mixed = self.in_proj_qkv(x)  # (T, conv_dim)
-        window = torch.cat([st.staged_conv_window().to(mixed.dtype), mixed], dim=0)  # (K-1+T, conv_dim)
+        window = torch.cat([st.conv_window().to(mixed.dtype), mixed], dim=0)  # (K-1+T, conv_dim)
         conv = F.silu(F.conv1d(window.t()[None], self.conv1d.weight, groups=window.shape[1]))[0].t()  # (T, conv_dim)
         key_dim = self.n_k * self.d_k
         q, k, v = conv.split([key_dim, key_dim, self.n_v * self.d_v], dim=-1)
@@ -90,7 +90,7 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).float().sigmoid()  # (T, Hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         kernel = pick_kernel(self.kernel_name, T, x.is_cuda)
-        out, delta, final = kernel(q[None], k[None], v[None], g[None], beta[None], st.staged_state()[None])
+        out, delta, final = kernel(q[None], k[None], v[None], g[None], beta[None], st.initial_state()[None])
         st.stage(mixed, k, delta[0], g, final[0])
         z = self.in_proj_z(x).view(T, self.n_v, self.d_v)
         out = self.norm(out[0].to(x.dtype), z)  # (T, Hv, Dv)
@@ -161,9 +161,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, st: GDNLayerState | AttnLayerState, start: int, rope: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, x: Tensor, st: GDNSlot | AttnLayerState, start: int, rope: tuple[Tensor, Tensor]) -> Tensor:
         h = self.input_layernorm(x)
-        if isinstance(st, GDNLayerState):
+        if isinstance(st, GDNSlot):
             h = self.linear_attn(h, st)
         else:
             h = self.self_attn(h, st, start, rope)

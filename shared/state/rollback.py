@@ -1,100 +1,118 @@
 """Versioned model state: the committed head, the staged round, and the one place rollback happens.
 
 A forward pass never changes the committed head. It *stages* tokens on top of it: attention
-layers write K/V past the committed length (never read unless committed), and each Gated
-DeltaNet layer logs, per token, its pre-conv input x_t, key k_t, delta-rule correction delta_t
-and log decay g_t, and keeps the state after all staged tokens in one spare buffer.
+layers write K/V past the committed length (never read unless committed), and the Gated
+DeltaNet layers log, per token, the pre-conv input x_t, key k_t, delta-rule correction delta_t
+and log decay g_t, and keep the state after all staged tokens in one spare buffer.
 
 `commit(n)` makes the first n staged tokens part of the head. For a GDN layer (per head):
 
     S_n = exp(G_n) S_0 + sum_{t<n} exp(G_n - G_t) k_t delta_t^T,     G_t = g_0 + ... + g_t
 
 which is exact because the logged delta_t of an accepted prefix are the ones a sequential run
-computes. The result is written into the spare buffer and then swapped in, for every layer at
-once, after all arithmetic is done, so no reader sees some layers moved and others not. When
-n equals everything staged the spare already holds S_n and commit is a pointer swap. The conv
-window becomes the last K-1 columns of [window | x_0 .. x_{n-1}], which holds for any n,
-including n >= K-1 where the old window drops out entirely. Attention is cut by position.
+computes. The conv window becomes the last K-1 rows of [window; x_0 .. x_{n-1}], which holds
+for any n, including n >= K-1 where the old window drops out. Attention is cut by position.
 
-Cost per round and GDN layer: one extra state (the spare) plus O(T (conv_dim + H (Dk + Dv)))
-logged numbers; no forward pass is ever re-run.
+All GDN layers of a sequence are stacked (`GDNStates`), so a commit is a handful of batched
+operations whatever the depth: the new head is written into the spare buffers and then swapped
+in, for every layer at once, after all arithmetic is done (no reader sees some layers moved and
+others not). When n equals everything staged the spares already hold the result and commit is
+a pointer swap. Logs are kept for up to `LOG_CAPACITY` staged tokens (a speculative round);
+longer stagings (prefill) keep only the spare and the window, and commit all or nothing.
+
+Cost per sequence: one extra state (the spare) plus O(T (conv_dim + H (Dk + Dv))) logged
+numbers per GDN layer and round; no forward pass is ever re-run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from shared.model.config import ModelConfig
 
+LOG_CAPACITY = 20  # staged tokens a round may log: k <= 16 drafts plus up to 2 pending inputs, with room
 
-@dataclass
-class GDNLayerState:
-    """Committed conv window `(conv_dim, K-1)` and recurrent state `(H, Dk, Dv)` float32, plus the staging log."""
 
-    conv: Tensor
-    recurrent: Tensor
-    spare: Tensor
-    x_log: list[Tensor] = field(default_factory=list)  # (T, conv_dim) pre-conv inputs
-    k_log: list[Tensor] = field(default_factory=list)  # (T, H, Dk) normalised keys, repeated to value heads
-    delta_log: list[Tensor] = field(default_factory=list)  # (T, H, Dv)
-    g_log: list[Tensor] = field(default_factory=list)  # (T, H) log decays
-    spare_valid: bool = False  # spare holds the state after everything staged
+class GDNStates:
+    """The GDN state of every linear-attention layer of one sequence, stacked on a leading layer axis."""
 
-    def staged_conv_window(self) -> Tensor:
-        """The K-1 pre-conv inputs preceding the next token to stage, as `(K-1, conv_dim)`."""
-        width = self.conv.shape[1]
-        history = torch.cat([self.conv.t(), *self.x_log], dim=0)
-        return history[history.shape[0] - width :]
-
-    def staged_state(self) -> Tensor:
-        return self.spare if self.spare_valid else self.recurrent
-
-    def stage(self, x: Tensor, k: Tensor, delta: Tensor, g: Tensor, final_state: Tensor) -> None:
-        self.x_log.append(x)
-        self.k_log.append(k)
-        self.delta_log.append(delta)
-        self.g_log.append(g)
-        self.spare.copy_(final_state)
-        self.spare_valid = True
+    def __init__(self, cfg: ModelConfig, n_layers: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        H, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        width = cfg.linear_conv_kernel_dim - 1
+        f32 = dict(device=device, dtype=torch.float32)
+        self.conv = torch.zeros(n_layers, width, cfg.conv_dim, device=device, dtype=dtype)  # committed window
+        self.window = torch.zeros_like(self.conv)  # window after everything staged
+        self.recurrent = torch.zeros(n_layers, H, Dk, Dv, **f32)  # committed S
+        self.spare = torch.zeros_like(self.recurrent)  # S after everything staged
+        self.x = torch.zeros(n_layers, LOG_CAPACITY, cfg.conv_dim, device=device, dtype=dtype)
+        # logs laid out so the commit matmul reads them as they are: (L, H, Dk, T) and (L, H, T, Dv)
+        self.k = torch.zeros(n_layers, H, Dk, LOG_CAPACITY, **f32)
+        self.delta = torch.zeros(n_layers, H, LOG_CAPACITY, Dv, **f32)
+        self.g = torch.zeros(n_layers, H, LOG_CAPACITY, **f32)
+        self.logged = True  # the logs cover every staged token
 
     def prepare_commit(self, n: int, staged: int) -> tuple[Tensor, Tensor]:
-        """New (conv, recurrent) after keeping the first n of `staged` tokens; touches only the spare."""
-        x = torch.cat(self.x_log, dim=0)[:n]
-        width = self.conv.shape[1]
-        conv = torch.cat([self.conv, x.t().to(self.conv.dtype)], dim=1)[:, -width:].contiguous()
+        """(window, recurrent) of the head after keeping n of `staged` tokens; writes only spare buffers."""
         if n == staged:
-            return conv, self.spare
-        k = torch.cat(self.k_log, dim=0)[:n]  # (n, H, Dk)
-        delta = torch.cat(self.delta_log, dim=0)[:n]  # (n, H, Dv)
-        G = torch.cat(self.g_log, dim=0)[:n].cumsum(0)  # (n, H)
-        weighted_k = k * (G[-1] - G).exp()[..., None]
-        # spare <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T, batched over heads
+            return self.window, self.spare
+        if not self.logged:
+            raise ValueError(f"partial commit ({n} of {staged}) of a staging longer than {LOG_CAPACITY} tokens")
+        width = self.conv.shape[1]
+        self.window.copy_(torch.cat([self.conv, self.x[:, :n]], dim=1)[:, -width:])
+        L, H, Dk, _ = self.k.shape
+        G = self.g[..., :n].cumsum(-1)  # (L, H, n)
+        weighted_k = self.k[..., :n] * (G[..., -1:] - G).exp()[:, :, None]  # (L, H, Dk, n)
+        # spare <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T, one batched matmul over (layer, head)
         torch.baddbmm(
-            self.recurrent * G[-1].exp()[:, None, None],
-            weighted_k.permute(1, 2, 0),
-            delta.permute(1, 0, 2),
-            out=self.spare,
+            (self.recurrent * G[..., -1, None, None].exp()).view(L * H, Dk, -1),
+            weighted_k.view(L * H, Dk, n),
+            self.delta[:, :, :n].reshape(L * H, n, -1),
+            out=self.spare.view(L * H, Dk, -1),
         )
-        return conv, self.spare
+        return self.window, self.spare
 
-    def apply(self, conv: Tensor, recurrent: Tensor) -> None:
-        if recurrent is self.spare:
-            self.spare, self.recurrent = self.recurrent, self.spare
-        self.conv = conv
-        self.clear()
+    def swap_in(self) -> None:
+        self.conv, self.window = self.window, self.conv
+        self.recurrent, self.spare = self.spare, self.recurrent
+        self.logged = True
 
-    def clear(self) -> None:
-        self.x_log.clear()
-        self.k_log.clear()
-        self.delta_log.clear()
-        self.g_log.clear()
-        self.spare_valid = False
+    def clone_head(self) -> GDNStates:
+        twin = object.__new__(GDNStates)
+        for name, value in vars(self).items():
+            setattr(twin, name, value.clone() if isinstance(value, Tensor) else value)
+        return twin
 
-    def nbytes_staged(self) -> int:
-        logs = (*self.x_log, *self.k_log, *self.delta_log, *self.g_log)
-        return sum(t.numel() * t.element_size() for t in logs)
+
+@dataclass
+class GDNSlot:
+    """Layer i's view of `GDNStates` during one forward pass that starts `offset` tokens into the staging."""
+
+    states: GDNStates
+    i: int
+    offset: int
+
+    def conv_window(self) -> Tensor:
+        """The K-1 pre-conv inputs before this pass's first token, `(K-1, conv_dim)`."""
+        return (self.states.window if self.offset else self.states.conv)[self.i]
+
+    def initial_state(self) -> Tensor:
+        return (self.states.spare if self.offset else self.states.recurrent)[self.i]
+
+    def stage(self, x: Tensor, k: Tensor, delta: Tensor, g: Tensor, final_state: Tensor) -> None:
+        s, T = self.states, x.shape[0]
+        end = self.offset + T
+        if s.logged and end <= LOG_CAPACITY:
+            s.x[self.i, self.offset : end] = x
+            s.k[self.i, :, :, self.offset : end] = k.permute(1, 2, 0)
+            s.delta[self.i, :, self.offset : end] = delta.transpose(0, 1)
+            s.g[self.i, :, self.offset : end] = g.t()
+        else:
+            s.logged = False
+        width = s.conv.shape[1]
+        s.window[self.i] = torch.cat([self.conv_window(), x.to(s.window.dtype)], dim=0)[-width:]
+        s.spare[self.i] = final_state
 
 
 @dataclass
@@ -123,20 +141,18 @@ class ModelState:
                  capacity: int = 256) -> None:
         self.length = 0  # tokens in the committed head
         self.staged = 0  # tokens staged on top of it
-        self.layers: list[GDNLayerState | AttnLayerState] = []
-        for kind in config.layer_types:
-            if kind == "linear_attention":
-                shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
-                self.layers.append(GDNLayerState(
-                    conv=torch.zeros(config.conv_dim, config.linear_conv_kernel_dim - 1, device=device, dtype=dtype),
-                    recurrent=torch.zeros(shape, device=device, dtype=torch.float32),
-                    spare=torch.zeros(shape, device=device, dtype=torch.float32),
-                ))
-            else:
-                shape = (config.num_key_value_heads, capacity, config.head_dim)
-                self.layers.append(AttnLayerState(
-                    k=torch.zeros(shape, device=device, dtype=dtype), v=torch.zeros(shape, device=device, dtype=dtype)
-                ))
+        self.kinds = config.layer_types
+        self.gdn = GDNStates(config, self.kinds.count("linear_attention"), device, dtype)
+        shape = (config.num_key_value_heads, capacity, config.head_dim)
+        self.attn = [AttnLayerState(torch.zeros(shape, device=device, dtype=dtype),
+                                    torch.zeros(shape, device=device, dtype=dtype))
+                     for kind in self.kinds if kind == "full_attention"]
+
+    def layer_views(self) -> list[GDNSlot | AttnLayerState]:
+        """Per-layer state for one forward pass, in layer order."""
+        gdn, attn = iter(range(len(self.gdn.conv))), iter(self.attn)
+        return [GDNSlot(self.gdn, next(gdn), self.staged) if kind == "linear_attention" else next(attn)
+                for kind in self.kinds]
 
     def commit(self, n: int) -> None:
         """Keep the first n staged tokens, drop the rest. All layers move together or none does."""
@@ -145,32 +161,29 @@ class ModelState:
         if n == 0:
             self.revert()
             return
-        gdn = [layer for layer in self.layers if isinstance(layer, GDNLayerState)]
-        prepared = [layer.prepare_commit(n, self.staged) for layer in gdn]
-        for layer, (conv, recurrent) in zip(gdn, prepared):
-            layer.apply(conv, recurrent)
+        self.gdn.prepare_commit(n, self.staged)
+        self.gdn.swap_in()
         self.length += n
         self.staged = 0
 
     def revert(self) -> None:
         """Drop everything staged; the head is untouched by construction."""
-        for layer in self.layers:
-            if isinstance(layer, GDNLayerState):
-                layer.clear()
         self.staged = 0
+        self.gdn.logged = True
 
     def staged_bytes(self) -> int:
-        return sum(layer.nbytes_staged() for layer in self.layers if isinstance(layer, GDNLayerState))
+        """Bytes logged for the staged tokens (the spare state is allocated once and not counted)."""
+        if not self.gdn.logged:
+            return 0
+        per_token = sum(t.numel() * t.element_size() for t in (self.gdn.x, self.gdn.k, self.gdn.delta, self.gdn.g))
+        return per_token // LOG_CAPACITY * self.staged
 
     def clone(self) -> ModelState:
-        """A deep copy of the head (used by the checkpoint strategies in the benchmark and by tests)."""
+        """A deep copy of the head (for tests and the benchmark's checkpoint strategy)."""
         if self.staged:
             raise ValueError("clone with a staged round")
         twin = object.__new__(ModelState)
-        twin.length, twin.staged = self.length, 0
-        twin.layers = [
-            GDNLayerState(conv=l.conv.clone(), recurrent=l.recurrent.clone(), spare=l.spare.clone())
-            if isinstance(l, GDNLayerState) else AttnLayerState(k=l.k.clone(), v=l.v.clone())
-            for l in self.layers
-        ]
+        twin.length, twin.staged, twin.kinds = self.length, 0, self.kinds
+        twin.gdn = self.gdn.clone_head()
+        twin.attn = [AttnLayerState(a.k.clone(), a.v.clone()) for a in self.attn]
         return twin
