@@ -7,7 +7,6 @@ loading answers UNAVAILABLE. Client side, `field_of` reads the field back from a
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable
 
@@ -88,9 +87,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         service = handler_call_details.method.split("/")[1]
         if handler.unary_unary:
             return handler._replace(unary_unary=self._unary(service, handler.unary_unary))
-        if handler.unary_stream:  # an async generator, or a coroutine that writes (health's Watch)
-            wrap = self._stream if inspect.isasyncgenfunction(handler.unary_stream) else self._unary
-            return handler._replace(unary_stream=wrap(service, handler.unary_stream))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=self._stream(service, handler.unary_stream))
         return handler
 
     def _unary(self, service: str, behavior):
@@ -108,8 +106,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def wrapped(request, context: grpc.aio.ServicerContext):
             await self._check_ready(service, context)
             try:
-                async for response in behavior(request, context):
-                    yield response
+                responses = behavior(request, context)
+                if hasattr(responses, "__aiter__"):
+                    async for response in responses:
+                        yield response
+                else:  # a coroutine that writes its responses itself (health's Watch)
+                    await responses
             except DeltaspecError as e:
                 await context.abort_with_status(to_status(e))
             except Exception as e:  # noqa: BLE001
