@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test setup bench
 
-$(VENV)/.ready: pyproject.toml scripts/setup.sh
+$(VENV)/.ready: pyproject.toml scripts/setup.sh scripts/gen_protos.sh $(wildcard protos/deltaspec/v1/*.proto)
 	bash scripts/setup.sh
 	touch $@
 
