@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("bench", help="rollback benchmark: this project's strategy against the alternatives")
+    p = sub.add_parser("bench", help="speed-up, gRPC overhead, HF comparison, rollback strategies, memory-bound ratio")
+    p.add_argument("--quick", action="store_true", help="fewer prompts, k values and rounds (a couple of minutes)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a shared 2-core machine)")

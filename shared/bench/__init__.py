@@ -1,56 +1,131 @@
-"""`deltaspec bench`: measurements side by side in one run, reported as ratios (absolute times here are noise)."""
+"""`deltaspec bench`: every figure measured side by side in one run, reported as ratios.
+
+Sections: acceptance and speed-up by drafter and k; the gRPC path over in-process; ours over HF
+transformers' generate(); rollback strategies; the memory-bound regime (verify k+1 over decode 1);
+and, only where CUDA is present, the same on the GPU. Plots go to docs/.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from shared.bench.rollback import STRATEGIES, compare
-from shared.defaults import DEFAULT_TARGET
+from shared.bench.rollback import compare
+from shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio, versus_hf
+from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.model.checkpoint import hf_config, random_model
 from shared.model.loader import load_model
 
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
 
 
-def bench_models() -> dict[str, object]:
+def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
     wide = hf_config(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
                      head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
-                     linear_value_head_dim=64, layer_types=["linear_attention"] * 3 + ["full_attention"] * 1)
-    return {"embedded target": load_model(DEFAULT_TARGET), "random 512-wide": random_model(wide, seed=0)}
-
-
-def rollback_table(rounds: int, ks: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
+                     linear_value_head_dim=64, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    models = {"embedded target": load_model(DEFAULT_TARGET), "random 512-wide": random_model(wide, seed=0)}
     rows = []
-    models = bench_models()
-    with tqdm(total=len(models) * len(ks), desc="rollback strategies") as bar:
-        for model_name, model in models.items():
-            for k in ks:
-                costs = compare(model, PROMPT, k, rounds)
-                base = costs["closed_form"].round_s
-                for name, cost in costs.items():
-                    rows.append({"model": model_name, "k": k, "strategy": name,
-                                 "round_ms": 1000 * cost.round_s, "round_vs_ours": cost.round_s / base,
-                                 "rollback_share": cost.rollback_share,
-                                 "staged_kib_per_round": cost.bytes_per_round / 1024})
-                bar.update()
+    for model_name, model in models.items():
+        for k in ks:
+            costs = compare(model, PROMPT, k, rounds)
+            base = costs["closed_form"].round_s
+            rows += [{"model": model_name, "k": k, "strategy": name, "round_ms": 1000 * cost.round_s,
+                      "round_vs_ours": cost.round_s / base, "rollback_share": cost.rollback_share,
+                      "staged_kib_per_round": cost.bytes_per_round / 1024} for name, cost in costs.items()]
     return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    quick = args.quick
+    target, draft = load_model(DEFAULT_TARGET), load_model(DEFAULT_DRAFT)
+    drafters = {"draft model": lambda: ModelDrafter(draft)}
+    prompts = heldout_prompts(2 if quick else 4)
+    ks = (2, 4) if quick else (1, 2, 4, 6, 8)
+    new_tokens = 48 if quick else 128
+    steps = ["acceptance", "grpc", "hf", "rollback", "memory"] + (["gpu"] if torch.cuda.is_available() else [])
+    result: dict = {}
+    with tqdm(total=len(steps), desc="bench") as bar:
+        result["acceptance"] = acceptance_and_speedup(target, drafters, ks, prompts, new_tokens)
+        bar.update()
+        from shared.rpc.overhead import measure
+
+        result["grpc"] = measure(max_new_tokens=new_tokens, repeats=2 if quick else 3)
+        bar.update()
+        best_k = max(result["acceptance"], key=lambda r: r["speedup"])["k"]
+        result["hf"] = versus_hf(DEFAULT_TARGET, prompts[0], new_tokens, drafters["draft model"], best_k)
+        bar.update()
+        result["rollback"] = rollback_rows(10 if quick else args.rounds, (4,) if quick else (2, 4, 8))
+        bar.update()
+        result["memory_bound"] = memory_bound_ratio(repeats=3 if quick else 7)
+        bar.update()
+        if torch.cuda.is_available():
+            result["gpu"] = {"memory_bound": memory_bound_ratio(device="cuda")}
+            bar.update()
+    return result
+
+
+def print_tables(result: dict) -> None:
+    print("\nAcceptance and speed-up (held-out text, greedy; speed-up = tokens/s over target-only)")
+    print(f"{'drafter':<14} {'k':>2} {'accept':>7} {'mean len':>9} {'speed-up':>9} identical")
+    for r in result["acceptance"]:
+        print(f"{r['drafter']:<14} {r['k']:>2} {r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>9.2f} "
+              f"{r['speedup']:>9.2f} {r['identical']}")
+    g = result["grpc"]["ratio_to_in_process"]
+    print(f"\ngRPC loopback over in-process tokens/s: server loop {g['server_loop']:.2f}, "
+          f"client-driven {g['client_driven']:.2f}")
+    h = result["hf"]
+    print(f"Ours over HF generate(): target-only {h['target_only_over_hf']:.2f}x, "
+          f"speculative {h['speculative_over_hf']:.2f}x, identical tokens {h['identical_to_hf']}")
+    print("\nRollback strategies (medians; rollback share = commit/revert/copies/replay over round time)")
+    print(f"{'model':<18} {'k':>2} {'strategy':<18} {'round ms':>9} {'x ours':>7} {'rollback %':>10} {'staged KiB':>10}")
+    for r in result["rollback"]:
+        print(f"{r['model']:<18} {r['k']:>2} {r['strategy']:<18} {r['round_ms']:>9.2f} {r['round_vs_ours']:>7.2f} "
+              f"{100 * r['rollback_share']:>10.2f} {r['staged_kib_per_round']:>10.1f}")
+    m = result["memory_bound"]
+    print(f"\nMemory-bound regime ({m['params_m']:.0f}M-parameter random target): verify {m['k'] + 1} tokens "
+          f"{m['verify_k1_ms']:.1f} ms / decode 1 {m['decode_1_ms']:.1f} ms = {m['ratio']:.2f}")
+    if "gpu" in result:
+        print(f"GPU: verify/decode ratio {result['gpu']['memory_bound']['ratio']:.2f}")
+
+
+def plot(result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in sorted({r["drafter"] for r in result["acceptance"]}):
+        rows = [r for r in result["acceptance"] if r["drafter"] == name]
+        left.plot([r["k"] for r in rows], [r["acceptance_rate"] for r in rows], marker="o", label=f"{name}: acceptance")
+        left.plot([r["k"] for r in rows], [r["speedup"] for r in rows], marker="s", ls="--", label=f"{name}: speed-up")
+    left.set_xlabel("draft tokens k")
+    left.set_title("Acceptance and speed-up over target-only")
+    left.legend()
+    wide = [r for r in result["rollback"] if r["model"] == "random 512-wide"]
+    for strategy in ("closed_form", "snapshots", "checkpoint_replay"):
+        rows = [r for r in wide if r["strategy"] == strategy]
+        right.plot([r["k"] for r in rows], [r["staged_kib_per_round"] for r in rows], marker="o", label=strategy)
+    right.set_xlabel("draft tokens k")
+    right.set_ylabel("KiB staged per round")
+    right.set_title("Rollback memory per round (512-wide model)")
+    right.legend()
+    fig.tight_layout()
+    DOCS.mkdir(exist_ok=True)
+    fig.savefig(DOCS / "bench.png", dpi=110)
 
 
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    rows = rollback_table(args.rounds)
+    result = run(args)
     if args.json:
-        print(json.dumps({"rollback": rows}))
-        return 0
-    print(f"\nRollback strategies ({args.rounds} rounds each, accept counts uniform in 0..k, same rounds for all)")
-    print(f"{'model':<18} {'k':>2} {'strategy':<18} {'round ms':>9} {'x ours':>7} {'rollback %':>10} {'staged KiB':>10}")
-    for r in rows:
-        print(f"{r['model']:<18} {r['k']:>2} {r['strategy']:<18} {r['round_ms']:>9.2f} {r['round_vs_ours']:>7.2f} "
-              f"{100 * r['rollback_share']:>10.2f} {r['staged_kib_per_round']:>10.1f}")
+        print(json.dumps(result))
+    else:
+        print_tables(result)
+    plot(result)
     return 0
-
-
-__all__ = ["main", "STRATEGIES"]

@@ -3,7 +3,8 @@
 The draft model rolls back exactly as the target does: proposing stages tokens on its
 `ModelState`, and `advance` commits the accepted prefix. Inputs it has not yet consumed (the
 next token, and after a full accept also the last draft) wait in `pending` and open the next
-proposal's first forward pass.
+proposal's first forward pass; longer backlogs (the prompt, zero-draft rounds) are prefilled
+first, so a round's staging stays within the state's log capacity.
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ class ModelDrafter:
     def propose(self, k: int) -> Proposal:
         self.state.revert()
         self.proposed = []
+        if len(self.pending) > 2:  # a prompt, or inputs piled up by zero-draft rounds: prefill all but the last
+            self.model(torch.tensor(self.pending[:-1]), self.state)
+            self.state.commit(self.state.staged)
+            self.pending = self.pending[-1:]
         if k == 0:
             return Proposal([])
         inputs, dists = self.pending, []
