@@ -12,7 +12,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from shared.decoding.drafters import Drafter, NoDrafter
+from shared.decoding.drafters import Drafter, NoDrafter, attach
 from shared.decoding.sampling import SamplingParams
 from shared.decoding.target import Round, TargetSession
 from shared.model.hybrid import HybridLM
@@ -104,6 +104,7 @@ def generate(
     started = time.perf_counter()
     session = TargetSession(target, prompt_ids, sampling)
     drafter.start(list(prompt_ids))
+    attach(drafter, session)
     stats = Stats()
     for _ in decode(session, drafter, max_new_tokens, num_draft_tokens, set(target.config.eos_token_id), stats):
         pass

@@ -60,8 +60,10 @@ class TargetSession:
         self.generator = sampling.generator()
         self.lock = threading.RLock()
         self.state = model.new_state(capacity=max(256, 2 * len(prompt_ids)))
+        # last-layer states of the prompt's prefilled positions (for drafters that read the trunk: MTP)
+        self.prefill_hidden = torch.empty(0, model.config.hidden_size, device=model.device, dtype=model.dtype)
         if len(prompt_ids) > 1:  # prefill all but the pending token, then commit it as version 0
-            model(torch.tensor(prompt_ids[:-1]), self.state)
+            _, self.prefill_hidden = model(torch.tensor(prompt_ids[:-1]), self.state)
             self.state.commit(self.state.staged)
 
     @property

@@ -1,0 +1,142 @@
+"""MTP self-speculation: the target checkpoint's own `mtp.*` head proposes tokens.
+
+Wiring (Qwen3.5 / Qwen3-Next checkpoint layout), row i predicts token i+2 from the trunk:
+
+    e_i = pre_fc_norm_embedding(embed(x_{i+1}))        # the target's embed_tokens
+    g_i = pre_fc_norm_hidden(norm(h_i))                # h_i: last trunk layer at position i, AFTER model.norm
+    y_i = norm_mtp(layers(fc(cat([e_i, g_i], -1))))    # full-attention decoder layer(s), own KV cache
+    logits_i = lm_head(y_i)                            # the target's (possibly tied) lm_head
+
+In the issue's words: the hidden state of position p-1 with the embedding of token p predicts p+1.
+References (read 2026-12): vLLM `vllm/model_executor/models/qwen3_next_mtp.py`,
+`Qwen3NextMultiTokenPredictor.forward`: `hidden_states = torch.cat([inputs_embeds, hidden_states],
+dim=-1)` after the two pre-fc norms, i.e. embedding first; the hidden states it receives are the
+target's output, and `Qwen3NextModel.forward` ends with `hidden_states, _ = self.norm(hidden_states,
+residual)` (its `compute_logits` applies lm_head to that same tensor), so h is taken after the
+final norm. SGLang `python/sglang/srt/models/qwen3_next_mtp.py`: `self.fc(torch.cat((input_embeds,
+hidden_states), dim=-1))`, with `spec_info.hidden_states` the post-norm states the logits
+processor saw. `HybridLM.forward` returns h before the norm, so this drafter applies `model.norm`.
+Row i sits at position i (the hidden state's position, as vLLM keeps it); RoPE only sees offsets
+inside the head's own cache, so the convention only has to be consistent. Chained steps feed the
+head's own output y (post `mtp.norm`) as the next row's hidden state, as vLLM and SGLang do.
+
+State. The head's KV cache holds one row per committed trunk position and rolls back by
+position: rows staged while chaining drafts sit past `length` and are overwritten, never read.
+Trunk hidden states come from the target's verify pass (`Round.hidden`, and the prompt's from
+`TargetSession.prefill_hidden`): the drafter is handed the session through the optional
+`attach_session` hook (see `shared.decoding.drafters.attach`), so the decoding loop stays the same
+for every drafter. The head runs where the target runs: it needs the trunk's hidden states.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from shared.decoding.drafters import Proposal
+from shared.decoding.sampling import SamplingParams, draw, probabilities
+from shared.model.hybrid import HybridLM
+from shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
+from shared.state.rollback import AttnLayerState
+
+
+class MTPHead(nn.Module):
+    """The `mtp.*` module; its state_dict keys are the checkpoint's keys without `mtp.`."""
+
+    def __init__(self, target: HybridLM) -> None:
+        super().__init__()
+        cfg = target.config
+        weights = {k[len("mtp."):]: v for k, v in target.mtp.items()}
+        n_layers = len({k.split(".")[1] for k in weights if k.startswith("layers.")})
+        if not weights or not n_layers:
+            raise ValueError("the target checkpoint has no MTP head (no mtp.layers.* tensors)")
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * D, D, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(D, eps)
+        self.pre_fc_norm_hidden = RMSNorm(D, eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, "full_attention") for _ in range(n_layers))
+        self.norm = RMSNorm(D, eps)
+        missing, unexpected = self.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"mtp.* tensors do not match the Qwen3.5 MTP layout: missing {sorted(missing)[:3]}, "
+                             f"unexpected {sorted(unexpected)[:3]}")
+        self.to(device=target.device, dtype=target.dtype).eval()
+
+    def new_cache(self, capacity: int = 256) -> list[AttnLayerState]:
+        shape = (self.cfg.num_key_value_heads, capacity, self.cfg.head_dim)
+        p = self.fc.weight
+        return [AttnLayerState(p.new_zeros(shape), p.new_zeros(shape)) for _ in self.layers]
+
+    @torch.inference_mode()
+    def forward(self, emb: Tensor, hidden: Tensor, cache: list[AttnLayerState], start: int) -> Tensor:
+        """emb `(T, D)` embeddings of x_{i+1}, hidden `(T, D)` post-norm h_i; rows at positions start..start+T-1.
+
+        Returns the post-`mtp.norm` states `(T, D)`; writes K/V at those positions.
+        """
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        positions = torch.arange(start, start + x.shape[0], device=x.device)
+        rope = rotary_cos_sin(self.cfg, positions, x.dtype)
+        for layer, st in zip(self.layers, cache):
+            x = layer(x, st, start, rope)
+        return self.norm(x)
+
+
+class MTPDrafter:
+    """Proposes with the target's MTP head; needs the target session (`attach_session`) for hidden states."""
+
+    def __init__(self, target: HybridLM, sampling: SamplingParams = SamplingParams()) -> None:
+        self.target, self.sampling = target, sampling
+        self.head = MTPHead(target)
+        self.start([])
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.session = None
+        self.cache = self.head.new_cache(max(256, 2 * len(prompt_ids)))
+        self.length = 0  # committed rows in the head's cache (= trunk positions paired so far)
+        self.rows_h: list[Tensor] = []  # trunk hidden states (pre-norm) not yet fed to the head
+        self.rows_x: list[int] = []  # the token after each of them
+        self.last: Tensor | None = None  # head output of the newest committed row
+        self.generator = torch.Generator().manual_seed(self.sampling.seed + 2)
+
+    def attach_session(self, session) -> None:
+        """Read hidden states from this `TargetSession`: the prompt's now, each committed round's on `advance`."""
+        self.session = session
+        hidden = session.prefill_hidden  # (n-1, D) for prompt x_0..x_{n-2}, paired with x_1..x_{n-1}
+        self._add_rows(hidden, session.tokens[1:len(hidden) + 1])
+
+    def propose(self, k: int) -> Proposal:
+        if self.session is None:
+            raise RuntimeError("MTPDrafter needs the target session: call attach(drafter, session) after start")
+        if k == 0 or (self.last is None and not self.rows_x):
+            return Proposal([])
+        embed, lm_head = self.target.model.embed_tokens, self.target.lm_head
+        if self.rows_x:  # the trunk's rows: committed in the head's cache
+            hidden = self.target.model.norm(torch.cat(self.rows_h))
+            ids = torch.tensor(self.rows_x, device=hidden.device)
+            with torch.inference_mode():
+                out = self.head(embed(ids), hidden, self.cache, self.length)
+            self.length += len(self.rows_x)
+            self.rows_h, self.rows_x, self.last = [], [], out[-1]
+        y, tokens, dists = self.last, [], []
+        with torch.inference_mode():
+            for j in range(k):
+                q = probabilities(lm_head(y).float(), self.sampling)
+                token = int(q.argmax()) if self.sampling.greedy else draw(q, self.generator)
+                tokens.append(token)
+                dists.append(q)
+                if j + 1 < k:  # chain on the head's own output; staged past `length`, never committed
+                    y = self.head(embed(torch.tensor([token], device=y.device)), y[None], self.cache,
+                                  self.length + j)[0]
+        return Proposal(tokens, None if self.sampling.greedy else torch.stack(dists))
+
+    def advance(self, accepted: int, next_token: int) -> None:
+        """The round's verified positions pending, d_1..d_a become rows, paired with d_1..d_a, next_token."""
+        rnd = self.session.round
+        if rnd is None or rnd.committed != accepted:
+            raise RuntimeError(f"advance({accepted}) does not match the session's last commit")
+        self._add_rows(rnd.hidden[:accepted + 1], self.session.tokens[-(accepted + 1):])
+
+    def _add_rows(self, hidden: Tensor, next_tokens: list[int]) -> None:
+        if len(next_tokens):
+            self.rows_h.append(hidden)
+            self.rows_x += list(next_tokens)
