@@ -40,7 +40,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _generate_remote(args)
     if args.draft_addr:
         raise ValueError("--draft-addr needs --target-addr")
-    from shared.decoding.drafters.model_drafter import ModelDrafter
+    from shared.decoding.drafters import make_drafter
     from shared.decoding.speculative import generate
     from shared.model.loader import load_model
     from shared.model.tokenizer import load_tokenizer
@@ -51,7 +51,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
     sampling = _sampling(args)
     target = load_model(target_dir)
-    drafter = None if draft == "none" else ModelDrafter(load_model(draft), sampling)
+    drafter = make_drafter(draft, target, sampling)
     result = generate(target, prompt, args.max_new_tokens, drafter, args.num_draft_tokens, sampling)
     _print_generation(result, tokenizer.decode(result.token_ids), args.json)
     return 0
@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text, speculatively when a draft is given")
     p.add_argument("--target", help="target checkpoint directory (default: the embedded target)")
-    p.add_argument("--draft", help="draft checkpoint directory or 'none' (default: the embedded draft "
+    p.add_argument("--draft", help="draft checkpoint directory, 'mtp' (the target's own MTP head), 'ngram' "
+                                   "(prompt lookup) or 'none' (default: the embedded draft "
                                    "when the target is the embedded one, else none)")
     p.add_argument("--num-draft-tokens", type=int, default=4)
     prompt = p.add_mutually_exclusive_group(required=True)
