@@ -11,4 +11,4 @@ python3 -m venv .venv
 bash scripts/gen_protos.sh
 .venv/bin/pip install -q --no-deps -e .
 # buf lints protos/ in the tests; it is an npm package (skip quietly where npm is missing).
-if command -v npm >/dev/null; then npm install -q --no-fund --no-audit --prefix .venv/buf @bufbuild/buf; fi
+if command -v npm >/dev/null; then npm install --loglevel=error --no-fund --no-audit --prefix .venv/buf @bufbuild/buf; fi
