@@ -135,6 +135,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def cmd_study(args: argparse.Namespace) -> int:
+    from shared.bench.no_rollback import main as study_main
+
+    return study_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a shared 2-core machine)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("study", help="no-GDN-rollback study: divergence and state error, plots under docs/ "
+                                     "(benchmark-only strategy)")
+    p.add_argument("--quick", action="store_true", help="3 prompts, k in (2, 4), 48 tokens (a few minutes)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", help="directory for the PNG plots (default: the repository's docs/)")
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_study)
     return parser
 
 

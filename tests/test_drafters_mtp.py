@@ -9,35 +9,21 @@ import pytest
 import torch
 
 from shared.decoding.drafters import Proposal, make_drafter
-from shared.decoding.drafters.mtp import MTPDrafter, MTPHead
+from shared.decoding.drafters.mtp import MTPDrafter, MTPHead, random_mtp_weights
 from shared.decoding.sampling import SamplingParams
 from shared.decoding.speculative import generate
 from shared.decoding.target import TargetSession
 from shared.model.checkpoint import hf_config, random_model, save_checkpoint
-from shared.model.layers import DecoderLayer
 from shared.model.loader import load_model
 
 PROMPT = [40, 41, 42, 43, 10, 11, 40, 41]
 N = 40
 
 
-def random_mtp_tensors(cfg, n_layers: int, seed: int) -> dict[str, torch.Tensor]:
-    """mtp.* tensors in the Qwen3.5 checkpoint layout, drawn at random (norm weights included)."""
-    gen = torch.Generator().manual_seed(seed)
-    D = cfg.hidden_size
-    shapes = {"fc.weight": (D, 2 * D), "pre_fc_norm_embedding.weight": (D,), "pre_fc_norm_hidden.weight": (D,),
-              "norm.weight": (D,)}
-    for i in range(n_layers):
-        shapes.update({f"layers.{i}.{k}": tuple(v.shape)
-                       for k, v in DecoderLayer(cfg, "full_attention").state_dict().items()})
-    return {f"mtp.{k}": torch.randn(s, generator=gen) * (0.3 if len(s) == 1 else s[-1] ** -0.5)
-            for k, s in shapes.items()}
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["mtp1layer", "mtp2layers"])
 def target(request, tmp_path_factory):
     model = random_model(hf_config(mtp_num_hidden_layers=request.param), seed=11)
-    model.mtp = random_mtp_tensors(model.config, request.param, seed=5)
+    model.mtp = random_mtp_weights(model.config, request.param, seed=5)
     return load_model(save_checkpoint(model, tmp_path_factory.mktemp("mtp")))
 
 
@@ -116,7 +102,7 @@ def test_mtp_needs_weights_and_a_session():
     plain = random_model(hf_config(), seed=1)
     with pytest.raises(ValueError, match="no MTP head"):
         make_drafter("mtp", plain)
-    plain.mtp = random_mtp_tensors(plain.config, 1, seed=0)
+    plain.mtp = random_mtp_weights(plain.config, 1, seed=0)
     drafter = MTPDrafter(plain)
     drafter.start(PROMPT)
     with pytest.raises(RuntimeError, match="target session"):

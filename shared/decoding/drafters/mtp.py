@@ -84,9 +84,10 @@ class MTPHead(nn.Module):
 class MTPDrafter:
     """Proposes with the target's MTP head; needs the target session (`attach_session`) for hidden states."""
 
-    def __init__(self, target: HybridLM, sampling: SamplingParams = SamplingParams()) -> None:
+    def __init__(self, target: HybridLM, sampling: SamplingParams = SamplingParams(),
+                 head: MTPHead | None = None) -> None:
         self.target, self.sampling = target, sampling
-        self.head = MTPHead(target)
+        self.head = head or MTPHead(target)  # read-only, so drafters of one target may share it
         self.start([])
 
     def start(self, prompt_ids: list[int]) -> None:
@@ -140,3 +141,17 @@ class MTPDrafter:
         if len(next_tokens):
             self.rows_h.append(hidden)
             self.rows_x += list(next_tokens)
+
+
+def random_mtp_weights(cfg, n_layers: int = 1, seed: int = 0) -> dict[str, Tensor]:
+    """`mtp.*` tensors in the Qwen3.5 checkpoint layout, drawn at random (norm weights included): for tests
+    and the benchmark's random models. `cfg` is the target's `ModelConfig`."""
+    gen = torch.Generator().manual_seed(seed)
+    D = cfg.hidden_size
+    shapes = {"fc.weight": (D, 2 * D), "pre_fc_norm_embedding.weight": (D,), "pre_fc_norm_hidden.weight": (D,),
+              "norm.weight": (D,)}
+    for i in range(n_layers):
+        shapes.update({f"layers.{i}.{k}": tuple(v.shape)
+                       for k, v in DecoderLayer(cfg, "full_attention").state_dict().items()})
+    return {f"mtp.{k}": torch.randn(s, generator=gen) * (0.3 if len(s) == 1 else s[-1] ** -0.5)
+            for k, s in shapes.items()}
