@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -106,7 +107,8 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.model or DEFAULT_TARGET)
     draft = DraftPeer(args.draft_addr, args.draft_timeout) if args.draft_addr else None
-    svc = service(lambda: (load_model(model_dir), load_tokenizer(model_dir)), _limits(args), draft)
+    svc = service(lambda: (load_model(model_dir), load_tokenizer(model_dir)), _limits(args), draft,
+                  args.advertise_address)
     return serve([svc], args.host, args.port, args.grace)
 
 
@@ -167,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-addr", help="HOST:PORT of the draft service the Generate loop speculates with")
     p.add_argument("--draft-timeout", type=float, default=1.0,
                    help="seconds one draft proposal may take before the round goes on without it")
+    p.add_argument("--advertise-address", default=os.environ.get("DELTASPEC_ADVERTISE_ADDRESS", ""),
+                   help="this replica's stable HOST:PORT, returned by CreateSession so clients send a session's "
+                        "later calls to the replica that holds it (default: $DELTASPEC_ADVERTISE_ADDRESS; "
+                        "empty: clients keep the address they dialled)")
     p.set_defaults(func=cmd_serve_target)
 
     p = sub.add_parser("serve-draft", help="serve the draft model (DraftService) over gRPC")

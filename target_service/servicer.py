@@ -43,8 +43,9 @@ class DraftPeer:
 
 class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
     def __init__(self, load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
-                 draft: DraftPeer | None = None) -> None:
+                 draft: DraftPeer | None = None, advertise_address: str = "") -> None:
         self._load, self.limits, self.draft = load, limits, draft
+        self.advertise_address = advertise_address  # this replica's stable HOST:PORT, returned with each session
         self.sessions: SessionTable[TargetSession] = SessionTable(limits)
 
     def load(self) -> None:
@@ -60,7 +61,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         session = await asyncio.to_thread(TargetSession, self.model, prompt, sampling)
         return pb.CreateSessionResponse(
             session_id=self.sessions.add(session), head_version=session.version, prompt_ids=prompt,
-            vocab_size=self.vocab_size, eos_token_ids=sorted(self.eos), max_draft_tokens=MAX_DRAFT_TOKENS)
+            vocab_size=self.vocab_size, eos_token_ids=sorted(self.eos), max_draft_tokens=MAX_DRAFT_TOKENS,
+            target_address=self.advertise_address)
 
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         with self.sessions.use(request.session_id) as session:
@@ -180,7 +182,7 @@ def _staged(rnd: Round) -> pb.StagedRound:
 
 
 def service(load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
-            draft: DraftPeer | None = None) -> Service:
-    servicer = TargetServicer(load, limits, draft)
+            draft: DraftPeer | None = None, advertise_address: str = "") -> Service:
+    servicer = TargetServicer(load, limits, draft, advertise_address)
     return Service(NAME, lambda server: target_service_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
                    servicer.load)

@@ -5,6 +5,8 @@
   tokens received so far, for the tokens still missing.
 - `generate_client_driven`: this process runs the loop (`shared.decoding.speculative.decode`)
   with the target and the draft as remote peers: one Propose, one Verify and one Commit a round.
+  A session is opened through `target_address` (which may be a load-balanced service) and its
+  later calls go straight to the replica that holds it when that replica advertises an address.
 """
 from __future__ import annotations
 
@@ -66,8 +68,9 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with ExitStack() as stack:
         target_ch = stack.enter_context(channel(target_address))
+        replicas = stack.enter_context(_ReplicaChannels())  # closed after the session, which may use one
         session = RemoteTargetSession(target_service_pb2_grpc.TargetServiceStub(target_ch), prompt_ids, prompt_text,
-                                      sampling, deadline)
+                                      sampling, deadline, dial=replicas.stub)
         stack.callback(session.close)
         remote = None
         if draft_address:
@@ -83,6 +86,19 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
         text = session.text()
     stats.seconds = time.perf_counter() - started
     return Generation(session.tokens[:session.prompt_len], session.generated, stats), text
+
+
+class _ReplicaChannels(ExitStack):
+    """Stubs for the target replicas sessions are pinned to: one channel per address, all closed on exit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stubs: dict[str, target_service_pb2_grpc.TargetServiceStub] = {}
+
+    def stub(self, address: str) -> target_service_pb2_grpc.TargetServiceStub:
+        if address not in self.stubs:
+            self.stubs[address] = target_service_pb2_grpc.TargetServiceStub(self.enter_context(channel(address)))
+        return self.stubs[address]
 
 
 def _merge(total: Stats, part: Stats) -> None:

@@ -4,6 +4,12 @@ Calls are retried on UNAVAILABLE (safe: every call is idempotent under its round
 target no longer knows the session (it restarted, or the session expired), a new one is opened
 on the committed history this class keeps, the round in flight is verified again, and the call
 goes on; with greedy decoding the final tokens are exactly those of an uninterrupted run.
+
+Session pinning (several target replicas behind one load-balanced address): when CreateSession
+names the replica that holds the session (`target_address`) and a `dial` function is given, every
+later call of the session goes to that replica directly, without waiting for it to be ready. If the
+replica is gone (UNAVAILABLE) or no longer holds the session (NOT_FOUND), the session is opened
+again on the committed history through the load-balanced address, on whichever replica answers.
 """
 from __future__ import annotations
 
@@ -26,8 +32,11 @@ from shared.rpc.status import field_of
 class RemoteTargetSession:
     def __init__(self, stub: target_service_pb2_grpc.TargetServiceStub, prompt_ids: list[int] | None = None,
                  prompt_text: str = "", sampling: SamplingParams = SamplingParams(), deadline: float | None = None,
-                 call_timeout_s: float = 30.0, max_attempts: int = 8) -> None:
+                 call_timeout_s: float = 30.0, max_attempts: int = 8,
+                 dial: Callable[[str], target_service_pb2_grpc.TargetServiceStub] | None = None) -> None:
         self.stub, self.sampling, self.prompt_text = stub, sampling, prompt_text
+        self.entry_stub, self.dial = stub, dial  # the address sessions are opened through; a stub for a replica
+        self.pinned: str | None = None  # the replica holding the session, when it advertised one
         self.deadline, self.call_timeout_s, self.max_attempts = deadline, call_timeout_s, max_attempts
         self.tokens: list[int] = list(prompt_ids or [])  # committed history, prompt first
         self.session_id: str | None = None
@@ -80,10 +89,13 @@ class RemoteTargetSession:
 
     def _open(self) -> None:
         """A new session on the committed history (the prompt text only the first time), then the round in flight."""
+        self.stub, self.pinned = self.entry_stub, None
         self._created = self.stub.CreateSession(pb.CreateSessionRequest(
             prompt_ids=self.tokens, prompt_text="" if self.tokens else self.prompt_text,
             sampling=sampling_to_proto(self.sampling)), **self._opts())
         self.session_id, self.version = self._created.session_id, self._created.head_version
+        if self._created.target_address and self.dial is not None:
+            self.stub, self.pinned = self.dial(self._created.target_address), self._created.target_address
         self.tokens = self.tokens or list(self._created.prompt_ids)
         self.reopened += 1
         if self._in_flight is not None:
@@ -98,9 +110,12 @@ class RemoteTargetSession:
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND and field_of(e) == "session_id":
                     self.session_id = None
+                elif (e.code() == grpc.StatusCode.UNAVAILABLE and self.pinned is not None
+                      and attempt < self.max_attempts - 1):
+                    self.session_id = None  # the replica holding the session is gone or draining
                 elif e.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.max_attempts - 1:
                     raise
 
     def _opts(self) -> dict:
         timeout = self.call_timeout_s if self.deadline is None else self.deadline - time.monotonic()
-        return {"timeout": max(timeout, 0.0), "wait_for_ready": True}
+        return {"timeout": max(timeout, 0.0), "wait_for_ready": self.pinned is None}

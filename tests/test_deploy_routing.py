@@ -1,0 +1,204 @@
+"""Session routing as deployed (deploy/k8s): sessions stay on their target replica, and survive it going away.
+
+In the cluster the target is a StatefulSet: a normal Service spreads new connections over the
+replicas (CreateSession goes there), and each replica advertises its stable pod DNS name through
+the headless Service (`--advertise-address`), which CreateSession returns; the client sends every
+later call of the session straight to that replica. Here two target replicas run on loopback, and
+`ServiceProxy` stands in for the Service: a TCP proxy that sends each new connection to the next
+ready endpoint, round robin, and drops an endpoint when its pod goes (what kube-proxy does once
+the EndpointSlice controller removes it). The replica holding a session is killed mid-generation:
+the client opens the session again on the committed history through the Service, on the other
+replica, and the tokens are those of an uninterrupted in-process run.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from deltaspec.v1 import target_service_pb2 as pb
+from deltaspec.v1 import target_service_pb2_grpc
+from shared.decoding.speculative import generate
+from shared.model.loader import load_model
+from shared.model.tokenizer import load_tokenizer
+from shared.rpc.client import generate_client_driven, generate_on_server
+from shared.rpc.server import BackgroundServer, Service
+from target_service.servicer import NAME as TARGET_NAME, TargetServicer
+from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, refused, start, target_stub  # noqa: F401
+
+N = 24
+
+
+class ServiceProxy:
+    """A stand-in for a ClusterIP Service: each new TCP connection goes to the next endpoint, round robin."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        self.endpoints = list(endpoints)
+        self.upstream_ports: set[int] = set()  # local ports of the proxy's connections to the replicas
+        self._next = 0
+        self._writers: dict[str, list[asyncio.StreamWriter]] = {}
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="service-proxy", daemon=True)
+        self.thread.start()
+        self.server = self._run(asyncio.start_server(self._accept, "127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+
+    def remove(self, endpoint: str) -> None:
+        """The pod is gone: no new connections go there, and the ones through the proxy close."""
+        async def drop() -> None:
+            self.endpoints.remove(endpoint)
+            for writer in self._writers.pop(endpoint, []):
+                writer.close()
+        self._run(drop())
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self.server.close()
+            for writers in self._writers.values():
+                for writer in writers:
+                    writer.close()
+        self._run(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.endpoints:
+            writer.close()
+            return
+        endpoint = self.endpoints[self._next % len(self.endpoints)]
+        self._next += 1
+        host, port = endpoint.rsplit(":", 1)
+        try:
+            up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        except OSError:  # a connection to a dead endpoint is reset; the client reconnects
+            writer.close()
+            return
+        self.upstream_ports.add(up_writer.get_extra_info("sockname")[1])
+        self._writers.setdefault(endpoint, []).extend([writer, up_writer])
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()
+
+
+class Replica(TargetServicer):
+    """A real target service that records, per call, the method and the client port it came from."""
+
+    def __init__(self, load) -> None:
+        super().__init__(load)
+        self.calls: list[tuple[str, int]] = []
+
+    def _record(self, method: str, context) -> None:
+        self.calls.append((method, int(context.peer().rsplit(":", 1)[1])))
+
+    async def CreateSession(self, request, context):
+        self._record("CreateSession", context)
+        return await super().CreateSession(request, context)
+
+    async def Verify(self, request, context):
+        self._record("Verify", context)
+        return await super().Verify(request, context)
+
+    async def Commit(self, request, context):
+        self._record("Commit", context)
+        return await super().Commit(request, context)
+
+    def Generate(self, request, context):
+        self._record("Generate", context)
+        return super().Generate(request, context)
+
+
+def start_replica(directory) -> tuple[Replica, BackgroundServer]:
+    servicer = Replica(lambda: (load_model(directory), load_tokenizer(directory)))
+    service = Service(TARGET_NAME, lambda s: target_service_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
+                      servicer.load)
+    server = BackgroundServer([service]).wait_loaded(60)
+    servicer.advertise_address = server.address  # in the cluster: POD.HEADLESS-SERVICE.NAMESPACE.svc...:PORT
+    return servicer, server
+
+
+@pytest.fixture(scope="module")
+def reference(pair) -> list[int]:
+    return generate(load_model(pair[0]), PROMPT, N).token_ids
+
+
+@pytest.fixture
+def cluster(pair):
+    """Two target replicas behind a ServiceProxy; yields (replicas, servers, proxy); stops them all."""
+    started = [start_replica(pair[0]), start_replica(pair[0])]
+    replicas, servers = [r for r, _ in started], [s for _, s in started]
+    proxy = ServiceProxy([s.address for s in servers])
+    yield replicas, servers, proxy
+    proxy.close()
+    for server in servers:
+        server.stop()
+
+
+def test_create_session_names_its_replica_and_other_replicas_refuse_it(cluster):
+    replicas, servers, proxy = cluster
+    created = target_stub(proxy.address).CreateSession(pb.CreateSessionRequest(prompt_ids=PROMPT))
+    assert created.target_address in {s.address for s in servers}
+    other = next(s.address for s in servers if s.address != created.target_address)
+    err = refused(lambda: target_stub(other).Verify(pb.VerifyRequest(session_id=created.session_id, round_id="r0")),
+                  grpc.StatusCode.NOT_FOUND, "session_id")
+    assert created.session_id in err.details() and "never opened" in err.details()
+    target_stub(created.target_address).CloseSession(pb.CloseSessionRequest(session_id=created.session_id))
+
+
+def test_killing_the_replica_holding_a_session_keeps_the_tokens(pair, cluster, reference):
+    replicas, servers, proxy = cluster
+    with start(draft_service(pair[1])) as draft:
+        killed: list[int] = []
+        received = 0
+
+        def kill_holder(ids: list[int], text: str) -> None:
+            nonlocal received
+            received += len(ids)
+            if received >= 2 and not killed:
+                holder = next(i for i, r in enumerate(replicas) if any(m == "CreateSession" for m, _ in r.calls))
+                killed.append(holder)
+                servers[holder].stop()  # no drain: the pod is lost with its sessions
+                proxy.remove(servers[holder].address)
+
+        result, _ = generate_client_driven(proxy.address, draft.address, PROMPT, "", N, num_draft_tokens=4,
+                                           on_tokens=kill_holder)
+    assert result.token_ids == reference and result.prompt_ids == PROMPT
+    first, second = replicas[killed[0]], replicas[1 - killed[0]]
+    for replica in (first, second):  # opened through the Service, then pinned: rounds go straight to the replica
+        opened = [port for method, port in replica.calls if method == "CreateSession"]
+        rounds = [port for method, port in replica.calls if method in ("Verify", "Commit")]
+        assert len(opened) == 1 and opened[0] in proxy.upstream_ports
+        assert rounds and not set(rounds) & proxy.upstream_ports
+    assert len(first.calls) < len(second.calls)  # the rest of the generation ran on the surviving replica
+
+
+def test_server_loop_stream_resumes_through_the_service(pair, cluster, reference):
+    replicas, servers, proxy = cluster
+    killed: list[int] = []
+    received = 0
+
+    def kill_streamer(ids: list[int], text: str) -> None:
+        nonlocal received
+        received += len(ids)
+        if received >= 2 and not killed:
+            holder = next(i for i, r in enumerate(replicas) if r.calls)
+            killed.append(holder)
+            servers[holder].stop()
+            proxy.remove(servers[holder].address)
+
+    result, _ = generate_on_server(proxy.address, PROMPT, "", N, num_draft_tokens=0, on_tokens=kill_streamer)
+    assert result.token_ids == reference
+    assert [m for m, _ in replicas[1 - killed[0]].calls] == ["Generate"]
