@@ -1,0 +1,150 @@
+"""Speculative sampling is lossless: the first tokens are distributed exactly as the target alone draws them.
+
+Over many seeded runs on a tiny random model (vocabulary 16, so every cell of the test is
+populated), the empirical distribution of the first three generated tokens, taken as the joint
+of (t1, t2) and the marginal of t3, is compared with the target's exact distribution, computed
+from its logits (p(t1), p(t2 | t1), p(t3 | t1, t2) after temperature, top-k and top-p) rather
+than sampled. The test is a G-test (likelihood-ratio chi-square; cells with expected count
+below 5 pooled), rejecting at significance ALPHA = 1e-3. The same test catches two deliberately
+wrong acceptance rules. Seeds are fixed, so each test's verdict is deterministic.
+"""
+import functools
+
+import pytest
+import torch
+
+from shared.decoding import target as target_module
+from shared.decoding.drafters import make_drafter
+from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.decoding.drafters.mtp import MTPDrafter, MTPHead, random_mtp_weights
+from shared.decoding.sampling import SamplingParams, draw, probabilities
+from shared.decoding.speculative import generate
+from shared.decoding.verify import Verdict
+from shared.model.checkpoint import hf_config, random_model
+
+ALPHA = 1e-3
+RUNS = 300  # per drafter; the test's size does not depend on it, its power does
+WRONG_RUNS = {"accept_always": 300, "resample_from_target": 500}  # resample: p ~ 4e-8 at 500, ~4e-3 at 300
+V = 16
+CFG = hf_config(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+                linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], eos_token_id=None)
+TARGET = random_model(CFG, seed=1)
+TARGET.mtp = random_mtp_weights(TARGET.config, 1, seed=4)
+MTP_HEAD = MTPHead(TARGET)
+DRAFT = random_model(CFG, seed=2)  # a different model: q differs from p, so both accepts and rejections occur
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so the n-gram drafter proposes in the first round
+T1 = SamplingParams(temperature=1.0)
+FILTERED = SamplingParams(temperature=0.8, top_k=10, top_p=0.9)
+
+DRAFTERS = {
+    "model": lambda s: ModelDrafter(DRAFT, s),
+    "ngram": lambda s: make_drafter("ngram", TARGET, s),
+    "mtp": lambda s: MTPDrafter(TARGET, s, MTP_HEAD),
+}
+
+
+def target_probs(prefix: list[int], sampling: SamplingParams) -> torch.Tensor:
+    logits, _ = TARGET(torch.tensor(PROMPT + prefix), TARGET.new_state())
+    return probabilities(logits[-1], sampling).double()
+
+
+@functools.cache
+def exact_distributions(sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Joint of (t1, t2) `(V, V)` and marginal of t3 `(V,)`, from the target's logits."""
+    p1 = target_probs([], sampling)
+    joint = torch.stack([p1[a] * target_probs([a], sampling) for a in range(V)])
+    p3 = torch.zeros(V, dtype=torch.float64)
+    for a in range(V):
+        for b in range(V):
+            if joint[a, b] > 0:
+                p3 += joint[a, b] * target_probs([a, b], sampling)
+    return joint, p3
+
+
+def sample(drafter_name: str, sampling: SamplingParams, runs: int = RUNS, k: int = 2) -> tuple[torch.Tensor, dict]:
+    """`runs` seeded generations of 3 tokens: (runs, 3) tokens, and totals of drafted / accepted tokens."""
+    out, totals = [], {"drafted": 0, "accepted": 0}
+    for seed in range(runs):
+        s = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed)
+        result = generate(TARGET, PROMPT, 3, DRAFTERS[drafter_name](s), k, s)
+        out.append(result.token_ids)
+        totals["drafted"] += result.stats.drafted
+        totals["accepted"] += result.stats.accepted
+    return torch.tensor(out), totals
+
+
+def g_test(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of observed `counts` under `probs` (same shape); cells expected below 5 are pooled."""
+    counts, expected = counts.flatten().double(), probs.flatten().double() * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    if (obs[~keep] > 0).any():
+        return 0.0  # a token the target never draws
+    obs, exp = obs[keep], exp[keep]
+    g = 2 * float((obs[obs > 0] * (obs[obs > 0] / exp[obs > 0]).log()).sum())
+    df = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(g / 2)))
+
+
+def p_values(tokens: torch.Tensor, sampling: SamplingParams) -> tuple[float, float]:
+    joint, p3 = exact_distributions(sampling)
+    joint_counts = torch.bincount(tokens[:, 0] * V + tokens[:, 1], minlength=V * V).view(V, V)
+    return g_test(joint_counts, joint), g_test(torch.bincount(tokens[:, 2], minlength=V), p3)
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_speculative_sampling_matches_target(drafter):
+    tokens, totals = sample(drafter, T1)
+    assert 0 < totals["accepted"] < totals["drafted"], totals  # both accepts and rejections happened
+    p12, p3 = p_values(tokens, T1)
+    assert p12 > ALPHA and p3 > ALPHA, (p12, p3)
+
+
+def test_speculative_sampling_matches_target_top_k_top_p():
+    tokens, totals = sample("model", FILTERED)
+    assert 0 < totals["accepted"] < totals["drafted"], totals
+    p12, p3 = p_values(tokens, FILTERED)
+    assert p12 > ALPHA and p3 > ALPHA, (p12, p3)
+
+
+def accept_always(target_probs, drafts, draft_probs, generator):
+    return Verdict(len(drafts), draw(target_probs[len(drafts)], generator))
+
+
+def resample_from_target(target_probs, drafts, draft_probs, generator):
+    """Right acceptance test, wrong recovery: on rejection draws from p instead of max(0, p - q)."""
+    for i, token in enumerate(drafts):
+        p = target_probs[i]
+        q = draft_probs[i] if draft_probs is not None else torch.nn.functional.one_hot(torch.tensor(token), len(p))
+        if float(torch.rand((), generator=generator)) >= min(1.0, float(p[token]) / max(float(q[token]), 1e-30)):
+            return Verdict(i, draw(p, generator))
+    return Verdict(len(drafts), draw(target_probs[len(drafts)], generator))
+
+
+@pytest.mark.parametrize("rule", [accept_always, resample_from_target], ids=lambda f: f.__name__)
+def test_wrong_acceptance_rule_is_caught(rule, monkeypatch):
+    monkeypatch.setattr(target_module, "accept_rejection", rule)
+    tokens, _ = sample("model", T1, WRONG_RUNS[rule.__name__])
+    p12, p3 = p_values(tokens, T1)
+    assert min(p12, p3) < ALPHA, (p12, p3)
+
+
+@pytest.mark.parametrize("drafter", ["none", *DRAFTERS])
+def test_same_seed_same_tokens(drafter):
+    factory = DRAFTERS.get(drafter, lambda s: None)
+    runs = [generate(TARGET, PROMPT, 12, factory(s), 3, s).token_ids
+            for s in (SamplingParams(1.0, seed=7), SamplingParams(1.0, seed=7), SamplingParams(1.0, seed=8))]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_g_test_itself():
+    probs = torch.full((V,), 1 / V, dtype=torch.float64)
+    assert g_test(torch.full((V,), 100), probs) == pytest.approx(1.0)
+    skewed = torch.full((V,), 100)
+    skewed[0] = 200
+    assert g_test(skewed, probs) < 1e-6
+    assert g_test(torch.tensor([10, 1]), torch.tensor([1.0, 0.0])) == 0.0  # a token the target never draws
