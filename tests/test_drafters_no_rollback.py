@@ -19,7 +19,7 @@ def test_exact_session_is_the_control():
         want = generate(SETUP.model, prompt, N).token_ids
         run = stale_run(SETUP.model, prompt, want, SETUP.drafters["model"](), 4, session_cls=TargetSession)
         assert run.diverged_at is None and run.partial_rounds > 0
-        assert max(run.errors) < 1e-5
+        assert max(run.errors) < 1e-5 and all(run.agree)
 
 
 def test_stale_gdn_drifts_after_a_rejection():

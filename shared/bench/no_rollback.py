@@ -7,7 +7,8 @@ reachable only from `deltaspec study`, never from `generate` or the services.
 
 For each model, drafter and k, every prompt is decoded greedily twice with the same drafter:
 exactly (target-only output, which the exact engine reproduces) and with the stale state. We
-report the share of generations whose output differs, the first divergent position, and the
+report the share of generations whose output differs, the first divergent position, how often
+the stale state still predicts the exact state's top-1 token on the same history, and the
 recurrent state's relative error ||S_stale - S_exact||_F / ||S_exact||_F after each round, where
 S_exact comes from a shadow state fed, exactly, the tokens the stale session committed (so the
 error is measured on the stale run's own history, before and after its output diverges).
@@ -69,6 +70,7 @@ def state_error(stale: ModelState, exact: ModelState) -> float:
 class Run:
     diverged_at: int | None  # first generated position that differs from target-only output
     errors: list[float]  # relative recurrent-state error after each round
+    agree: list[bool] = field(default_factory=list)  # per round: stale and exact states predict the same top-1
     drafted: int = 0
     accepted: int = 0
     partial_rounds: int = 0  # rounds that rejected at least one draft (the ones that leave the state stale)
@@ -84,21 +86,24 @@ def stale_run(model: HybridLM, prompt: list[int], want: list[int], drafter: Draf
     if len(prompt) > 1:
         model(torch.tensor(prompt[:-1]), shadow)
         shadow.commit(shadow.staged)
-    stats, errors, partial = Stats(), [], 0
+    stats, errors, agree, partial = Stats(), [], [], 0
     fed = len(prompt) - 1
     for _ in decode(session, drafter, len(want), k, set(model.config.eos_token_id), stats):
         rnd = session.round
         partial += rnd.committed < len(rnd.drafts)
         new_inputs = session.tokens[fed:-1]  # the inputs this round committed: pending + accepted drafts
-        model(torch.tensor(new_inputs), shadow)
+        exact_logits, _ = model(torch.tensor(new_inputs), shadow)
         shadow.commit(shadow.staged)
+        # the round's first input is the same token on the same history in both: compare their predictions
+        stale_logits = model.lm_head(model.model.norm(rnd.hidden[0]))
+        agree.append(bool(stale_logits.argmax() == exact_logits[0].argmax()))
         fed += len(new_inputs)
         errors.append(state_error(session.state, shadow))
     out = session.generated
     diverged = next((i for i, (a, b) in enumerate(zip(out, want)) if a != b), None)
     if diverged is None and len(out) != len(want):
         diverged = min(len(out), len(want))
-    return Run(diverged, errors, stats.drafted, stats.accepted, partial)
+    return Run(diverged, errors, agree, stats.drafted, stats.accepted, partial)
 
 
 @dataclass
@@ -135,7 +140,7 @@ def random_setup(n_prompts: int, length: int, seed: int = 0) -> Setup:
 
 def run_study(quick: bool, progress: Callable[[str], None] = lambda s: None) -> dict:
     ks = (2, 4) if quick else (1, 2, 4, 8)
-    n_prompts, new_tokens = (3, 48) if quick else (8, 96)
+    n_prompts, new_tokens = (3, 48) if quick else (6, 64)
     setups = {"embedded pair": embedded_setup(n_prompts, 64), "random 4-layer": random_setup(n_prompts, 24)}
     rows, curves = [], {}
     for model_name, setup in setups.items():
@@ -153,6 +158,7 @@ def run_study(quick: bool, progress: Callable[[str], None] = lambda s: None) -> 
                     "first_divergence_median": statistics.median(firsts) if firsts else None,
                     "first_divergence_min": min(firsts) if firsts else None,
                     "first_divergences": firsts,
+                    "top1_agreement": sum(sum(r.agree) for r in runs) / sum(len(r.agree) for r in runs),
                     "error_round1": statistics.median(r.errors[0] for r in runs),
                     "error_final": statistics.median(r.errors[-1] for r in runs),
                 })
@@ -197,7 +203,7 @@ def plot(study: dict, out_dir: Path) -> list[Path]:
                            label=d if r["k"] == ks[0] else None)
         ax.set(title=m, xlabel="draft tokens k", xticks=list(ks), ylim=(-2, study["new_tokens"]))
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("first divergent position (generated tokens)")
+    axes[0][0].set_ylabel("first divergent position (0 = first generated token)")
     axes[0][-1].legend(title="drafter")
     fig.suptitle("No GDN rollback: where the output first differs (diverged generations only)")
     fig.tight_layout()
@@ -229,13 +235,13 @@ def plot(study: dict, out_dir: Path) -> list[Path]:
 
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'model':<15} {'drafter':<7} {'k':>2} {'gens':>4} {'accept':>6} {'partial%':>8} {'diverged%':>9} "
-          f"{'1st div med':>11} {'1st div min':>11} {'err r1':>8} {'err final':>9}")
+          f"{'1st div med':>11} {'1st div min':>11} {'top1 agree':>10} {'err r1':>8} {'err final':>9}")
     for r in rows:
         med = "-" if r["first_divergence_median"] is None else f"{r['first_divergence_median']:.0f}"
         low = "-" if r["first_divergence_min"] is None else str(r["first_divergence_min"])
         print(f"{r['model']:<15} {r['drafter']:<7} {r['k']:>2} {r['generations']:>4} {r['acceptance']:>6.2f} "
               f"{100 * r['partial_round_share']:>8.1f} {100 * r['diverged_share']:>9.1f} {med:>11} {low:>11} "
-              f"{r['error_round1']:>8.2e} {r['error_final']:>9.2e}")
+              f"{100 * r['top1_agreement']:>9.1f}% {r['error_round1']:>8.2e} {r['error_final']:>9.2e}")
 
 
 def main(args: argparse.Namespace) -> int:
