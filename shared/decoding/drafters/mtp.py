@@ -101,6 +101,8 @@ class MTPDrafter:
 
     def attach_session(self, session) -> None:
         """Read hidden states from this `TargetSession`: the prompt's now, each committed round's on `advance`."""
+        if not hasattr(session, "prefill_hidden"):
+            raise ValueError("MTP drafting runs beside the target: it needs a local TargetSession's hidden states")
         self.session = session
         hidden = session.prefill_hidden  # (n-1, D) for prompt x_0..x_{n-2}, paired with x_1..x_{n-1}
         self._add_rows(hidden, session.tokens[1:len(hidden) + 1])
