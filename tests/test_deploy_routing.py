@@ -158,7 +158,9 @@ def test_create_session_names_its_replica_and_other_replicas_refuse_it(cluster):
     target_stub(created.target_address).CloseSession(pb.CloseSessionRequest(session_id=created.session_id))
 
 
-def test_killing_the_replica_holding_a_session_keeps_the_tokens(pair, cluster, reference):
+@pytest.mark.parametrize("how", ["crash", "drain"])
+def test_losing_the_replica_holding_a_session_keeps_the_tokens(pair, cluster, reference, how):
+    """crash: the pod dies with its sessions; drain: SIGTERM's path (NOT_SERVING, new calls UNAVAILABLE, stop)."""
     replicas, servers, proxy = cluster
     with start(draft_service(pair[1])) as draft:
         killed: list[int] = []
@@ -170,8 +172,8 @@ def test_killing_the_replica_holding_a_session_keeps_the_tokens(pair, cluster, r
             if received >= 2 and not killed:
                 holder = next(i for i, r in enumerate(replicas) if any(m == "CreateSession" for m, _ in r.calls))
                 killed.append(holder)
-                servers[holder].stop()  # no drain: the pod is lost with its sessions
-                proxy.remove(servers[holder].address)
+                proxy.remove(servers[holder].address)  # out of the Service's endpoints first (preStop pause)
+                servers[holder].drain() if how == "drain" else servers[holder].stop()
 
         result, _ = generate_client_driven(proxy.address, draft.address, PROMPT, "", N, num_draft_tokens=4,
                                            on_tokens=kill_holder)
