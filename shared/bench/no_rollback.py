@@ -178,16 +178,21 @@ def plot(study: dict, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
 
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.8), sharey=True, squeeze=False)
+    styles = dict(zip(ks, ["-", "--", "-.", ":"]))
     for ax, m in zip(axes[0], models):
-        for d in dict.fromkeys(r["drafter"] for r in rows if r["model"] == m):
-            sel = [r for r in rows if r["model"] == m and r["drafter"] == d]
-            ax.plot([r["k"] for r in sel], [100 * r["diverged_share"] for r in sel], "o-", label=d)
-        ax.set(title=m, xlabel="draft tokens k", xticks=list(ks), ylim=(-5, 105))
+        for j, d in enumerate(dict.fromkeys(r["drafter"] for r in rows if r["model"] == m)):
+            for r in (r for r in rows if r["model"] == m and r["drafter"] == d):
+                n, firsts = r["generations"], r["first_divergences"]
+                ts = range(study["new_tokens"] + 1)
+                still = [100 * (n - sum(f < t for f in firsts)) / n for t in ts]  # identical through token t-1
+                ax.step(ts, still, where="post", color=f"C{j}", ls=styles.get(r["k"], "-"), alpha=0.85,
+                        label=f"{d}, k={r['k']}")
+        ax.set(title=m, xlabel="generated tokens t", ylim=(-5, 105), xscale="symlog", xlim=(0, study["new_tokens"]))
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("generations diverging from target-only (%)")
-    axes[0][-1].legend(title="drafter")
-    fig.suptitle("No GDN rollback: how often the output changes (greedy)")
+    axes[0][0].set_ylabel("generations identical to target-only\nfor their first t tokens (%)")
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.suptitle("No GDN rollback: how soon greedy output leaves the target-only output")
     fig.tight_layout()
     paths.append(out_dir / "no_rollback_divergence.png")
     fig.savefig(paths[-1], dpi=120)
@@ -248,7 +253,10 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     study = run_study(args.quick, progress=lambda s: print(s, flush=True) if not args.json else None)
-    paths = plot(study, Path(args.out) if args.out else DOCS)
+    out_dir = Path(args.out) if args.out else DOCS
+    paths = plot(study, out_dir)
+    data = {**study, "curves": [{"model": m, "drafter": d, "k": k, "errors": e} for (m, d, k), e in study["curves"].items()]}
+    (out_dir / "no_rollback_study.json").write_text(json.dumps(data) + "\n")
     if args.json:
         print(json.dumps({"rows": study["rows"], "plots": [str(p) for p in paths]}))
         return 0
@@ -256,3 +264,11 @@ def main(args: argparse.Namespace) -> int:
     print("\nplots: " + ", ".join(str(p) for p in paths))
     print(f"[{time.perf_counter() - started:.0f} s]")
     return 0
+
+
+def replot(path: Path) -> list[Path]:
+    """Redraw the plots from a saved `no_rollback_study.json` (no model runs)."""
+    data = json.loads(Path(path).read_text())
+    data["curves"] = {(c["model"], c["drafter"], c["k"]): c["errors"] for c in data["curves"]}
+    data["ks"] = tuple(data["ks"])
+    return plot(data, Path(path).parent)
