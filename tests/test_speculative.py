@@ -67,3 +67,29 @@ def test_single_token_prompt():
     want = generate(TARGET, [7], 10).token_ids
     assert generate(TARGET, [7], 10, ModelDrafter(TARGET), 3).token_ids == want
     assert len(want) == 10 and torch.tensor(want).max() < 257
+
+
+def test_sampled_session_recreated_from_history_continues_identically():
+    """Draws are keyed by position: a session rebuilt from the committed history (a target restart)
+    continues with exactly the tokens the lost session would have produced."""
+    from shared.decoding.sampling import SamplingParams
+    from shared.decoding.speculative import Stats, decode
+    from shared.decoding.target import TargetSession
+
+    sampling = SamplingParams(temperature=1.0, top_k=50, seed=7)
+    draft = random_model(hf_config(hidden_size=32, intermediate_size=64,
+                                   layer_types=["linear_attention", "full_attention"]), seed=3)
+
+    def run(prompt, n):
+        session, drafter = TargetSession(TARGET, prompt, sampling), ModelDrafter(draft, sampling)
+        drafter.start(prompt)
+        return session, decode(session, drafter, n, 4, set(), Stats())
+
+    _, rounds = run(PROMPT, N)
+    uninterrupted = [t for chunk in rounds for t in chunk]
+    session, rounds = run(PROMPT, N)
+    for _ in range(5):  # the target "dies" after five rounds
+        next(rounds)
+    done = session.generated
+    _, resumed = run(PROMPT + done, N - len(done))
+    assert done + [t for chunk in resumed for t in chunk] == uninterrupted

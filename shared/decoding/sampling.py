@@ -30,8 +30,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def generator(self) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed)
+    def generator(self, position: int, stream: int = 0) -> torch.Generator:
+        """Random draws keyed by (seed, stream, position), not by how many draws came before.
+
+        A round's draws then depend only on where it starts, so a session recreated from its
+        committed history (after a restart) draws exactly what the lost one would have.
+        Streams keep the target's and each drafter's draws apart.
+        """
+        return torch.Generator().manual_seed(hash((self.seed, stream, position)) & (2**63 - 1))
 
 
 def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:

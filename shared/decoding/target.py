@@ -57,7 +57,6 @@ class TargetSession:
         self.prompt_len = len(prompt_ids)
         self.version = 0
         self.round: Round | None = None  # the pending round, or the last finished one (for retries)
-        self.generator = sampling.generator()
         self.lock = threading.RLock()
         self.state = model.new_state(capacity=max(256, 2 * len(prompt_ids)))
         # last-layer states of the prompt's prefilled positions (for drafters that read the trunk: MTP)
@@ -95,7 +94,7 @@ class TargetSession:
             if self.sampling.greedy:
                 verdict = accept_greedy(probs, list(drafts))
             else:
-                verdict = accept_rejection(probs, list(drafts), draft_probs, self.generator)
+                verdict = accept_rejection(probs, list(drafts), draft_probs, self.sampling.generator(len(self.tokens)))
             self.round = Round(round_id, self.version, drafts_t, verdict, self.state.staged_bytes(), hidden)
             return self.round
 

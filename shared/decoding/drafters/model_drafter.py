@@ -18,14 +18,12 @@ from shared.model.hybrid import HybridLM
 class ModelDrafter:
     def __init__(self, model: HybridLM, sampling: SamplingParams = SamplingParams()) -> None:
         self.model, self.sampling = model, sampling
-        self.generator = torch.Generator().manual_seed(sampling.seed + 1)
         self.pending: list[int] = []
         self.proposed: list[int] = []
         self.state = model.new_state()
 
     def start(self, prompt_ids: list[int]) -> None:
         self.state = self.model.new_state(capacity=max(256, 2 * len(prompt_ids)))
-        self.generator = torch.Generator().manual_seed(self.sampling.seed + 1)
         self.pending, self.proposed = list(prompt_ids), []
 
     def propose(self, k: int) -> Proposal:
@@ -38,10 +36,11 @@ class ModelDrafter:
         if k == 0:
             return Proposal([])
         inputs, dists = self.pending, []
+        generator = self.sampling.generator(self.state.length + len(self.pending), stream=1)
         for _ in range(k):
             logits, _ = self.model(torch.tensor(inputs), self.state)
             q = probabilities(logits[-1], self.sampling)
-            token = int(q.argmax()) if self.sampling.greedy else draw(q, self.generator)
+            token = int(q.argmax()) if self.sampling.greedy else draw(q, generator)
             self.proposed.append(token)
             dists.append(q)
             inputs = [token]
