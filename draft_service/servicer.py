@@ -6,7 +6,10 @@ never reads them, and they cost k * vocab * 4 bytes a round.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
+
+from opentelemetry import trace
 
 from deltaspec.v1 import draft_service_pb2 as pb
 from deltaspec.v1 import draft_service_pb2_grpc
@@ -16,14 +19,18 @@ from shared.decoding.target import MAX_DRAFT_TOKENS
 from shared.model.hybrid import HybridLM
 from shared.rpc.convert import probs_to_proto, sampling_from_proto
 from shared.rpc.server import Service
+from shared.telemetry import Telemetry
+from shared.telemetry import attributes as attr
 
 NAME = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
 class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
-    def __init__(self, load: Callable[[], HybridLM], limits: Limits = Limits()) -> None:
+    def __init__(self, load: Callable[[], HybridLM], limits: Limits = Limits(), telemetry: Telemetry | None = None) -> None:
         self._load, self.limits = load, limits
         self.sessions: SessionTable[DraftSession] = SessionTable(limits)
+        self.telemetry = telemetry or Telemetry()
+        self.telemetry.metrics.watch_sessions([self.sessions])
 
     def load(self) -> None:
         self.model = self._load()
@@ -40,8 +47,14 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         previous = _outcome(request.previous) if request.HasField("previous") else None
         with self.sessions.use(request.session_id) as session:
+            started = time.perf_counter()
             proposal = await asyncio.to_thread(session.propose, request.round_id, request.k, previous)
+            self.telemetry.metrics.propose_seconds.observe(time.perf_counter() - started)
             greedy = session.drafter.sampling.greedy
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes({attr.SESSION_ID: request.session_id, attr.ROUND_ID: request.round_id,
+                                 attr.DRAFT_TOKENS: len(proposal.tokens)})
         return pb.ProposeResponse(draft_tokens=proposal.tokens, draft_probs=probs_to_proto(proposal.probs, greedy))
 
     async def Commit(self, request: pb.DraftServiceCommitRequest, context) -> pb.DraftServiceCommitResponse:
@@ -64,7 +77,7 @@ def _outcome(msg: pb.RoundOutcome) -> Outcome:
     return Outcome(msg.round_id, msg.accepted, msg.next_token)
 
 
-def service(load: Callable[[], HybridLM], limits: Limits = Limits()) -> Service:
-    servicer = DraftServicer(load, limits)
+def service(load: Callable[[], HybridLM], limits: Limits = Limits(), telemetry: Telemetry | None = None) -> Service:
+    servicer = DraftServicer(load, limits, telemetry)
     return Service(NAME, lambda server: draft_service_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
                    servicer.load)

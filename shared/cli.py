@@ -69,6 +69,11 @@ def _print_generation(result, text: str, as_json: bool) -> None:
         print(f"[{len(result.token_ids)} tokens, {s['tokens_per_s']:.1f} tok/s, "
               f"acceptance {s['acceptance_rate']:.2f}, mean accepted length {s['mean_accepted_length']:.2f}]",
               file=sys.stderr)
+        print(f"[spec_decode num_drafts {s['drafts']}, num_draft_tokens {s['drafted']}, "
+              f"num_accepted_tokens {s['accepted']}, num_accepted_tokens_per_pos {s['accepted_per_position']}, "
+              f"commits {s['rounds']}, staged_bytes {s['staged_bytes']}, "
+              f"time_to_first_token {s['first_token_seconds'] * 1e3:.1f} ms, "
+              f"time_per_output_token {s['time_per_output_token_s'] * 1e3:.1f} ms]", file=sys.stderr)
 
 
 def _generate_remote(args: argparse.Namespace) -> int:
@@ -76,11 +81,13 @@ def _generate_remote(args: argparse.Namespace) -> int:
     import grpc
 
     from shared.rpc.client import generate_client_driven, generate_on_server
+    from shared.telemetry import CLIENT, Telemetry
 
     if args.target or args.draft:
         raise ValueError("--target/--draft name local checkpoints; with --target-addr the servers hold the models")
     prompt = dict(prompt_ids=args.prompt_ids, prompt_text=args.prompt or "", max_new_tokens=args.max_new_tokens,
-                  num_draft_tokens=args.num_draft_tokens, sampling=_sampling(args), timeout_s=args.timeout)
+                  num_draft_tokens=args.num_draft_tokens, sampling=_sampling(args), timeout_s=args.timeout,
+                  telemetry=(telemetry := Telemetry.from_env(CLIENT)))
     try:
         if args.draft_addr:
             result, text = generate_client_driven(args.target_addr, args.draft_addr, **prompt)
@@ -89,6 +96,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
     except grpc.RpcError as e:
         print(f"deltaspec: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 2
+    finally:
+        telemetry.shutdown()
     _print_generation(result, text, args.json)
     return 0
 
@@ -103,22 +112,27 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     from shared.model.loader import load_model
     from shared.model.tokenizer import load_tokenizer
     from shared.rpc.server import serve
+    from shared.telemetry import TARGET, Telemetry
     from target_service.servicer import DraftPeer, service
 
     model_dir = Path(args.model or DEFAULT_TARGET)
     draft = DraftPeer(args.draft_addr, args.draft_timeout) if args.draft_addr else None
+    telemetry = Telemetry.from_env(TARGET)
     svc = service(lambda: (load_model(model_dir), load_tokenizer(model_dir)), _limits(args), draft,
-                  args.advertise_address)
-    return serve([svc], args.host, args.port, args.grace)
+                  args.advertise_address, telemetry)
+    return serve([svc], args.host, args.port, args.grace, telemetry, args.metrics_port)
 
 
 def cmd_serve_draft(args: argparse.Namespace) -> int:
     from draft_service.servicer import service
     from shared.model.loader import load_model
     from shared.rpc.server import serve
+    from shared.telemetry import DRAFT, Telemetry
 
     model_dir = Path(args.model or DEFAULT_DRAFT)
-    return serve([service(lambda: load_model(model_dir), _limits(args))], args.host, args.port, args.grace)
+    telemetry = Telemetry.from_env(DRAFT)
+    return serve([service(lambda: load_model(model_dir), _limits(args), telemetry)], args.host, args.port,
+                 args.grace, telemetry, args.metrics_port)
 
 
 def _add_server(p: argparse.ArgumentParser, model: str) -> None:
@@ -129,6 +143,8 @@ def _add_server(p: argparse.ArgumentParser, model: str) -> None:
     p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
     p.add_argument("--max-prompt-tokens", type=int, default=8192)
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 picks one, printed "
+                                                    "on stderr; default: no metrics endpoint)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -8,12 +8,14 @@ its draft peer and its model come from the command line.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from deltaspec.v1 import draft_service_pb2_grpc, sampling_pb2, target_service_pb2_grpc
 from deltaspec.v1 import target_service_pb2 as pb
@@ -29,6 +31,8 @@ from shared.rpc.convert import probs_from_proto, sampling_from_proto, stats_to_p
 from shared.rpc.options import channel
 from shared.rpc.remote_drafter import RemoteDrafter
 from shared.rpc.server import Service
+from shared.telemetry import Telemetry
+from shared.telemetry import attributes as attr
 
 NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -43,16 +47,19 @@ class DraftPeer:
 
 class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
     def __init__(self, load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
-                 draft: DraftPeer | None = None, advertise_address: str = "") -> None:
+                 draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None) -> None:
         self._load, self.limits, self.draft = load, limits, draft
         self.advertise_address = advertise_address  # this replica's stable HOST:PORT, returned with each session
         self.sessions: SessionTable[TargetSession] = SessionTable(limits)
+        self.telemetry = telemetry or Telemetry()
+        self.metrics = self.telemetry.metrics
+        self.metrics.watch_sessions([self.sessions])
 
     def load(self) -> None:
         self.model, self.tokenizer = self._load()
         self.vocab_size = self.model.config.vocab_size
         self.eos = set(self.model.config.eos_token_id)
-        self.draft_stub = (draft_service_pb2_grpc.DraftServiceStub(channel(self.draft.address))
+        self.draft_stub = (draft_service_pb2_grpc.DraftServiceStub(self.telemetry.channel(channel(self.draft.address)))
                            if self.draft else None)
 
     async def CreateSession(self, request: pb.CreateSessionRequest, context) -> pb.CreateSessionResponse:
@@ -68,19 +75,32 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         with self.sessions.use(request.session_id) as session:
             probs = None if session.sampling.greedy else probs_from_proto(
                 request.draft_probs, len(request.draft_tokens), self.vocab_size, "draft_probs")
+            started = time.perf_counter()
             rnd = await asyncio.to_thread(session.verify, request.round_id, list(request.draft_tokens),
                                           request.base_version, probs)
+            self.metrics.verify_seconds.observe(time.perf_counter() - started)
+        _annotate(request.session_id, rnd)
         return pb.VerifyResponse(accepted=rnd.verdict.accepted, next_token=rnd.verdict.next_token,
                                  round=_staged(rnd))
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         with self.sessions.use(request.session_id) as session:
-            version, tokens = await asyncio.to_thread(_commit, session, request.round_id, request.accepted)
+            started = time.perf_counter()
+            version, tokens, rnd = await asyncio.to_thread(_commit, session, request.round_id, request.accepted)
+            if rnd is not None:  # a retry of a commit already made counts nothing
+                self.metrics.round(len(rnd.drafts), request.accepted, rnd.staged_bytes,
+                                   commit_s=time.perf_counter() - started)
+        _annotate(request.session_id, session.round, version)
         return pb.CommitResponse(head_version=version, committed_tokens=tokens)
 
     async def Revert(self, request: pb.RevertRequest, context) -> pb.RevertResponse:
         with self.sessions.use(request.session_id) as session:
+            pending = session.pending is not None and session.pending.round_id == request.round_id
             version = await asyncio.to_thread(session.revert, request.round_id)
+            if pending:
+                self.metrics.reverts.inc()
+                self.metrics.staged_bytes.inc(session.round.staged_bytes)  # type: ignore[union-attr]
+        _annotate(request.session_id, session.round, version)
         return pb.RevertResponse(head_version=version)
 
     async def GetSession(self, request: pb.GetSessionRequest, context) -> pb.GetSessionResponse:
@@ -104,6 +124,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         loop, queue, cancelled = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+        started = time.perf_counter()
 
         def run() -> None:  # in a worker thread: the loop, one queue item per round, then the stats
             remote = self._remote_drafter(sampling, deadline, request.num_draft_tokens)
@@ -111,14 +132,19 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                 drafter = remote or NoDrafter()
                 session = TargetSession(self.model, prompt, sampling)
                 drafter.start(list(prompt))
-                stats, started = Stats(), time.perf_counter()
-                with self.sessions.use(self.sessions.add(session)):
+                stats = Stats()
+                session.session_id = self.sessions.add(session)  # type: ignore[attr-defined]
+                with self.sessions.use(session.session_id):  # type: ignore[attr-defined]
                     for new in decode(session, drafter, request.max_new_tokens, request.num_draft_tokens,
-                                      self.eos, stats):
+                                      self.eos, stats, self.telemetry.tracer, self.metrics):
+                        stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
                         loop.call_soon_threadsafe(queue.put_nowait, new)
                         if cancelled.is_set():
                             return
                 stats.seconds = time.perf_counter() - started
+                n = len(session.generated)
+                self.metrics.generation(stats.first_token_seconds,
+                                        (stats.seconds - stats.first_token_seconds) / (n - 1) if n > 1 else None)
                 loop.call_soon_threadsafe(queue.put_nowait, stats_to_proto(stats, remote.failures if remote else 0))
             except Exception as e:  # noqa: BLE001 - handed to the handler, which raises it
                 loop.call_soon_threadsafe(queue.put_nowait, e)
@@ -126,7 +152,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                 if remote:
                     remote.close()
 
-        loop.run_in_executor(None, run)
+        loop.run_in_executor(None, contextvars.copy_context().run, run)  # the rounds' spans join this call's trace
         text, generated = _TextStream(self.tokenizer), []
         try:
             yield pb.GenerateResponse(prompt_ids=prompt)
@@ -169,11 +195,26 @@ class _TextStream:
         return piece
 
 
-def _commit(session: TargetSession, round_id: str, accepted: int) -> tuple[int, list[int]]:
-    """Commit, and the tokens the round appended (also on a retry: nothing moves the head in between)."""
+def _commit(session: TargetSession, round_id: str, accepted: int) -> tuple[int, list[int], Round | None]:
+    """Commit; the tokens the round appended (also on a retry: nothing moves the head in between), and the
+    round when this call committed it (None for a retry)."""
     with session.lock:
+        fresh = session.pending is not None and session.pending.round_id == round_id
         version = session.commit(round_id, accepted)
-        return version, session.tokens[len(session.tokens) - session.round.committed - 1:]  # type: ignore[union-attr]
+        tokens = session.tokens[len(session.tokens) - session.round.committed - 1:]  # type: ignore[union-attr]
+        return version, tokens, session.round if fresh else None
+
+
+def _annotate(session_id: str, rnd: Round | None, new_version: int | None = None) -> None:
+    """The round's figures on this call's span (a no-op when tracing is off)."""
+    span = trace.get_current_span()
+    if rnd is None or not span.is_recording():
+        return
+    span.set_attributes({attr.SESSION_ID: session_id, attr.ROUND_ID: rnd.round_id, attr.BASE_VERSION: rnd.base_version,
+                         attr.DRAFT_TOKENS: len(rnd.drafts), attr.ACCEPTED_TOKENS: rnd.committed
+                         if rnd.committed is not None else rnd.verdict.accepted, attr.STAGED_BYTES: rnd.staged_bytes})
+    if new_version is not None:
+        span.set_attribute(attr.NEW_VERSION, new_version)
 
 
 def _staged(rnd: Round) -> pb.StagedRound:
@@ -182,7 +223,7 @@ def _staged(rnd: Round) -> pb.StagedRound:
 
 
 def service(load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
-            draft: DraftPeer | None = None, advertise_address: str = "") -> Service:
-    servicer = TargetServicer(load, limits, draft, advertise_address)
+            draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None) -> Service:
+    servicer = TargetServicer(load, limits, draft, advertise_address, telemetry)
     return Service(NAME, lambda server: target_service_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
                    servicer.load)

@@ -42,6 +42,7 @@ class SessionTable(Generic[S]):
         self.limits, self.clock = limits, clock
         self._entries: dict[str, _Entry[S]] = {}
         self._lock = threading.Lock()
+        self.expired = 0  # sessions dropped for idleness, ever (a metric)
 
     def reserve(self) -> None:
         """Refuse early, before an expensive prefill, when the table is full."""
@@ -94,3 +95,4 @@ class SessionTable(Generic[S]):
         cutoff = self.clock() - self.limits.ttl_s
         for session_id in [k for k, e in self._entries.items() if not e.in_use and e.last_used < cutoff]:
             del self._entries[session_id]
+            self.expired += 1

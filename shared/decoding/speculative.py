@@ -10,12 +10,16 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from opentelemetry.trace import NoOpTracer, Tracer
 from torch import Tensor
 
 from shared.decoding.drafters import Drafter, NoDrafter, attach
 from shared.decoding.sampling import SamplingParams
 from shared.decoding.target import Round, TargetSession
 from shared.model.hybrid import HybridLM
+from shared.telemetry import attributes as attr
+
+NO_TRACER = NoOpTracer()
 
 
 @dataclass
@@ -26,9 +30,19 @@ class Stats:
     staged_bytes: int = 0
     seconds: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
+    drafts: int = 0  # rounds that carried at least one draft token (vLLM's num_drafts)
+    first_token_seconds: float = 0.0  # from the start of the generation to its first token
+    propose_seconds: float = 0.0  # round phases, summed (measured where the loop runs)
+    verify_seconds: float = 0.0
+    commit_seconds: float = 0.0
 
-    def add_round(self, drafted: int, accepted: int, staged_bytes: int) -> None:
+    def add_round(self, drafted: int, accepted: int, staged_bytes: int,
+                  phase_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
         self.rounds += 1
+        self.drafts += drafted > 0
+        self.propose_seconds += phase_seconds[0]
+        self.verify_seconds += phase_seconds[1]
+        self.commit_seconds += phase_seconds[2]
         self.drafted += drafted
         self.accepted += accepted
         self.staged_bytes += staged_bytes
@@ -42,6 +56,8 @@ class Stats:
         d["acceptance_rate"] = self.accepted / self.drafted if self.drafted else 0.0
         d["mean_accepted_length"] = new_tokens / self.rounds if self.rounds else 0.0
         d["tokens_per_s"] = new_tokens / self.seconds if self.seconds > 0 else 0.0
+        d["time_per_output_token_s"] = ((self.seconds - self.first_token_seconds) / (new_tokens - 1)
+                                        if new_tokens > 1 and self.first_token_seconds > 0 else 0.0)
         return d
 
 
@@ -71,24 +87,58 @@ class Session(Protocol):
 
 
 def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_tokens: int, eos: set[int],
-           stats: Stats) -> Iterator[list[int]]:
-    """Run rounds until `max_new_tokens` or an EOS (included), yielding the tokens each round commits."""
+           stats: Stats, tracer: Tracer = NO_TRACER, metrics=None) -> Iterator[list[int]]:
+    """Run rounds until `max_new_tokens` or an EOS (included), yielding the tokens each round commits.
+
+    Each round is a span `round` with children `propose`, `verify`, `commit` (no-op spans unless
+    `tracer` records); `metrics` (a `shared.telemetry.Metrics`) counts the round when given.
+    """
     out = session.generated
     while len(out) < max_new_tokens and not (out and out[-1] in eos):
         room = max_new_tokens - len(out)
-        proposal = drafter.propose(min(num_draft_tokens, room - 1))
-        rnd = session.verify(f"r{stats.rounds}", proposal.tokens, session.version, proposal.probs)
-        keep = rnd.verdict.accepted
-        for i, token in enumerate(proposal.tokens[:keep]):  # stop at an accepted EOS
-            if token in eos:
-                keep = i
-                break
-        session.commit(rnd.round_id, keep)
-        stats.add_round(len(proposal.tokens), keep, rnd.staged_bytes)
+        with tracer.start_as_current_span("round") as span:
+            traced = span.is_recording()
+            ids = _ids(session, f"r{stats.rounds}") if traced else {}
+            t0 = time.perf_counter()
+            with tracer.start_as_current_span("propose") as phase:
+                proposal = drafter.propose(min(num_draft_tokens, room - 1))
+                if traced:
+                    phase.set_attributes({**ids, attr.DRAFT_TOKENS: len(proposal.tokens)})
+            t1 = time.perf_counter()
+            with tracer.start_as_current_span("verify") as phase:
+                base = session.version
+                rnd = session.verify(f"r{stats.rounds}", proposal.tokens, base, proposal.probs)
+                if traced:
+                    phase.set_attributes({**ids, attr.BASE_VERSION: base, attr.DRAFT_TOKENS: len(proposal.tokens),
+                                          attr.ACCEPTED_TOKENS: rnd.verdict.accepted,
+                                          attr.STAGED_BYTES: rnd.staged_bytes})
+            t2 = time.perf_counter()
+            keep = rnd.verdict.accepted
+            for i, token in enumerate(proposal.tokens[:keep]):  # stop at an accepted EOS
+                if token in eos:
+                    keep = i
+                    break
+            with tracer.start_as_current_span("commit") as phase:
+                version = session.commit(rnd.round_id, keep)
+                if traced:
+                    phase.set_attributes({**ids, attr.BASE_VERSION: base, attr.NEW_VERSION: version,
+                                          attr.ACCEPTED_TOKENS: keep})
+            t3 = time.perf_counter()
+            stats.add_round(len(proposal.tokens), keep, rnd.staged_bytes, (t1 - t0, t2 - t1, t3 - t2))
+            if metrics is not None:
+                metrics.round(len(proposal.tokens), keep, rnd.staged_bytes, t1 - t0, t2 - t1, t3 - t2)
+            if traced:
+                span.set_attributes({**ids, attr.BASE_VERSION: base, attr.NEW_VERSION: version,
+                                     attr.DRAFT_TOKENS: len(proposal.tokens), attr.ACCEPTED_TOKENS: keep,
+                                     attr.STAGED_BYTES: rnd.staged_bytes})
         new = session.generated
         drafter.advance(keep, new[-1])
         yield new[len(out):]
         out = new
+
+
+def _ids(session: Session, round_id: str) -> dict:
+    return {attr.SESSION_ID: getattr(session, "session_id", None) or "", attr.ROUND_ID: round_id}
 
 
 def generate(
@@ -107,6 +157,6 @@ def generate(
     attach(drafter, session)
     stats = Stats()
     for _ in decode(session, drafter, max_new_tokens, num_draft_tokens, set(target.config.eos_token_id), stats):
-        pass
+        stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
     stats.seconds = time.perf_counter() - started
     return Generation(list(prompt_ids), session.generated, stats)

@@ -11,10 +11,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
 
 from deltaspec.v1 import draft_service_pb2_grpc, target_service_pb2, target_service_pb2_grpc
 from shared.decoding.drafters import NoDrafter
@@ -24,6 +25,8 @@ from shared.rpc.convert import sampling_to_proto, stats_from_proto
 from shared.rpc.options import channel
 from shared.rpc.remote_drafter import RemoteDrafter
 from shared.rpc.remote_target import RemoteTargetSession
+from shared.telemetry import Telemetry
+from shared.telemetry import attributes as attr
 
 OnTokens = Callable[[list[int], str], None]
 
@@ -31,11 +34,14 @@ OnTokens = Callable[[list[int], str], None]
 def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt_text: str, max_new_tokens: int,
                        num_draft_tokens: int = 4, sampling: SamplingParams = SamplingParams(),
                        timeout_s: float | None = None, on_tokens: OnTokens | None = None,
-                       max_attempts: int = 8) -> tuple[Generation, str]:
+                       max_attempts: int = 8, telemetry: Telemetry | None = None,
+                       model: str = "deltaspec-target") -> tuple[Generation, str]:
+    telemetry = telemetry or Telemetry()
     started = time.perf_counter()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     prompt, out, text, stats = list(prompt_ids or []), [], "", Stats()
-    with channel(target_address) as ch:
+    with _generation_span(telemetry, "server", model, max_new_tokens) as span, \
+            telemetry.channel(channel(target_address)) as ch:
         stub = target_service_pb2_grpc.TargetServiceStub(ch)
         for attempt in range(max_attempts):
             request = target_service_pb2.GenerateRequest(
@@ -47,6 +53,8 @@ def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt
                                          wait_for_ready=True):
                     prompt = prompt or list(msg.prompt_ids)
                     out += msg.token_ids
+                    if out and not stats.first_token_seconds:
+                        stats.first_token_seconds = time.perf_counter() - started
                     text += msg.text
                     if on_tokens and (msg.token_ids or msg.text):
                         on_tokens(list(msg.token_ids), msg.text)
@@ -56,6 +64,7 @@ def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == max_attempts - 1:
                     raise
+        _usage(span, prompt, out)
     stats.seconds = time.perf_counter() - started
     return Generation(prompt, out, stats), text
 
@@ -63,27 +72,33 @@ def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt
 def generate_client_driven(target_address: str, draft_address: str | None, prompt_ids: list[int] | None,
                            prompt_text: str, max_new_tokens: int, num_draft_tokens: int = 4,
                            sampling: SamplingParams = SamplingParams(), timeout_s: float | None = None,
-                           draft_timeout_s: float = 1.0, on_tokens: OnTokens | None = None) -> tuple[Generation, str]:
+                           draft_timeout_s: float = 1.0, on_tokens: OnTokens | None = None,
+                           telemetry: Telemetry | None = None, model: str = "deltaspec-target") -> tuple[Generation, str]:
+    telemetry = telemetry or Telemetry()
     started = time.perf_counter()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with ExitStack() as stack:
-        target_ch = stack.enter_context(channel(target_address))
-        replicas = stack.enter_context(_ReplicaChannels())  # closed after the session, which may use one
+        span = stack.enter_context(_generation_span(telemetry, "client", model, max_new_tokens))
+        target_ch = stack.enter_context(telemetry.channel(channel(target_address)))
+        replicas = stack.enter_context(_ReplicaChannels(telemetry))  # closed after the session, which may use one
         session = RemoteTargetSession(target_service_pb2_grpc.TargetServiceStub(target_ch), prompt_ids, prompt_text,
                                       sampling, deadline, dial=replicas.stub)
         stack.callback(session.close)
         remote = None
         if draft_address:
-            draft_stub = draft_service_pb2_grpc.DraftServiceStub(stack.enter_context(channel(draft_address)))
+            draft_stub = draft_service_pb2_grpc.DraftServiceStub(
+                stack.enter_context(telemetry.channel(channel(draft_address))))
             remote = RemoteDrafter(draft_stub, sampling, session.vocab_size, draft_timeout_s, deadline)
             stack.callback(remote.close)
         drafter = remote or NoDrafter()
         drafter.start(list(session.tokens))
         stats = Stats()
-        for new in decode(session, drafter, max_new_tokens, num_draft_tokens, session.eos, stats):
+        for new in decode(session, drafter, max_new_tokens, num_draft_tokens, session.eos, stats, telemetry.tracer):
+            stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
             if on_tokens:
                 on_tokens(new, "")
         text = session.text()
+        _usage(span, session.tokens[:session.prompt_len], session.generated)
     stats.seconds = time.perf_counter() - started
     return Generation(session.tokens[:session.prompt_len], session.generated, stats), text
 
@@ -91,19 +106,36 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
 class _ReplicaChannels(ExitStack):
     """Stubs for the target replicas sessions are pinned to: one channel per address, all closed on exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, telemetry: Telemetry) -> None:
         super().__init__()
+        self.telemetry = telemetry
         self.stubs: dict[str, target_service_pb2_grpc.TargetServiceStub] = {}
 
     def stub(self, address: str) -> target_service_pb2_grpc.TargetServiceStub:
         if address not in self.stubs:
-            self.stubs[address] = target_service_pb2_grpc.TargetServiceStub(self.enter_context(channel(address)))
+            self.stubs[address] = target_service_pb2_grpc.TargetServiceStub(
+                self.enter_context(self.telemetry.channel(channel(address))))
         return self.stubs[address]
+
+
+@contextmanager
+def _generation_span(telemetry: Telemetry, loop: str, model: str, max_new_tokens: int) -> Iterator[Span]:
+    """The root span of one generation, named and attributed as the GenAI conventions say."""
+    with telemetry.tracer.start_as_current_span(f"{attr.OPERATION} {model}", kind=SpanKind.CLIENT, attributes={
+            attr.GEN_AI_OPERATION_NAME: attr.OPERATION, attr.GEN_AI_PROVIDER_NAME: attr.PROVIDER,
+            attr.GEN_AI_REQUEST_MODEL: model, attr.GEN_AI_REQUEST_MAX_TOKENS: max_new_tokens,
+            attr.LOOP: loop}) as span:
+        yield span
+
+
+def _usage(span: Span, prompt: list[int], generated: list[int]) -> None:
+    span.set_attributes({attr.GEN_AI_USAGE_INPUT_TOKENS: len(prompt), attr.GEN_AI_USAGE_OUTPUT_TOKENS: len(generated)})
 
 
 def _merge(total: Stats, part: Stats) -> None:
     """Add the stats of one stream (a generation resumed after a restart has several)."""
     total.rounds += part.rounds
+    total.drafts += part.drafts
     total.drafted += part.drafted
     total.accepted += part.accepted
     total.staged_bytes += part.staged_bytes

@@ -39,9 +39,10 @@ def probs_from_proto(values, rows: int, vocab_size: int, field_name: str) -> Ten
 def stats_to_proto(stats: Stats, draft_failures: int = 0) -> sampling_pb2.GenerationStats:
     return sampling_pb2.GenerationStats(
         rounds=stats.rounds, drafted=stats.drafted, accepted=stats.accepted, staged_bytes=stats.staged_bytes,
-        seconds=stats.seconds, accepted_per_position=stats.accepted_per_position, draft_failures=draft_failures)
+        seconds=stats.seconds, accepted_per_position=stats.accepted_per_position, draft_failures=draft_failures,
+        drafts=stats.drafts)
 
 
 def stats_from_proto(msg: sampling_pb2.GenerationStats) -> Stats:
     return Stats(msg.rounds, msg.drafted, msg.accepted, msg.staged_bytes, msg.seconds,
-                 list(msg.accepted_per_position))
+                 list(msg.accepted_per_position), drafts=msg.drafts)

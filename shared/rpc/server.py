@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from shared.rpc.options import SERVER_OPTIONS
 from shared.rpc.status import ErrorInterceptor
+from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +37,13 @@ class Service:
 
 
 class ModelServer:
-    def __init__(self, services: list[Service], host: str = "127.0.0.1", port: int = 0, grace_s: float = 10.0) -> None:
+    def __init__(self, services: list[Service], host: str = "127.0.0.1", port: int = 0, grace_s: float = 10.0,
+                 telemetry: Telemetry | None = None) -> None:
         self.services, self.address, self.grace_s = services, f"{host}:{port}", grace_s
         self.ready: set[str] = set()
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self._serving)], options=SERVER_OPTIONS)
+        interceptors = [*(telemetry.server_interceptors() if telemetry else []), ErrorInterceptor(self._serving)]
+        self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for service in services:
             service.register(self.server)
@@ -76,11 +79,19 @@ class ModelServer:
         await self.server.stop(self.grace_s)
 
 
-def serve(services: list[Service], host: str, port: int, grace_s: float = 10.0) -> int:
-    """Run until SIGTERM or SIGINT, then drain. Announces `listening on HOST:PORT` on stderr."""
+def serve(services: list[Service], host: str, port: int, grace_s: float = 10.0, telemetry: Telemetry | None = None,
+          metrics_port: int | None = None) -> int:
+    """Run until SIGTERM or SIGINT, then drain and flush the spans. Announces `listening on HOST:PORT` on stderr.
+
+    With `metrics_port`, Prometheus `/metrics` is served on it (same host) from the telemetry's registry.
+    """
+    telemetry = telemetry or Telemetry()
+
     async def main() -> None:
-        server = ModelServer(services, host, port, grace_s)
+        server = ModelServer(services, host, port, grace_s, telemetry)
         bound = await server.start()
+        if metrics_port is not None:
+            print(f"metrics on {host}:{telemetry.metrics.serve(metrics_port, host)}", file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
@@ -89,19 +100,23 @@ def serve(services: list[Service], host: str, port: int, grace_s: float = 10.0) 
         print(f"serving {', '.join(s.name for s in services)}", file=sys.stderr, flush=True)
         await server.server.wait_for_termination()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        telemetry.shutdown()  # after the drain: the last calls' spans are sent too
     return 0
 
 
 class BackgroundServer:
     """A `ModelServer` on its own event-loop thread; a context manager that stops it on exit."""
 
-    def __init__(self, services: list[Service], host: str = "127.0.0.1", port: int = 0, grace_s: float = 10.0) -> None:
+    def __init__(self, services: list[Service], host: str = "127.0.0.1", port: int = 0, grace_s: float = 10.0,
+                 telemetry: Telemetry | None = None) -> None:
         self.host = host
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-server", daemon=True)
         self.thread.start()
-        self.server: ModelServer = self._run(self._make(services, host, port, grace_s))
+        self.server: ModelServer = self._run(self._make(services, host, port, grace_s, telemetry))
         self.port = self._run(self.server.start())
         self.loaded = asyncio.run_coroutine_threadsafe(self.server.load(), self.loop)
 
@@ -130,8 +145,9 @@ class BackgroundServer:
         self.stop()
 
     @staticmethod
-    async def _make(services: list[Service], host: str, port: int, grace_s: float) -> ModelServer:
-        return ModelServer(services, host, port, grace_s)  # grpc.aio objects must be made on their loop
+    async def _make(services: list[Service], host: str, port: int, grace_s: float,
+                    telemetry: Telemetry | None) -> ModelServer:
+        return ModelServer(services, host, port, grace_s, telemetry)  # grpc.aio objects must be made on their loop
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()

@@ -1,0 +1,22 @@
+"""Span names and attribute keys, in one place (GenAI semantic conventions for the generation span)."""
+from __future__ import annotations
+
+# The generation: one root span per generation, as the GenAI conventions name it.
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+OPERATION = "text_completion"
+PROVIDER = "deltaspec"
+
+# A round: spans "round" (parent), "propose", "verify", "commit" (or "revert" on the service).
+SESSION_ID = "deltaspec.session.id"
+ROUND_ID = "deltaspec.round.id"
+BASE_VERSION = "deltaspec.round.base_version"
+NEW_VERSION = "deltaspec.round.new_version"
+DRAFT_TOKENS = "deltaspec.round.draft_tokens"
+ACCEPTED_TOKENS = "deltaspec.round.accepted_tokens"
+STAGED_BYTES = "deltaspec.round.staged_bytes"
+LOOP = "deltaspec.loop"  # where the loop ran: in_process | server | client

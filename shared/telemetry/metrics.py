@@ -1,0 +1,96 @@
+"""Prometheus metrics of one server, in a registry of its own (several servers can share a process).
+
+Speculative-decoding counters are named as vLLM's (`vllm:spec_decode_num_drafts` ...):
+- `deltaspec_spec_decode_num_drafts_total`: rounds that carried at least one draft token
+- `deltaspec_spec_decode_num_draft_tokens_total`, `..._num_accepted_tokens_total`
+- `deltaspec_spec_decode_num_accepted_tokens_per_pos_total{position}`: rounds whose draft token at
+  `position` (0-based) was kept
+Rounds: `deltaspec_round_{propose,verify,commit}_seconds` histograms, `deltaspec_commits_total`,
+`deltaspec_reverts_total`, `deltaspec_staged_bytes_total`. Generations (the server-side loop):
+`deltaspec_time_to_first_token_seconds`, `deltaspec_time_per_output_token_seconds`. Sessions:
+`deltaspec_sessions` (live) and `deltaspec_sessions_expired_total`.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.num_drafts = Counter("deltaspec_spec_decode_num_drafts", "Rounds that carried draft tokens", registry=r)
+        self.num_draft_tokens = Counter("deltaspec_spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                        registry=r)
+        self.num_accepted_tokens = Counter("deltaspec_spec_decode_num_accepted_tokens", "Draft tokens kept",
+                                           registry=r)
+        self.accepted_per_pos = Counter("deltaspec_spec_decode_num_accepted_tokens_per_pos",
+                                        "Rounds whose draft token at this position was kept", ["position"],
+                                        registry=r)
+        self.propose_seconds = Histogram("deltaspec_round_propose_seconds", "Draft proposal time per round",
+                                         buckets=PHASE_BUCKETS, registry=r)
+        self.verify_seconds = Histogram("deltaspec_round_verify_seconds", "Target verify time per round",
+                                        buckets=PHASE_BUCKETS, registry=r)
+        self.commit_seconds = Histogram("deltaspec_round_commit_seconds", "Target commit time per round",
+                                        buckets=PHASE_BUCKETS, registry=r)
+        self.commits = Counter("deltaspec_commits", "Rounds committed", registry=r)
+        self.reverts = Counter("deltaspec_reverts", "Rounds reverted", registry=r)
+        self.staged_bytes = Counter("deltaspec_staged_bytes", "Bytes staged for rollback", registry=r)
+        self.ttft = Histogram("deltaspec_time_to_first_token_seconds", "Request to first generated token",
+                              buckets=TOKEN_BUCKETS, registry=r)
+        self.tpot = Histogram("deltaspec_time_per_output_token_seconds", "Mean time per token after the first",
+                              buckets=TOKEN_BUCKETS, registry=r)
+
+    def round(self, drafted: int, accepted: int, staged_bytes: int, propose_s: float | None = None,
+              verify_s: float | None = None, commit_s: float | None = None) -> None:
+        """One committed round (the loop, or a Commit call: then verify and staging were counted before)."""
+        if drafted:
+            self.num_drafts.inc()
+            self.num_draft_tokens.inc(drafted)
+        if accepted:
+            self.num_accepted_tokens.inc(accepted)
+            for position in range(accepted):
+                self.accepted_per_pos.labels(str(position)).inc()
+        self.commits.inc()
+        if staged_bytes:
+            self.staged_bytes.inc(staged_bytes)
+        for histogram, seconds in ((self.propose_seconds, propose_s), (self.verify_seconds, verify_s),
+                                   (self.commit_seconds, commit_s)):
+            if seconds is not None:
+                histogram.observe(seconds)
+
+    def generation(self, first_token_s: float | None, per_output_token_s: float | None) -> None:
+        if first_token_s is not None:
+            self.ttft.observe(first_token_s)
+        if per_output_token_s is not None:
+            self.tpot.observe(per_output_token_s)
+
+    def watch_sessions(self, tables: Iterable) -> None:
+        """Live and expired sessions, read from session tables (`len()`, `.expired`) at scrape time."""
+        self.registry.register(_SessionCollector(list(tables)))
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """`/metrics` over HTTP on a daemon thread; returns the bound port (0 picks one)."""
+        httpd, _ = start_http_server(port, host, registry=self.registry)
+        return httpd.server_port
+
+
+class _SessionCollector:
+    def __init__(self, tables: list) -> None:
+        self.tables = tables
+
+    def collect(self):
+        live = GaugeMetricFamily("deltaspec_sessions", "Open sessions")
+        live.add_metric([], sum(len(t) for t in self.tables))
+        expired = CounterMetricFamily("deltaspec_sessions_expired", "Sessions closed by the idle timeout")
+        expired.add_metric([], sum(t.expired for t in self.tables))
+        return [live, expired]
+
+    def describe(self):
+        return []
