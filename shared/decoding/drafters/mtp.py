@@ -97,7 +97,6 @@ class MTPDrafter:
         self.rows_h: list[Tensor] = []  # trunk hidden states (pre-norm) not yet fed to the head
         self.rows_x: list[int] = []  # the token after each of them
         self.last: Tensor | None = None  # head output of the newest committed row
-        self.generator = torch.Generator().manual_seed(self.sampling.seed + 2)
 
     def attach_session(self, session) -> None:
         """Read hidden states from this `TargetSession`: the prompt's now, each committed round's on `advance`."""
@@ -121,10 +120,11 @@ class MTPDrafter:
             self.length += len(self.rows_x)
             self.rows_h, self.rows_x, self.last = [], [], out[-1]
         y, tokens, dists = self.last, [], []
+        generator = self.sampling.generator(len(self.session.tokens), stream=2)  # keyed by position, like the target's
         with torch.inference_mode():
             for j in range(k):
                 q = probabilities(lm_head(y).float(), self.sampling)
-                token = int(q.argmax()) if self.sampling.greedy else draw(q, self.generator)
+                token = int(q.argmax()) if self.sampling.greedy else draw(q, generator)
                 tokens.append(token)
                 dists.append(q)
                 if j + 1 < k:  # chain on the head's own output; staged past `length`, never committed
