@@ -29,7 +29,7 @@ import torch
 
 from shared.decoding.drafters import Drafter, attach, make_drafter
 from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.drafters.mtp import MTPHead, MTPDrafter, random_mtp_weights
+from shared.decoding.drafters.mtp import MTPDrafter, MTPHead, random_mtp_weights
 from shared.decoding.speculative import Stats, decode, generate
 from shared.decoding.target import TargetSession
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -117,8 +117,8 @@ def embedded_setup(n_prompts: int, length: int) -> Setup:
     from shared.bench.speedup import heldout_prompts
 
     target, draft = load_model(DEFAULT_TARGET), load_model(DEFAULT_DRAFT)
-    drafters: dict[str, Callable[[], Drafter]] = {"model": lambda: ModelDrafter(draft), "ngram": lambda: make_drafter(
-        "ngram", target)}
+    drafters: dict[str, Callable[[], Drafter]] = {"model": lambda: ModelDrafter(draft),
+                                                  "ngram": lambda: make_drafter("ngram", target)}
     if target.mtp:
         head = MTPHead(target)
         drafters["mtp"] = lambda: MTPDrafter(target, head=head)
