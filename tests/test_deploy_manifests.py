@@ -97,7 +97,9 @@ def test_services_probe_their_own_health_names(rendered):
         ready, live, startup = (container[p]["grpc"] for p in ("readinessProbe", "livenessProbe", "startupProbe"))
         assert ready == startup == {"port": port, "service": service}  # SERVING once loaded, until a drain
         assert live == {"port": port, "service": ""}  # the whole server: distinct from readiness
-        assert container["ports"] == [{"name": "grpc", "containerPort": port}]
+        assert container["ports"] == [{"name": "grpc", "containerPort": port},
+                                      {"name": "metrics", "containerPort": 9464}]  # Prometheus /metrics
+        assert "--metrics-port=$(DELTASPEC_METRICS_PORT)" in container["args"]
 
 
 def test_termination_grace_covers_pause_and_drain(rendered):
@@ -166,17 +168,21 @@ def test_network_policy_only_clients_reach_the_target_only_the_target_reaches_th
     _, _, docs = rendered
     target = find(docs, "NetworkPolicy", "deltaspec-target")["spec"]
     draft = find(docs, "NetworkPolicy", "deltaspec-draft")["spec"]
-    assert [r["ports"] for r in target["ingress"]] == [[{"protocol": "TCP", "port": 50051}]]
+    assert [r["ports"] for r in target["ingress"]][0] == [{"protocol": "TCP", "port": 50051}]
     assert all(list(peer.get("podSelector", peer.get("namespaceSelector"))["matchLabels"]) == ["deltaspec.io/client"]
                for peer in target["ingress"][0]["from"])
-    assert draft["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "deltaspec-target"}}}],
-                                 "ports": [{"protocol": "TCP", "port": 50052}]}]
+    assert draft["ingress"][0] == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "deltaspec-target"}}}],
+                                   "ports": [{"protocol": "TCP", "port": 50052}]}
+    for policy in (target, draft):  # the only other way in: Prometheus, to /metrics
+        assert [rule["ports"] for rule in policy["ingress"][1:]] == [[{"protocol": "TCP", "port": 9464}]]
     assert set(target["policyTypes"]) == set(draft["policyTypes"]) == {"Ingress", "Egress"}
 
 
 def test_settings_in_a_configmap_secrets_in_secrets_and_an_otel_collector(rendered):
     _, _, docs = rendered
     assert settings(docs)["DELTASPEC_DRAFT_ADDR"] == "deltaspec-draft:50052"
+    assert settings(docs)["OTEL_TRACES_EXPORTER"] == "otlp"  # tracing is off unless set (shared/telemetry)
+    assert settings(docs)["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
     assert any(d["kind"] == "Secret" and d["metadata"]["name"].startswith("deltaspec-tracing") for d in docs)
     for kind, name in (("StatefulSet", "deltaspec-target"), ("Deployment", "deltaspec-draft")):
         spec = pod_spec(docs, kind, name)
