@@ -13,6 +13,7 @@ through opentelemetry-instrumentation-grpc's interceptors; health checks make no
 from __future__ import annotations
 
 import os
+import sys
 
 import grpc
 from opentelemetry import trace
@@ -35,7 +36,7 @@ def exporters_from_env() -> list[SpanExporter]:
         if name == "none":
             continue
         if name == "console":
-            exporters.append(ConsoleSpanExporter())
+            exporters.append(ConsoleSpanExporter(out=sys.stderr))  # stdout stays the command's output (--json)
         elif name == "otlp":
             protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
                                       os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
