@@ -3,16 +3,20 @@
 A `Telemetry` is what one process role carries: its tracer provider (None when tracing is off,
 the default) and its metrics. The CLI builds one from the environment per command; tests build
 one per in-process server so that each has its own service name and registry.
+
+The SDK and the gRPC instrumentation are imported only when used: the decoding loop imports
+`shared.telemetry.attributes` and stays free of gRPC.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import Tracer
+from typing import TYPE_CHECKING
 
 from shared.telemetry.metrics import Metrics
-from shared.telemetry.tracing import server_interceptors, setup_tracing, traced_channel, tracer
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Tracer
 
 CLIENT, TARGET, DRAFT = "deltaspec-client", "deltaspec-target", "deltaspec-draft"
 
@@ -29,19 +33,31 @@ class Telemetry:
 
     @property
     def tracer(self) -> Tracer:
-        return tracer(self.provider)
+        from shared.telemetry import tracing
+
+        return tracing.tracer(self.provider)
 
     def server_interceptors(self) -> list:
-        return server_interceptors(self.provider)
+        from shared.telemetry import tracing
+
+        return tracing.server_interceptors(self.provider)
 
     def channel(self, channel):
-        return traced_channel(channel, self.provider)
+        from shared.telemetry import tracing
+
+        return tracing.traced_channel(channel, self.provider)
 
     def shutdown(self) -> None:
         """Flush and stop the exporters (spans still batched are sent); safe to call twice."""
         if self.provider is not None:
             self.provider.shutdown()
             self.provider = None
+
+
+def setup_tracing(default_service_name: str, install: bool = True) -> TracerProvider | None:
+    from shared.telemetry import tracing
+
+    return tracing.setup_tracing(default_service_name, install)
 
 
 __all__ = ["CLIENT", "DRAFT", "TARGET", "Metrics", "Telemetry", "setup_tracing"]
