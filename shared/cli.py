@@ -118,8 +118,10 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     model_dir = Path(args.model or DEFAULT_TARGET)
     draft = DraftPeer(args.draft_addr, args.draft_timeout) if args.draft_addr else None
     telemetry = Telemetry.from_env(TARGET)
+    if draft and args.draft != "none":
+        raise ValueError("serve-target takes --draft-addr or --draft, not both")
     svc = service(lambda: (load_model(model_dir), load_tokenizer(model_dir)), _limits(args), draft,
-                  args.advertise_address, telemetry)
+                  args.advertise_address, telemetry, args.draft)
     return serve([svc], args.host, args.port, args.grace, telemetry, args.metrics_port)
 
 
@@ -183,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve-target", help="serve the target model (TargetService) over gRPC")
     _add_server(p, "target")
     p.add_argument("--draft-addr", help="HOST:PORT of the draft service the Generate loop speculates with")
+    p.add_argument("--draft", choices=["none", "ngram", "mtp"], default="none",
+                   help="draft inside this process instead: n-gram lookup, or the checkpoint's own MTP head")
     p.add_argument("--draft-timeout", type=float, default=1.0,
                    help="seconds one draft proposal may take before the round goes on without it")
     p.add_argument("--advertise-address", default=os.environ.get("DELTASPEC_ADVERTISE_ADDRESS", ""),

@@ -19,7 +19,7 @@ from opentelemetry import trace
 
 from deltaspec.v1 import draft_service_pb2_grpc, sampling_pb2, target_service_pb2_grpc
 from deltaspec.v1 import target_service_pb2 as pb
-from shared.decoding.drafters import NoDrafter
+from shared.decoding.drafters import attach, make_drafter
 from shared.decoding.sampling import SamplingParams
 from shared.decoding.session_table import Limits, SessionTable
 from shared.decoding.speculative import Stats, decode
@@ -47,8 +47,10 @@ class DraftPeer:
 
 class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
     def __init__(self, load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
-                 draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None) -> None:
+                 draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None,
+                 local_draft: str = "none") -> None:
         self._load, self.limits, self.draft = load, limits, draft
+        self.local_draft = local_draft  # 'ngram' or 'mtp': drafted in this process when no draft peer is set
         self.advertise_address = advertise_address  # this replica's stable HOST:PORT, returned with each session
         self.sessions: SessionTable[TargetSession] = SessionTable(limits)
         self.telemetry = telemetry or Telemetry()
@@ -129,9 +131,11 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         def run() -> None:  # in a worker thread: the loop, one queue item per round, then the stats
             remote = self._remote_drafter(sampling, deadline, request.num_draft_tokens)
             try:
-                drafter = remote or NoDrafter()
+                local = self.local_draft if request.num_draft_tokens else "none"
+                drafter = remote or make_drafter(local, self.model, sampling)
                 session = TargetSession(self.model, prompt, sampling)
                 drafter.start(list(prompt))
+                attach(drafter, session)
                 stats = Stats()
                 session.session_id = self.sessions.add(session)  # type: ignore[attr-defined]
                 with self.sessions.use(session.session_id):  # type: ignore[attr-defined]
@@ -223,7 +227,8 @@ def _staged(rnd: Round) -> pb.StagedRound:
 
 
 def service(load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
-            draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None) -> Service:
-    servicer = TargetServicer(load, limits, draft, advertise_address, telemetry)
+            draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None,
+            local_draft: str = "none") -> Service:
+    servicer = TargetServicer(load, limits, draft, advertise_address, telemetry, local_draft)
     return Service(NAME, lambda server: target_service_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
                    servicer.load)

@@ -25,6 +25,7 @@ from shared.model.loader import load_model
 from shared.model.tokenizer import load_tokenizer
 from shared.rpc.client import generate_client_driven, generate_on_server
 from shared.rpc.server import BackgroundServer, Service
+from target_service import servicer as target_servicer_module
 from target_service.servicer import NAME as TARGET_NAME, TargetServicer
 from test_rpc_support import (PROMPT, draft_service, one_torch_thread, pair, start, target_service,  # noqa: F401
                               target_stub)
@@ -180,3 +181,21 @@ def test_target_restart_mid_generation(pair, reference, path):
     assert first.opened == [len(PROMPT)]
     reopened = restarted[0][0].opened  # the new target saw the committed history, not just the prompt
     assert len(reopened) == 1 and len(PROMPT) + 2 <= reopened[0] < len(PROMPT) + N
+
+
+@pytest.mark.parametrize("local_draft", ["ngram", "mtp"])
+def test_in_process_drafters_behind_the_server_loop(tmp_path, local_draft):
+    """`serve-target --draft ngram|mtp`: the Generate loop drafts in the target process, tokens unchanged."""
+    from shared.decoding.drafters.mtp import random_mtp_weights
+    from shared.model.checkpoint import hf_config, random_model, save_checkpoint
+
+    model = random_model(hf_config(mtp_num_hidden_layers=1), seed=11)
+    model.mtp = random_mtp_weights(model.config, 1, seed=1)
+    directory = save_checkpoint(model, tmp_path / "target")
+    service = target_servicer_module.service(lambda: (load_model(directory), load_tokenizer(directory)),
+                                             local_draft=local_draft)
+    want = generate(load_model(directory), PROMPT * 3, N).token_ids
+    with start(service) as server:
+        got, _ = generate_on_server(server.address, PROMPT * 3, "", N, num_draft_tokens=4)
+    assert got.token_ids == want
+    assert got.stats.drafted > 0
