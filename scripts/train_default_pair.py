@@ -1,0 +1,537 @@
+"""Train the embedded default pair: a byte-level Qwen3.5 hybrid target (with an MTP head) and a cheap draft.
+
+    .venv/bin/python scripts/train_default_pair.py            # trains, writes, measures (~25 min, 1 thread)
+    .venv/bin/python scripts/train_default_pair.py --eval-only  # re-measures the shipped pair
+
+Corpus. The Python standard library's own sources, which every machine with Python has and which the
+PSF licence lets us redistribute derived weights of: every `*.py` file under the directory of `os.__file__`,
+leaving out `site-packages`, the test suites (`test`, `tests`, `idle_test`), `pydoc_data` (one big
+string of prose) and `encodings` (mostly generated code-page tables). A file is held out when sha1 of its path relative to that directory, read as an integer,
+is 0 mod 50 (about 2%, the same files on every machine and Python version that has them); the list goes
+to `docs/heldout_files.txt`, so benchmarks can take held-out text from it. Files are UTF-8 bytes (ids
+0..255) joined by EOS (id 256), like `shared.model.tokenizer.ByteTokenizer` and
+`shared.model.checkpoint.hf_config`'s `eos_token_id`.
+
+Models (both `Qwen3_5ForCausalLM`, trained batched with autograd, float32, tied embeddings):
+  target  12 layers, (3 Gated DeltaNet + 1 full attention) x 3, hidden 160;
+  draft    2 layers, 1 Gated DeltaNet + 1 full attention, hidden 128: a quarter of the layers, the
+           engine's per-token cost on the CPU is set by the layer count at these sizes.
+The draft learns from the data (cross-entropy) and from the target (KL(target || draft) on every
+position, target detached), trained online alongside the target. A second draft with the same
+initialisation learns from cross-entropy alone; after training both are measured with the project's
+engine on held-out prompts and the one with the higher greedy acceptance at k = 4 ships.
+
+MTP head (Qwen3.5 / Qwen3-Next checkpoint layout, `mtp_num_hidden_layers: 1` in config.json):
+  mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.norm : zero-centred RMSNorm, applied as (1 + w)
+  mtp.fc                 : Linear(2*hidden -> hidden), weight (hidden, 2*hidden), no bias
+  mtp.layers.0.*         : one full-attention decoder layer, same parameter names as the target's
+                           full-attention layers (self_attn.{q,k,v,o}_proj, q_norm, k_norm, mlp.*,
+                           input_layernorm, post_attention_layernorm), with its own KV cache
+  shares the target's embed_tokens and (tied) lm_head.
+Wiring, as found in the public references:
+  * vLLM `vllm/model_executor/models/qwen3_next_mtp.py` (Qwen3NextMultiTokenPredictor.forward):
+        e = pre_fc_norm_embedding(embed(input_ids)); h = pre_fc_norm_hidden(hidden_states)
+        x = fc(cat([e, h], -1)); x = layers[0](positions, x); out = norm(x); logits = lm_head(out)
+  * SGLang `python/sglang/srt/models/qwen3_next_mtp.py` (Qwen3NextForCausalLMMTP.forward): the same,
+        `self.fc(torch.cat((input_embeds, hidden_states), dim=-1))`.
+  * Megatron-LM's MultiTokenPredictionLayer: `torch.cat((decoder_input, hidden_states), -1)` after
+        enorm/hnorm, i.e. the same order (embedding first) for the DeepSeek-V3 style MTP it came from.
+  So the concat ORDER is [normed embedding, normed hidden]: fc.weight[:, :hidden] reads the embedding,
+  fc.weight[:, hidden:] reads the hidden state.
+  The hidden state is taken AFTER the target's final norm (`model.norm`): in vLLM, Qwen3NextModel.forward
+  ends with `hidden_states, _ = self.norm(hidden_states, residual)` and Qwen3NextForCausalLM.compute_logits
+  applies lm_head to exactly that tensor, which is also what the spec-decode proposer hands to the MTP
+  model; in SGLang, spec_info.hidden_states is the tensor the logits processor received, again post-norm.
+  (HF's `Qwen3_5TextModel.forward` likewise returns `last_hidden_state = self.norm(...)`. This project's
+  `HybridLM.forward` returns the hidden state BEFORE the final norm, so its MTP drafter must apply
+  `target.model.norm` first.)
+  Positions: with committed tokens x_0..x_p the target's hidden h_p (post-norm; it gave the logits for
+  x_{p+1}) is paired with embed(x_{p+1}), and the head predicts x_{p+2}. In the issue's terms: the hidden
+  of position p-1 with the embedding of token p predicts token p+1. vLLM keeps the row at the hidden's
+  position (positions are not shifted when input_ids are rolled left by one); since RoPE only sees
+  relative positions inside the head's own KV cache, either convention gives the same result. Here, in
+  training, row i = (embed(x_{i+1}), h_i) sits at position i and its label is x_{i+2}.
+The head is trained on the detached target (hidden states, embedding and lm_head are not updated by its
+loss), with CE on x_{i+2} plus KL to the target's own distribution for that token (the target's logits at
+position i+1), so the shipped target is exactly the one trained without it.
+
+Outputs: shared/assets/models/{target,draft}/ (config.json + model.safetensors, MTP tensors inside the
+target's), docs/training_loss.png, docs/heldout_files.txt; a JSON summary on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from shared.model.checkpoint import hf_config  # noqa: E402
+
+EOS, VOCAB = 256, 257
+L, A = "linear_attention", "full_attention"
+TARGET = hf_config(
+    hidden_size=160, intermediate_size=448, layer_types=[L, L, L, A] * 3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=40,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=40, linear_value_head_dim=40,
+    mtp_num_hidden_layers=1,
+)
+DRAFT = hf_config(
+    hidden_size=128, intermediate_size=384, layer_types=[L, A],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+)
+HELDOUT_MOD = 50
+EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "pydoc_data", "encodings", "__pycache__"}
+OUT_TARGET = REPO / "shared" / "assets" / "models" / "target"
+OUT_DRAFT = REPO / "shared" / "assets" / "models" / "draft"
+DOCS = REPO / "docs"
+
+
+# ----------------------------------------------------------------------------------------------- data
+def stdlib_files() -> tuple[Path, list[str]]:
+    root = Path(os.path.dirname(os.__file__))
+    files = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if not EXCLUDED_DIRS.intersection(rel.parts[:-1]) and path.is_file():
+            files.append(rel.as_posix())
+    return root, sorted(files)
+
+
+def is_heldout(rel: str) -> bool:
+    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % HELDOUT_MOD == 0
+
+
+def load_corpus() -> tuple[Tensor, Tensor, list[str], Path]:
+    root, files = stdlib_files()
+    train, held, held_names = [], [], []
+    for rel in files:
+        data = (root / rel).read_bytes()
+        if not data.strip():
+            continue
+        ids = np.frombuffer(data, dtype=np.uint8).astype(np.int16)
+        (held if is_heldout(rel) else train).append(np.append(ids, np.int16(EOS)))
+        if is_heldout(rel):
+            held_names.append(rel)
+    return (torch.from_numpy(np.concatenate(train)).long(), torch.from_numpy(np.concatenate(held)).long(),
+            held_names, root)
+
+
+def write_heldout_list(names: list[str], root: Path) -> None:
+    DOCS.mkdir(exist_ok=True)
+    head = [
+        "# Held-out validation files of scripts/train_default_pair.py (never trained on).",
+        f"# Paths relative to the standard library directory, os.path.dirname(os.__file__) ({root.name} here,",
+        f"# Python {sys.version.split()[0]}); held out when int(sha1(path), 16) % {HELDOUT_MOD} == 0.",
+    ]
+    (DOCS / "heldout_files.txt").write_text("\n".join(head + names) + "\n")
+
+
+def batch(stream: Tensor, batch_size: int, seq: int, gen: torch.Generator) -> Tensor:
+    starts = torch.randint(0, stream.numel() - seq - 1, (batch_size,), generator=gen)
+    return torch.stack([stream[s:s + seq + 1] for s in starts.tolist()])
+
+
+# --------------------------------------------------------------------------------------------- models
+def hf_model(cfg: dict, seed: int):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    kwargs = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
+    torch.manual_seed(seed)
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**kwargs, attn_implementation="sdpa"))
+
+
+class MTPHead(nn.Module):
+    """The Qwen3.5 MTP module; state_dict keys are the checkpoint's `mtp.*` keys without the prefix."""
+
+    def __init__(self, target) -> None:
+        from transformers import Qwen3_5TextConfig
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+        super().__init__()
+        cfg = target.config
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        layer_cfg = Qwen3_5TextConfig(**{**cfg.to_dict(), "layer_types": [A], "num_hidden_layers": 1})
+        layer_cfg._attn_implementation = "sdpa"
+        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(hidden, eps)
+        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(hidden, eps)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList([Qwen3_5DecoderLayer(layer_cfg, 0)])
+        self.norm = Qwen3_5RMSNorm(hidden, eps)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=cfg.initializer_range)
+
+    def forward(self, emb: Tensor, hidden: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """emb = embed(x_{i+1}), hidden = post-norm h_i, both (B, T, H): the normed state for x_{i+2}."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        x = self.layers[0](x, position_embeddings=rope, attention_mask=None)  # sdpa: causal when mask is None
+        return self.norm(x)
+
+
+def rope_for(target, x: Tensor) -> tuple[Tensor, Tensor]:
+    positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+    return target.model.rotary_emb(x, positions[None])
+
+
+def kl(student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
+    """KL(teacher || student) per token, averaged."""
+    s = F.log_softmax(student_logits.float().flatten(0, -2), -1)
+    t = F.log_softmax(teacher_logits.float().flatten(0, -2), -1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean")
+
+
+def ce(logits: Tensor, labels: Tensor) -> Tensor:
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten())
+
+
+def mtp_logits(target, mtp: MTPHead, x: Tensor, hidden: Tensor) -> Tensor:
+    """Rows i = 0..T-2: (embed(x_{i+1}), h_i) -> logits for x_{i+2}. Target weights enter detached."""
+    emb = F.embedding(x[:, 1:], target.model.embed_tokens.weight.detach())
+    h = hidden[:, :-1].detach()
+    out = mtp(emb, h, rope_for(target, h))
+    return F.linear(out, target.lm_head.weight.detach())
+
+
+def optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+def lr_factor(step: int, steps: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def params(model: nn.Module) -> int:
+    """Parameters counted once (tied embeddings share one tensor)."""
+    return sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
+
+
+# ------------------------------------------------------------------------------------------- training
+def train(args, train_ids: Tensor, val_ids: Tensor) -> tuple:
+    target = hf_model(TARGET, args.seed).train()
+    mtp = MTPHead(target).train()
+    drafts = {"distilled": hf_model(DRAFT, args.seed + 1).train()}
+    if args.compare_ce_draft:
+        drafts["ce_only"] = hf_model(DRAFT, args.seed + 1).train()  # same initialisation
+    models = {"target": target, "mtp": mtp, **{f"draft_{k}": m for k, m in drafts.items()}}
+    lrs = {"target": args.lr, "mtp": args.lr_small, **{f"draft_{k}": args.lr_small for k in drafts}}
+    opts = {name: optimizer(m, lrs[name]) for name, m in models.items()}
+    gen = torch.Generator().manual_seed(args.seed)
+    val_gen = torch.Generator().manual_seed(args.seed + 100)
+    val_batch = batch(val_ids, args.val_batch, args.seq, val_gen)
+    alpha = args.kl_weight
+    history: dict[str, list] = {"step": [], "target": [], "mtp": [], **{f"draft_{k}": [] for k in drafts}}
+    val_history: dict[str, list] = {k: [] for k in history}
+
+    bar = tqdm(range(args.steps), desc="training", unit="step", dynamic_ncols=True)
+    for step in bar:
+        f = lr_factor(step, args.steps, args.warmup)
+        for name, opt in opts.items():
+            for group in opt.param_groups:
+                group["lr"] = lrs[name] * f
+        xb = batch(train_ids, args.batch, args.seq, gen)
+        x, y = xb[:, :-1], xb[:, 1:]
+        # target: CE on the next byte
+        hidden = target.model(input_ids=x).last_hidden_state  # post final norm
+        logits = target.lm_head(hidden)
+        loss_t = ce(logits, y)
+        loss_t.backward()
+        teacher = logits.detach()
+        hidden = hidden.detach()
+        # MTP head: CE on x_{i+2} + KL to the target's distribution for that token (its logits at i+1)
+        m_logits = mtp_logits(target, mtp, x, hidden)
+        ce_m = ce(m_logits, y[:, 1:])
+        ((1 - alpha) * ce_m + alpha * kl(m_logits, teacher[:, 1:])).backward()
+        # drafts
+        losses = {"target": loss_t.item(), "mtp": ce_m.item()}
+        for key, draft in drafts.items():
+            d_logits = draft(input_ids=x).logits
+            ce_d = ce(d_logits, y)
+            loss_d = ce_d if key == "ce_only" else (1 - alpha) * ce_d + alpha * kl(d_logits, teacher)
+            loss_d.backward()
+            losses[f"draft_{key}"] = ce_d.item()
+        for name, opt in opts.items():
+            torch.nn.utils.clip_grad_norm_(models[name].parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        history["step"].append(step)
+        for k, v in losses.items():
+            history[k].append(v)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            vals = evaluate(target, mtp, drafts, val_batch)
+            val_history["step"].append(step + 1)
+            for k, v in vals.items():
+                val_history[k].append(v)
+        bar.set_postfix({k.replace("draft_", "d_"): f"{v:.3f}" for k, v in losses.items()})
+    for m in models.values():
+        m.eval()
+    return target, mtp, drafts, history, val_history
+
+
+@torch.no_grad()
+def evaluate(target, mtp, drafts, xb: Tensor) -> dict[str, float]:
+    for m in (target, mtp, *drafts.values()):
+        m.eval()
+    x, y = xb[:, :-1], xb[:, 1:]
+    hidden = target.model(input_ids=x).last_hidden_state
+    logits = target.lm_head(hidden)
+    out = {"target": ce(logits, y).item(), "mtp": ce(mtp_logits(target, mtp, x, hidden), y[:, 1:]).item()}
+    for key, draft in drafts.items():
+        out[f"draft_{key}"] = ce(draft(input_ids=x).logits, y).item()
+    for m in (target, mtp, *drafts.values()):
+        m.train()
+    return out
+
+
+@torch.no_grad()
+def agreement(target, mtp, drafts, xb: Tensor) -> dict[str, float]:
+    """Teacher-forced top-1 agreement with the target's argmax on held-out text."""
+    x = xb[:, :-1]
+    hidden = target.model(input_ids=x).last_hidden_state
+    t_arg = target.lm_head(hidden).argmax(-1)
+    out = {"mtp_top1_vs_target": (mtp_logits(target, mtp, x, hidden).argmax(-1) == t_arg[:, 1:]).float().mean().item()}
+    for key, draft in drafts.items():
+        out[f"draft_{key}_top1_vs_target"] = (draft(input_ids=x).logits.argmax(-1) == t_arg).float().mean().item()
+    return out
+
+
+def plot(history: dict, val_history: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colours = {"target": "C0", "draft_distilled": "C1", "draft_ce_only": "C2", "mtp": "C3"}
+    labels = {"target": "target (next byte)", "draft_distilled": "draft, distilled (CE part)",
+              "draft_ce_only": "draft, CE only", "mtp": "target MTP head (byte after next)"}
+    for key in colours:
+        if key not in history or not history[key]:
+            continue
+        raw = np.array(history[key])
+        ema, smooth = raw[0], []
+        for v in raw:
+            ema = 0.9 * ema + 0.1 * v
+            smooth.append(ema)
+        ax.plot(history["step"], raw, color=colours[key], alpha=0.2, linewidth=0.8)
+        ax.plot(history["step"], smooth, color=colours[key], label=f"{labels[key]}, train")
+        if val_history.get(key):
+            ax.plot(val_history["step"], val_history[key], "o--", color=colours[key], markersize=4,
+                    label=f"{labels[key]}, held-out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_ylim(0, min(6.0, max(max(v) for k, v in history.items() if k != "step" and v) + 0.2))
+    ax.set_title("Default pair on the Python standard library (byte level)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def save(model, directory: Path, extra: dict[str, Tensor] | None = None) -> None:
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.iterdir():
+        stale.unlink()
+    model.save_pretrained(directory)
+    (directory / "generation_config.json").unlink(missing_ok=True)
+    if extra:
+        tensors = load_file(directory / "model.safetensors")
+        tensors.update({k: v.detach().contiguous() for k, v in extra.items()})
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def save_pair(target, mtp, draft, target_dir: Path, draft_dir: Path) -> None:
+    save(target, target_dir, {f"mtp.{k}": v for k, v in mtp.state_dict().items()})
+    save(draft, draft_dir)
+
+
+# ------------------------------------------------------------------------------------------ measuring
+def heldout_prompts(val_ids: Tensor, n: int, length: int) -> list[list[int]]:
+    """n prompts of about `length` bytes, each ending at a line end, spread over the held-out text."""
+    ids = val_ids.tolist()
+    prompts, stride = [], len(ids) // (n + 1)
+    for j in range(1, n + 1):
+        s = j * stride
+        while s > 0 and ids[s - 1] != 10:  # start at a line start
+            s -= 1
+        e = s + length
+        while e < len(ids) - 1 and ids[e - 1] != 10:  # end after a newline
+            e += 1
+        prompt = [t for t in ids[s:e] if t != EOS]
+        prompts.append(prompt)
+    return prompts
+
+
+def measure(target_dir: Path, draft_dir: Path, prompts: list[list[int]], new_tokens: int, k: int,
+            check_exact: bool = False) -> dict:
+    """Greedy speculative decoding with the engine (ModelDrafter, k drafts a round) on each prompt."""
+    from shared.decoding.drafters.model_drafter import ModelDrafter
+    from shared.decoding.speculative import generate
+    from shared.model.loader import load_model
+
+    target, draft = load_model(target_dir), load_model(draft_dir)
+    drafted = accepted = rounds = produced = 0
+    per_prompt, blank, exact = [], 0, True
+    for prompt in prompts:
+        spec = generate(target, prompt, new_tokens, ModelDrafter(draft), k)
+        st = spec.stats
+        drafted += st.drafted
+        accepted += st.accepted
+        rounds += st.rounds
+        produced += len(spec.token_ids)
+        per_prompt.append(round(st.accepted / max(1, st.drafted), 3))
+        blank += not bytes(t for t in spec.token_ids if t < 256).strip()
+        if check_exact:
+            exact &= spec.token_ids == generate(target, prompt, new_tokens).token_ids
+    out = {"acceptance_rate": accepted / drafted, "mean_accepted_length": produced / rounds,
+           "accepted": accepted, "drafted": drafted, "rounds": rounds, "per_prompt_acceptance": per_prompt,
+           "whitespace_only_continuations": blank}
+    if check_exact:
+        out["greedy_identical_to_target_only"] = exact
+    return out
+
+
+def time_per_token(directories: list[Path], prompts: list[list[int]], new_tokens: int, repeats: int = 3) -> list[float]:
+    """Seconds per generated token of target-only decoding through the engine, for each checkpoint.
+
+    The models take turns (prompt by prompt, repeat by repeat) so that load from other processes on a shared
+    machine hits them alike; the best of the repeats per prompt, then the median over prompts.
+    """
+    from shared.decoding.speculative import generate
+    from shared.model.loader import load_model
+
+    models = [load_model(d) for d in directories]
+    for model in models:
+        generate(model, prompts[0], 4)  # warm-up
+    best = [[math.inf] * len(prompts) for _ in models]
+    for _ in range(repeats):
+        for j, prompt in enumerate(prompts):
+            for i, model in enumerate(models):
+                best[i][j] = min(best[i][j], generate(model, prompt, new_tokens).stats.seconds / new_tokens)
+    return [float(np.median(b)) for b in best]
+
+
+def check_loads(target_dir: Path, draft_dir: Path, sample: list[int]) -> dict:
+    """HF loads both as they are; the engine loads both, keeps mtp.*, and agrees with HF's logits."""
+    from transformers import Qwen3_5ForCausalLM
+
+    from shared.model.loader import load_model
+
+    out = {}
+    for name, d in (("target", target_dir), ("draft", draft_dir)):
+        ref = Qwen3_5ForCausalLM.from_pretrained(d).eval()
+        ours = load_model(d)
+        ids = torch.tensor(sample)
+        with torch.no_grad():
+            want = ref(ids[None]).logits[0]
+        got, _ = ours(ids, ours.new_state())
+        out[f"{name}_engine_vs_hf_rel_err"] = ((got - want).norm() / want.norm()).item()
+        out[f"{name}_params"] = params(ref)
+        out[f"{name}_mtp_tensors"] = len(ours.mtp)
+        out[f"{name}_bytes"] = sum(p.stat().st_size for p in d.iterdir())
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=700)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=384)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr-small", type=float, default=3e-3, help="learning rate of the draft and the MTP head")
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--kl-weight", type=float, default=0.5, help="alpha in (1-alpha) CE + alpha KL(target||student)")
+    p.add_argument("--no-compare-ce-draft", dest="compare_ce_draft", action="store_false",
+                   help="skip the cross-entropy-only draft trained alongside for comparison")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--val-batch", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out-target", type=Path, default=OUT_TARGET)
+    p.add_argument("--out-draft", type=Path, default=OUT_DRAFT)
+    p.add_argument("--plot", type=Path, default=DOCS / "training_loss.png")
+    p.add_argument("--eval-only", action="store_true", help="measure the checkpoints already written")
+    args = p.parse_args()
+
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    train_ids, val_ids, held_names, root = load_corpus()
+    summary: dict = {"corpus": {"root": str(root), "train_bytes": train_ids.numel(), "heldout_bytes": val_ids.numel(),
+                                "heldout_files": len(held_names)}}
+    prompts = heldout_prompts(val_ids, args.prompts, 256)
+    started = time.time()
+    if not args.eval_only:
+        write_heldout_list(held_names, root)
+        target, mtp, drafts, history, val_history = train(args, train_ids, val_ids)
+        summary["train_seconds"] = round(time.time() - started, 1)
+        summary["final_train_loss"] = {k: float(np.mean(v[-50:])) for k, v in history.items() if k != "step"}
+        summary["final_heldout_loss"] = {k: v[-1] for k, v in val_history.items() if k != "step"}
+        plot(history, val_history, args.plot)
+        agree_batch = batch(val_ids, args.val_batch, args.seq, torch.Generator().manual_seed(args.seed + 200))
+        summary["heldout_top1_agreement"] = agreement(target, mtp, drafts, agree_batch)
+        # measure every candidate draft with the engine; the best greedy acceptance ships
+        results = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for key, draft in drafts.items():
+                t_dir, d_dir = Path(tmp) / key / "target", Path(tmp) / key / "draft"
+                save_pair(target, mtp, draft, t_dir, d_dir)
+                results[key] = measure(t_dir, d_dir, prompts, args.new_tokens, args.k)
+        summary["candidates"] = results
+        best = max(results, key=lambda k: results[k]["acceptance_rate"])
+        summary["shipped_draft"] = best
+        save_pair(target, mtp, drafts[best], args.out_target, args.out_draft)
+    summary["loads"] = check_loads(args.out_target, args.out_draft, prompts[0][:200])
+    summary["total_bytes"] = summary["loads"]["target_bytes"] + summary["loads"]["draft_bytes"]
+    summary[f"engine_k{args.k}"] = measure(args.out_target, args.out_draft, prompts, args.new_tokens, args.k,
+                                           check_exact=True)
+    t_target, t_draft = time_per_token([args.out_target, args.out_draft], prompts[:4], 64)
+    summary["ms_per_token"] = {"target": round(t_target * 1e3, 3), "draft": round(t_draft * 1e3, 3),
+                               "draft_over_target": round(t_draft / t_target, 3)}
+    from shared.decoding.speculative import generate
+    from shared.model.loader import load_model
+    from shared.model.tokenizer import ByteTokenizer
+
+    tok, target = ByteTokenizer(), load_model(args.out_target)
+    summary["samples"] = [{"prompt_tail": tok.decode(prompt)[-120:],
+                           "greedy_continuation": tok.decode(generate(target, prompt, 200).token_ids)}
+                          for prompt in prompts[:3]]
+    summary["wall_seconds"] = round(time.time() - started, 1)
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
