@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from shared.bench.rollback import compare
 from shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio, versus_hf
+from shared.decoding.drafters import make_drafter
 from shared.decoding.drafters.model_drafter import ModelDrafter
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.model.checkpoint import hf_config, random_model
@@ -43,10 +44,11 @@ def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
 def run(args: argparse.Namespace) -> dict:
     quick = args.quick
     target, draft = load_model(DEFAULT_TARGET), load_model(DEFAULT_DRAFT)
-    drafters = {"draft model": lambda: ModelDrafter(draft)}
-    prompts = heldout_prompts(2 if quick else 4)
-    ks = (2, 4) if quick else (1, 2, 4, 6, 8)
-    new_tokens = 48 if quick else 128
+    drafters = {"draft model": lambda: ModelDrafter(draft), "mtp": lambda: make_drafter("mtp", target),
+                "ngram": lambda: make_drafter("ngram", target)}
+    prompts = heldout_prompts(2 if quick else 3)
+    ks = (2, 4) if quick else (1, 2, 4, 8)
+    new_tokens = 48 if quick else 96
     steps = ["acceptance", "grpc", "hf", "rollback", "memory"] + (["gpu"] if torch.cuda.is_available() else [])
     result: dict = {}
     with tqdm(total=len(steps), desc="bench") as bar:
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> dict:
 
         result["grpc"] = measure(max_new_tokens=new_tokens, repeats=2 if quick else 3)
         bar.update()
-        best_k = max(result["acceptance"], key=lambda r: r["speedup"])["k"]
+        best_k = max((r for r in result["acceptance"] if r["drafter"] == "draft model"), key=lambda r: r["speedup"])["k"]
         result["hf"] = versus_hf(DEFAULT_TARGET, prompts[0], new_tokens, drafters["draft model"], best_k)
         bar.update()
         result["rollback"] = rollback_rows(10 if quick else args.rounds, (4,) if quick else (2, 4, 8))
