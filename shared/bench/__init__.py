@@ -20,6 +20,7 @@ from shared.decoding.drafters.model_drafter import ModelDrafter
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.model.checkpoint import hf_config, random_model
 from shared.model.loader import load_model
+from shared.telemetry.overhead import tracing_overhead
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> dict:
     prompts = heldout_prompts(2 if quick else 3)
     ks = (2, 4) if quick else (1, 2, 4, 8)
     new_tokens = 48 if quick else 96
-    steps = ["acceptance", "grpc", "hf", "rollback", "memory"] + (["gpu"] if torch.cuda.is_available() else [])
+    steps = ["acceptance", "grpc", "hf", "tracing", "rollback", "memory"] + (["gpu"] if torch.cuda.is_available() else [])
     result: dict = {}
     with tqdm(total=len(steps), desc="bench") as bar:
         result["acceptance"] = acceptance_and_speedup(target, drafters, ks, prompts, new_tokens)
@@ -60,6 +61,9 @@ def run(args: argparse.Namespace) -> dict:
         bar.update()
         best_k = max((r for r in result["acceptance"] if r["drafter"] == "draft model"), key=lambda r: r["speedup"])["k"]
         result["hf"] = versus_hf(DEFAULT_TARGET, prompts[0], new_tokens, drafters["draft model"], best_k)
+        bar.update()
+        result["tracing"] = tracing_overhead(target, ModelDrafter(draft), prompts[0], new_tokens,
+                                             repeats=3 if quick else 7)
         bar.update()
         result["rollback"] = rollback_rows(10 if quick else args.rounds, (4,) if quick else (2, 4, 8))
         bar.update()
@@ -83,6 +87,10 @@ def print_tables(result: dict) -> None:
     h = result["hf"]
     print(f"Ours over HF generate(): target-only {h['target_only_over_hf']:.2f}x, "
           f"speculative {h['speculative_over_hf']:.2f}x, identical tokens {h['identical_to_hf']}")
+    t = result["tracing"]
+    print(f"Tracing off vs compiled out: {t['off_tokens_per_s']:.1f} vs {t['compiled_out_tokens_per_s']:.1f} tok/s "
+          f"(cost {100 * t['off_cost']:.1f} %, from the loop's added time per round "
+          f"{100 * t['off_cost_from_added_time']:.2f} %)")
     print("\nRollback strategies (medians; rollback share = commit/revert/copies/replay over round time)")
     print(f"{'model':<18} {'k':>2} {'strategy':<18} {'round ms':>9} {'x ours':>7} {'rollback %':>10} {'staged KiB':>10}")
     for r in result["rollback"]:
