@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 # The test models are tiny: one thread avoids oversubscription on a 2-core machine (15x faster here).
 torch.set_num_threads(1)
 
-from shared.model.checkpoint import hf_config, random_model  # noqa: E402
+from shared.model.checkpoint import hf_config  # noqa: E402
 
 # Small configs covering the architecture's axes: key/value head ratios, d_k != d_v,
 # GDN-first and attention-first orders, tied and untied embeddings.
@@ -38,9 +38,3 @@ CONFIGS = {
 @pytest.fixture(params=list(CONFIGS), ids=list(CONFIGS))
 def config_dict(request):
     return CONFIGS[request.param]
-
-
-@pytest.fixture
-def tiny_model():
-    """A random 4-layer hybrid (3 GDN + 1 attention) with vocab 257."""
-    return random_model(hf_config(), seed=11)

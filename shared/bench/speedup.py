@@ -13,7 +13,6 @@ import torch
 
 from shared.decoding.drafters import Drafter
 from shared.decoding.speculative import generate
-from shared.defaults import DEFAULT_TARGET
 from shared.model.checkpoint import hf_config, random_model
 from shared.model.hybrid import HybridLM
 
@@ -112,7 +111,3 @@ def memory_bound_ratio(k: int = 4, context: int = 64, repeats: int = 7, device: 
     one, many = timed(1), timed(k + 1)
     return {"params_m": params / 1e6, "k": k, "decode_1_ms": 1000 * one, "verify_k1_ms": 1000 * many,
             "ratio": many / one}
-
-
-def default_target_dir() -> Path:
-    return DEFAULT_TARGET

@@ -78,12 +78,6 @@ class GDNStates:
         self.recurrent, self.spare = self.spare, self.recurrent
         self.logged = True
 
-    def clone_head(self) -> GDNStates:
-        twin = object.__new__(GDNStates)
-        for name, value in vars(self).items():
-            setattr(twin, name, value.clone() if isinstance(value, Tensor) else value)
-        return twin
-
 
 @dataclass
 class GDNSlot:
@@ -177,13 +171,3 @@ class ModelState:
             return 0
         per_token = sum(t.numel() * t.element_size() for t in (self.gdn.x, self.gdn.k, self.gdn.delta, self.gdn.g))
         return per_token // LOG_CAPACITY * self.staged
-
-    def clone(self) -> ModelState:
-        """A deep copy of the head (for tests and the benchmark's checkpoint strategy)."""
-        if self.staged:
-            raise ValueError("clone with a staged round")
-        twin = object.__new__(ModelState)
-        twin.length, twin.staged, twin.kinds = self.length, 0, self.kinds
-        twin.gdn = self.gdn.clone_head()
-        twin.attn = [AttnLayerState(a.k.clone(), a.v.clone()) for a in self.attn]
-        return twin
