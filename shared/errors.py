@@ -10,8 +10,10 @@ class DeltaspecError(Exception):
         self.field = field
 
 
-class InvalidArgument(DeltaspecError):
-    """The request itself is wrong (token out of vocabulary, k over the limit, empty prompt...)."""
+class InvalidArgument(DeltaspecError, ValueError):
+    """The request itself is wrong (token out of vocabulary, k over the limit, empty prompt...).
+
+    Also a ValueError: engine types (e.g. `SamplingParams`) raise it for in-process callers too."""
 
 
 class NotFound(DeltaspecError):

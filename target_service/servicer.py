@@ -75,8 +75,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
 
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         with self.sessions.use(request.session_id) as session:
-            probs = None if session.sampling.greedy else probs_from_proto(
-                request.draft_probs, len(request.draft_tokens), self.vocab_size, "draft_probs")
+            probs = probs_from_proto(request.draft_probs, list(request.draft_tokens), self.vocab_size, "draft_probs")
+            probs = None if session.sampling.greedy else probs  # checked even so: garbage is refused, not ignored
             started = time.perf_counter()
             rnd = await asyncio.to_thread(session.verify, request.round_id, list(request.draft_tokens),
                                           request.base_version, probs)
@@ -179,9 +179,10 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         if request.prompt_ids and request.prompt_text:
             raise InvalidArgument("set one of prompt_ids and prompt_text, not both", "prompt_ids")
         prompt = list(request.prompt_ids) or self.tokenizer.encode(request.prompt_text)
+        field_name = "prompt_text" if request.prompt_text else "prompt_ids"
         if not prompt:
-            raise InvalidArgument("the prompt is empty", "prompt_ids")
-        self.limits.check_prompt(len(prompt), "prompt_ids")
+            raise InvalidArgument("the prompt is empty", field_name)
+        self.limits.check_prompt(len(prompt), field_name)
         return prompt
 
 

@@ -89,7 +89,7 @@ def test_unknown_session_and_round_are_not_found(stub):
     (pb.CreateSessionRequest(), "prompt_ids"),
     (pb.CreateSessionRequest(prompt_ids=[1, 300]), "prompt_ids"),
     (pb.CreateSessionRequest(prompt_ids=[1], prompt_text="x"), "prompt_ids"),
-    (pb.CreateSessionRequest(prompt_ids=[1], sampling=sampling_pb2.SamplingParams(top_p=2.0)), "sampling"),
+    (pb.CreateSessionRequest(prompt_ids=[1], sampling=sampling_pb2.SamplingParams(top_p=2.0)), "sampling.top_p"),
     (pb.GenerateRequest(prompt_ids=[1], max_new_tokens=2, num_draft_tokens=17), "num_draft_tokens"),
 ], ids=["token-out-of-vocab", "k-over-limit", "probs-shape", "empty-prompt", "prompt-out-of-vocab",
         "two-prompts", "bad-sampling", "generate-k-over-limit"])

@@ -5,10 +5,13 @@ target's p are comparable. Temperature 0 means greedy: p is the one-hot argmax.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from shared.errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -19,12 +22,13 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:  # also refuses NaN
+            raise InvalidArgument(f"temperature must be finite and >= 0, got {self.temperature}",
+                                  "sampling.temperature")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}", "sampling.top_k")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}", "sampling.top_p")
 
     @property
     def greedy(self) -> bool:

@@ -76,6 +76,9 @@ class TargetSession:
             if self.round is not None and self.round.round_id == round_id:
                 if self.round.drafts != drafts_t or (base_version is not None and base_version != self.round.base_version):
                     raise FailedPrecondition(f"round {round_id!r} was already verified with other input", "round_id")
+                if self.round.outcome == "reverted":  # its verdict no longer stands: staging is gone
+                    raise FailedPrecondition(f"round {round_id!r} was reverted: verify under a new round id",
+                                             "round_id")
                 return self.round
             if self.pending is not None:
                 raise FailedPrecondition(

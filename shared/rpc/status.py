@@ -2,17 +2,20 @@
 
 Server side, `ErrorInterceptor` wraps every handler: a `DeltaspecError` becomes its status with
 details naming the field at fault (BadRequest for INVALID_ARGUMENT, ResourceInfo for NOT_FOUND,
-PreconditionFailure, QuotaFailure); any other exception becomes INTERNAL; a service that is still
-loading answers UNAVAILABLE. Client side, `field_of` reads the field back from a failed call.
+PreconditionFailure, QuotaFailure); a request that does not parse (invalid UTF-8 in a string) becomes
+INVALID_ARGUMENT naming the field, not gRPC's INTERNAL; any other exception becomes INTERNAL; a
+service that is still loading answers UNAVAILABLE. Client side, `field_of` reads the field back from a
+failed call.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
-from google.protobuf import any_pb2
-from google.protobuf.message import Message
+from google.protobuf import any_pb2, empty_pb2, unknown_fields
+from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -85,6 +88,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         service = handler_call_details.method.split("/")[1]
+        if handler.request_deserializer is not None:
+            handler = handler._replace(request_deserializer=_lenient(handler.request_deserializer))
         if handler.unary_unary:
             return handler._replace(unary_unary=self._unary(service, handler.unary_unary))
         if handler.unary_stream:
@@ -95,6 +100,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def wrapped(request, context: grpc.aio.ServicerContext):
             await self._check_ready(service, context)
             try:
+                _check_decoded(request)
                 return await behavior(request, context)
             except DeltaspecError as e:
                 await context.abort_with_status(to_status(e))
@@ -106,6 +112,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def wrapped(request, context: grpc.aio.ServicerContext):
             await self._check_ready(service, context)
             try:
+                _check_decoded(request)
                 responses = behavior(request, context)
                 if hasattr(responses, "__aiter__"):
                     async for response in responses:
@@ -121,6 +128,50 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def _check_ready(self, service: str, context: grpc.aio.ServicerContext) -> None:
         if not self.ready(service):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{service} is not serving (loading or draining)")
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    """A request that did not parse; it reaches the handler wrapper, which refuses it with INVALID_ARGUMENT."""
+
+    raw: bytes
+    message: type[Message] | None
+
+
+def _lenient(deserialize: Callable[[bytes], Message]) -> Callable[[bytes], Message | _Undecodable]:
+    """gRPC answers a request that fails to parse with INTERNAL; this hands it on to be refused properly."""
+    def parse(raw: bytes) -> Message | _Undecodable:
+        try:
+            return deserialize(raw)
+        except DecodeError:
+            return _Undecodable(raw, getattr(deserialize, "__self__", None))
+    return parse
+
+
+def _check_decoded(request: object) -> None:
+    if not isinstance(request, _Undecodable):
+        return
+    name = request.message.DESCRIPTOR.full_name if request.message else "request"
+    field = _invalid_utf8_field(request.raw, request.message) if request.message else None
+    reason = f"field {field!r} is not valid UTF-8" if field else "it does not parse"
+    raise InvalidArgument(f"the request is not a valid {name}: {reason}", field)
+
+
+def _invalid_utf8_field(raw: bytes, message: type[Message]) -> str | None:
+    """The top-level string field holding invalid UTF-8 (the usual reason a well-framed request fails), or None."""
+    holder = empty_pb2.Empty()
+    try:
+        holder.ParseFromString(raw)  # every field lands in the unknown set, where strings are not checked
+    except DecodeError:
+        return None
+    for f in unknown_fields.UnknownFieldSet(holder):
+        fd = message.DESCRIPTOR.fields_by_number.get(f.field_number)
+        if fd is not None and fd.type == fd.TYPE_STRING and f.wire_type == 2:
+            try:
+                f.data.decode("utf-8")
+            except UnicodeDecodeError:
+                return fd.name
+    return None
 
 
 async def _internal(context: grpc.aio.ServicerContext, e: Exception) -> None:
