@@ -18,6 +18,7 @@ from shared.decoding.session_table import Limits, SessionTable
 from shared.decoding.target import MAX_DRAFT_TOKENS
 from shared.model.hybrid import HybridLM
 from shared.rpc.convert import probs_to_proto, sampling_from_proto
+from shared.rpc.security import caller
 from shared.rpc.server import Service
 from shared.telemetry import Telemetry
 from shared.telemetry import attributes as attr
@@ -39,14 +40,14 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
                             context) -> pb.DraftServiceCreateSessionResponse:
         sampling = sampling_from_proto(request.sampling)
         self.limits.check_prompt(len(request.token_ids), "token_ids")
-        self.sessions.reserve()
+        self.sessions.reserve(caller())
         session = await asyncio.to_thread(DraftSession, self.model, list(request.token_ids), sampling)
-        return pb.DraftServiceCreateSessionResponse(session_id=self.sessions.add(session),
+        return pb.DraftServiceCreateSessionResponse(session_id=self.sessions.add(session, caller()),
                                                     max_draft_tokens=MAX_DRAFT_TOKENS)
 
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         previous = _outcome(request.previous) if request.HasField("previous") else None
-        with self.sessions.use(request.session_id) as session:
+        with self.sessions.use(request.session_id, caller()) as session:
             started = time.perf_counter()
             proposal = await asyncio.to_thread(session.propose, request.round_id, request.k, previous)
             self.telemetry.metrics.propose_seconds.observe(time.perf_counter() - started)
@@ -58,18 +59,18 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
         return pb.ProposeResponse(draft_tokens=proposal.tokens, draft_probs=probs_to_proto(proposal.probs, greedy))
 
     async def Commit(self, request: pb.DraftServiceCommitRequest, context) -> pb.DraftServiceCommitResponse:
-        with self.sessions.use(request.session_id) as session:
+        with self.sessions.use(request.session_id, caller()) as session:
             await asyncio.to_thread(session.commit, _outcome(request.outcome))
         return pb.DraftServiceCommitResponse()
 
     async def Revert(self, request: pb.DraftServiceRevertRequest, context) -> pb.DraftServiceRevertResponse:
-        with self.sessions.use(request.session_id) as session:
+        with self.sessions.use(request.session_id, caller()) as session:
             await asyncio.to_thread(session.revert, request.round_id)
         return pb.DraftServiceRevertResponse()
 
     async def CloseSession(self, request: pb.DraftServiceCloseSessionRequest,
                            context) -> pb.DraftServiceCloseSessionResponse:
-        self.sessions.remove(request.session_id)
+        self.sessions.remove(request.session_id, caller())
         return pb.DraftServiceCloseSessionResponse()
 
 

@@ -85,9 +85,12 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
     if args.target or args.draft:
         raise ValueError("--target/--draft name local checkpoints; with --target-addr the servers hold the models")
+    security = _client_security(args, "")
+    for address in filter(None, (args.target_addr, args.draft_addr)):
+        security.check(address)
     prompt = dict(prompt_ids=args.prompt_ids, prompt_text=args.prompt or "", max_new_tokens=args.max_new_tokens,
                   num_draft_tokens=args.num_draft_tokens, sampling=_sampling(args), timeout_s=args.timeout,
-                  telemetry=(telemetry := Telemetry.from_env(CLIENT)))
+                  security=security, telemetry=(telemetry := Telemetry.from_env(CLIENT)))
     try:
         if args.draft_addr:
             result, text = generate_client_driven(args.target_addr, args.draft_addr, **prompt)
@@ -105,7 +108,42 @@ def _generate_remote(args: argparse.Namespace) -> int:
 def _limits(args: argparse.Namespace):
     from shared.decoding.session_table import Limits
 
-    return Limits(args.max_sessions, args.session_ttl, args.max_prompt_tokens)
+    return Limits(args.max_sessions, args.session_ttl, args.max_prompt_tokens, args.max_sessions_per_caller)
+
+
+PLAINTEXT_RULE = ("Plaintext is allowed without a flag only on loopback (127.0.0.1, ::1, localhost: development); "
+                  "any other address needs TLS or --insecure (DELTASPEC_INSECURE=1).")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def _listen(args: argparse.Namespace):
+    """Where and how a server listens, from its flags; a placeholder or malformed token file stops it here."""
+    from shared.rpc.security import ServerSecurity, ServerTLS, TokenStore
+    from shared.rpc.server import Listen
+
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
+        raise ValueError("TLS needs both --tls-cert and --tls-key (and --tls-client-ca only with them)")
+    tls = ServerTLS(Path(args.tls_cert), Path(args.tls_key),
+                    Path(args.tls_client_ca) if args.tls_client_ca else None) if args.tls_cert else None
+    security = ServerSecurity(tls, TokenStore(args.tokens) if args.tokens else None, args.insecure)
+    security.check(args.host)
+    return Listen(args.host, args.port, security, args.health_port)
+
+
+def _client_security(args: argparse.Namespace, prefix: str):
+    """How to dial, from the flags `_add_client_security` added under `prefix` ('' or 'draft_')."""
+    from shared.rpc.security import ClientSecurity
+
+    def path(name: str) -> Path | None:
+        value = getattr(args, prefix + name)
+        return Path(value) if value else None
+
+    return ClientSecurity(path("tls_ca"), path("tls_cert"), path("tls_key"),
+                          os.environ.get(f"DELTASPEC_{prefix.upper()}TOKEN") or None, path("token_file"),
+                          getattr(args, prefix + "tls_server_name"), args.insecure)
 
 
 def cmd_serve_target(args: argparse.Namespace) -> int:
@@ -116,13 +154,17 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     from target_service.servicer import DraftPeer, service
 
     model_dir = Path(args.model or DEFAULT_TARGET)
-    draft = DraftPeer(args.draft_addr, args.draft_timeout) if args.draft_addr else None
+    listen = _listen(args)
+    draft = DraftPeer(args.draft_addr, args.draft_timeout, _client_security(args, "draft_")) if args.draft_addr \
+        else None
+    if draft:
+        draft.security.check(draft.address)
     telemetry = Telemetry.from_env(TARGET)
     if draft and args.draft != "none":
         raise ValueError("serve-target takes --draft-addr or --draft, not both")
     svc = service(lambda: (load_model(model_dir), load_tokenizer(model_dir)), _limits(args), draft,
                   args.advertise_address, telemetry, args.draft)
-    return serve([svc], args.host, args.port, args.grace, telemetry, args.metrics_port)
+    return serve([svc], listen, args.grace, telemetry, args.metrics_port)
 
 
 def cmd_serve_draft(args: argparse.Namespace) -> int:
@@ -132,9 +174,10 @@ def cmd_serve_draft(args: argparse.Namespace) -> int:
     from shared.telemetry import DRAFT, Telemetry
 
     model_dir = Path(args.model or DEFAULT_DRAFT)
+    listen = _listen(args)
     telemetry = Telemetry.from_env(DRAFT)
-    return serve([service(lambda: load_model(model_dir), _limits(args), telemetry)], args.host, args.port,
-                 args.grace, telemetry, args.metrics_port)
+    return serve([service(lambda: load_model(model_dir), _limits(args), telemetry)], listen, args.grace, telemetry,
+                 args.metrics_port)
 
 
 def _add_server(p: argparse.ArgumentParser, model: str) -> None:
@@ -147,6 +190,45 @@ def _add_server(p: argparse.ArgumentParser, model: str) -> None:
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 picks one, printed "
                                                     "on stderr; default: no metrics endpoint)")
+    p.add_argument("--max-sessions-per-caller", type=int, default=0,
+                   help="sessions one caller (token name, client certificate, or 'anonymous') may hold open; "
+                        "0: only --max-sessions bounds it")
+    env = os.environ.get
+    tls = p.add_argument_group("TLS and authentication", PLAINTEXT_RULE + " Each caller sees only its own sessions.")
+    tls.add_argument("--tls-cert", default=env("DELTASPEC_TLS_CERT"),
+                     help="PEM certificate chain: serve TLS (default: $DELTASPEC_TLS_CERT); the files are read "
+                          "again when they change, for new connections, without a restart")
+    tls.add_argument("--tls-key", default=env("DELTASPEC_TLS_KEY"), help="PEM private key (default: $DELTASPEC_TLS_KEY)")
+    tls.add_argument("--tls-client-ca", default=env("DELTASPEC_TLS_CLIENT_CA"),
+                     help="PEM CA bundle: mutual TLS, refusing clients without a certificate it signed "
+                          "(default: $DELTASPEC_TLS_CLIENT_CA)")
+    tls.add_argument("--tokens", default=env("DELTASPEC_TOKENS"),
+                     help="bearer tokens callers must send (authorization: Bearer ...): a file of 'name:token' "
+                          "or 'token' lines, or a directory of files named for their caller (a mounted Kubernetes "
+                          "Secret); read again when it changes; health and reflection stay open "
+                          "(default: $DELTASPEC_TOKENS; none: no token needed)")
+    tls.add_argument("--insecure", action="store_true", default=_env_flag("DELTASPEC_INSECURE"),
+                     help="allow plaintext on a non-loopback address (default: $DELTASPEC_INSECURE=1)")
+    p.add_argument("--health-port", type=int, default=int(env("DELTASPEC_HEALTH_PORT", "0")) or None,
+                   help="also answer grpc.health.v1 (only) in plaintext on this port, for probes that cannot "
+                        "speak TLS, such as Kubernetes' (default: $DELTASPEC_HEALTH_PORT; none)")
+
+
+def _add_client_security(p: argparse.ArgumentParser, prefix: str, peer: str) -> None:
+    """--[prefix]tls-ca, --[prefix]tls-cert, --[prefix]tls-key, --[prefix]tls-server-name, --[prefix]token-file,
+    each defaulting to $DELTASPEC_[PREFIX]..., for dialling `peer`."""
+    env_prefix = f"DELTASPEC_{prefix.upper().replace('-', '_')}"
+    g = p.add_argument_group(f"TLS and authentication to the {peer}",
+                             f"{PLAINTEXT_RULE} The token may also be given as ${env_prefix}TOKEN.")
+    for name, what in (("tls-ca", "PEM CA bundle the server's certificate must chain to: dial with TLS"),
+                       ("tls-cert", "PEM client certificate for mutual TLS (implies TLS with the system roots "
+                                    "when no CA is given)"),
+                       ("tls-key", "PEM key of the client certificate"),
+                       ("tls-server-name", "the name the server's certificate must carry, when not the dialled host"),
+                       ("token-file", "file holding the bearer token sent with every call (read again when it "
+                                      "changes)")):
+        var = env_prefix + name.upper().replace("-", "_")
+        g.add_argument(f"--{prefix}{name}", default=os.environ.get(var), help=f"{what} (default: ${var})")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -180,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-addr", help="HOST:PORT of a target service: generate there instead of in process")
     p.add_argument("--draft-addr", help="HOST:PORT of a draft service: drive the loop from here (with --target-addr)")
     p.add_argument("--timeout", type=float, help="deadline in seconds for the whole generation over gRPC")
+    _add_client_security(p, "", "services")
+    p.add_argument("--insecure", action="store_true", default=_env_flag("DELTASPEC_INSECURE"),
+                   help="allow plaintext to a non-loopback address (default: $DELTASPEC_INSECURE=1)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve-target", help="serve the target model (TargetService) over gRPC")
@@ -193,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this replica's stable HOST:PORT, returned by CreateSession so clients send a session's "
                         "later calls to the replica that holds it (default: $DELTASPEC_ADVERTISE_ADDRESS; "
                         "empty: clients keep the address they dialled)")
+    _add_client_security(p, "draft-", "draft service (--draft-addr); --insecure covers it too")
     p.set_defaults(func=cmd_serve_target)
 
     p = sub.add_parser("serve-draft", help="serve the draft model (DraftService) over gRPC")

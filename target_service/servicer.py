@@ -28,8 +28,8 @@ from shared.errors import InvalidArgument
 from shared.model.hybrid import HybridLM
 from shared.model.tokenizer import Tokenizer
 from shared.rpc.convert import probs_from_proto, sampling_from_proto, stats_to_proto
-from shared.rpc.options import channel
 from shared.rpc.remote_drafter import RemoteDrafter
+from shared.rpc.security import ClientSecurity, caller
 from shared.rpc.server import Service
 from shared.telemetry import Telemetry
 from shared.telemetry import attributes as attr
@@ -39,10 +39,12 @@ NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 @dataclass
 class DraftPeer:
-    """The configured draft service, and how long one Propose may take before a round goes on without it."""
+    """The configured draft service, how long one Propose may take before a round goes on without it, and how
+    to dial it (TLS, token)."""
 
     address: str
     timeout_s: float = 1.0
+    security: ClientSecurity = ClientSecurity()
 
 
 class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
@@ -61,20 +63,20 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         self.model, self.tokenizer = self._load()
         self.vocab_size = self.model.config.vocab_size
         self.eos = set(self.model.config.eos_token_id)
-        self.draft_stub = (draft_service_pb2_grpc.DraftServiceStub(self.telemetry.channel(channel(self.draft.address)))
-                           if self.draft else None)
+        self.draft_stub = (draft_service_pb2_grpc.DraftServiceStub(
+            self.telemetry.channel(self.draft.security.channel(self.draft.address))) if self.draft else None)
 
     async def CreateSession(self, request: pb.CreateSessionRequest, context) -> pb.CreateSessionResponse:
         prompt, sampling = self._prompt(request), sampling_from_proto(request.sampling)
-        self.sessions.reserve()
+        self.sessions.reserve(caller())
         session = await asyncio.to_thread(TargetSession, self.model, prompt, sampling)
         return pb.CreateSessionResponse(
-            session_id=self.sessions.add(session), head_version=session.version, prompt_ids=prompt,
+            session_id=self.sessions.add(session, caller()), head_version=session.version, prompt_ids=prompt,
             vocab_size=self.vocab_size, eos_token_ids=sorted(self.eos), max_draft_tokens=MAX_DRAFT_TOKENS,
             target_address=self.advertise_address)
 
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
-        with self.sessions.use(request.session_id) as session:
+        with self.sessions.use(request.session_id, caller()) as session:
             probs = probs_from_proto(request.draft_probs, list(request.draft_tokens), self.vocab_size, "draft_probs")
             probs = None if session.sampling.greedy else probs  # checked even so: garbage is refused, not ignored
             started = time.perf_counter()
@@ -86,7 +88,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                                  round=_staged(rnd))
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
-        with self.sessions.use(request.session_id) as session:
+        with self.sessions.use(request.session_id, caller()) as session:
             started = time.perf_counter()
             version, tokens, rnd = await asyncio.to_thread(_commit, session, request.round_id, request.accepted)
             if rnd is not None:  # a retry of a commit already made counts nothing
@@ -96,7 +98,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         return pb.CommitResponse(head_version=version, committed_tokens=tokens)
 
     async def Revert(self, request: pb.RevertRequest, context) -> pb.RevertResponse:
-        with self.sessions.use(request.session_id) as session:
+        with self.sessions.use(request.session_id, caller()) as session:
             pending = session.pending is not None and session.pending.round_id == request.round_id
             version = await asyncio.to_thread(session.revert, request.round_id)
             if pending:
@@ -106,7 +108,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         return pb.RevertResponse(head_version=version)
 
     async def GetSession(self, request: pb.GetSessionRequest, context) -> pb.GetSessionResponse:
-        with self.sessions.use(request.session_id) as session, session.lock:
+        with self.sessions.use(request.session_id, caller()) as session, session.lock:
             pending = session.pending
             return pb.GetSessionResponse(
                 session_id=request.session_id, length=len(session.tokens), head_version=session.version,
@@ -114,7 +116,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                 text=self.tokenizer.decode(session.generated))
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionResponse:
-        self.sessions.remove(request.session_id)
+        self.sessions.remove(request.session_id, caller())
         return pb.CloseSessionResponse()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -122,7 +124,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         if request.num_draft_tokens > MAX_DRAFT_TOKENS:
             raise InvalidArgument(f"num_draft_tokens = {request.num_draft_tokens} is over the limit "
                                   f"{MAX_DRAFT_TOKENS}", "num_draft_tokens")
-        self.sessions.reserve()
+        owner = caller()
+        self.sessions.reserve(owner)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         loop, queue, cancelled = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
@@ -137,8 +140,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                 drafter.start(list(prompt))
                 attach(drafter, session)
                 stats = Stats()
-                session.session_id = self.sessions.add(session)  # type: ignore[attr-defined]
-                with self.sessions.use(session.session_id):  # type: ignore[attr-defined]
+                session.session_id = self.sessions.add(session, owner)  # type: ignore[attr-defined]
+                with self.sessions.use(session.session_id, owner):  # type: ignore[attr-defined]
                     for new in decode(session, drafter, request.max_new_tokens, request.num_draft_tokens,
                                       self.eos, stats, self.telemetry.tracer, self.metrics):
                         stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started

@@ -2,6 +2,11 @@
 
 Idle sessions expire after `ttl_s`; a session inside `use()` is never idle, however long the call.
 Expiry is checked on every access, so no background task is needed.
+
+Each session belongs to the caller that opened it (`owner`: a token name, a client certificate's
+subject, or "anonymous" when the server authenticates no one; see `shared.rpc.security`). To any
+other caller it does not exist: the same NOT_FOUND, word for word, as an id never issued, so a
+leaked id reveals nothing. `max_sessions_per_caller` keeps one caller from taking the whole table.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import Generic, TypeVar
 from shared.errors import NotFound, ResourceExhausted
 
 S = TypeVar("S")
+ANONYMOUS = "anonymous"  # the caller when the server authenticates no one
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,7 @@ class Limits:
     max_sessions: int = 64
     ttl_s: float = 600.0
     max_prompt_tokens: int = 8192
+    max_sessions_per_caller: int = 0  # 0: only `max_sessions` bounds a caller
 
     def check_prompt(self, n_tokens: int, field_name: str) -> None:
         if n_tokens > self.max_prompt_tokens:
@@ -33,6 +40,7 @@ class Limits:
 @dataclass
 class _Entry(Generic[S]):
     session: S
+    owner: str
     last_used: float
     in_use: int = 0
 
@@ -44,27 +52,25 @@ class SessionTable(Generic[S]):
         self._lock = threading.Lock()
         self.expired = 0  # sessions dropped for idleness, ever (a metric)
 
-    def reserve(self) -> None:
-        """Refuse early, before an expensive prefill, when the table is full."""
+    def reserve(self, owner: str = ANONYMOUS) -> None:
+        """Refuse early, before an expensive prefill, when the table (or the caller's share) is full."""
         with self._lock:
             self._expire()
-            self._check_room()
+            self._check_room(owner)
 
-    def add(self, session: S) -> str:
+    def add(self, session: S, owner: str = ANONYMOUS) -> str:
         with self._lock:
             self._expire()
-            self._check_room()
+            self._check_room(owner)
             session_id = uuid.uuid4().hex
-            self._entries[session_id] = _Entry(session, self.clock())
+            self._entries[session_id] = _Entry(session, owner, self.clock())
             return session_id
 
     @contextmanager
-    def use(self, session_id: str) -> Iterator[S]:
+    def use(self, session_id: str, owner: str = ANONYMOUS) -> Iterator[S]:
         with self._lock:
             self._expire()
-            entry = self._entries.get(session_id)
-            if entry is None:
-                raise NotFound(f"no session {session_id!r} (never opened, closed, or expired)", "session_id")
+            entry = self._find(session_id, owner)
             entry.in_use += 1
         try:
             yield entry.session
@@ -73,12 +79,11 @@ class SessionTable(Generic[S]):
                 entry.in_use -= 1
                 entry.last_used = self.clock()
 
-    def remove(self, session_id: str) -> S:
+    def remove(self, session_id: str, owner: str = ANONYMOUS) -> S:
         with self._lock:
             self._expire()
-            entry = self._entries.pop(session_id, None)
-            if entry is None:
-                raise NotFound(f"no session {session_id!r} (never opened, closed, or expired)", "session_id")
+            entry = self._find(session_id, owner)
+            del self._entries[session_id]
             return entry.session
 
     def __len__(self) -> int:
@@ -86,10 +91,21 @@ class SessionTable(Generic[S]):
             self._expire()
             return len(self._entries)
 
-    def _check_room(self) -> None:
+    def _find(self, session_id: str, owner: str) -> _Entry[S]:
+        """The caller's own session; anyone else's is refused exactly as an unknown id is."""
+        entry = self._entries.get(session_id)
+        if entry is None or entry.owner != owner:
+            raise NotFound(f"no session {session_id!r} (never opened, closed, or expired)", "session_id")
+        return entry
+
+    def _check_room(self, owner: str) -> None:
         if len(self._entries) >= self.limits.max_sessions:
             raise ResourceExhausted(f"{len(self._entries)} sessions are open, the limit is "
                                     f"{self.limits.max_sessions}", "session_id")
+        quota = self.limits.max_sessions_per_caller
+        if quota and (mine := sum(e.owner == owner for e in self._entries.values())) >= quota:
+            raise ResourceExhausted(f"caller {owner!r} has {mine} sessions open, the limit per caller is {quota}",
+                                    "session_id")
 
     def _expire(self) -> None:
         cutoff = self.clock() - self.limits.ttl_s

@@ -7,6 +7,9 @@
   with the target and the draft as remote peers: one Propose, one Verify and one Commit a round.
   A session is opened through `target_address` (which may be a load-balanced service) and its
   later calls go straight to the replica that holds it when that replica advertises an address.
+
+Every channel is dialled as `security` says (`shared.rpc.security.ClientSecurity`: TLS, mutual TLS,
+the bearer token); the default is plaintext, which it allows only to loopback addresses.
 """
 from __future__ import annotations
 
@@ -22,9 +25,9 @@ from shared.decoding.drafters import NoDrafter
 from shared.decoding.sampling import SamplingParams
 from shared.decoding.speculative import Generation, Stats, decode
 from shared.rpc.convert import sampling_to_proto, stats_from_proto
-from shared.rpc.options import channel
 from shared.rpc.remote_drafter import RemoteDrafter
 from shared.rpc.remote_target import RemoteTargetSession
+from shared.rpc.security import ClientSecurity
 from shared.telemetry import Telemetry
 from shared.telemetry import attributes as attr
 
@@ -35,13 +38,14 @@ def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt
                        num_draft_tokens: int = 4, sampling: SamplingParams = SamplingParams(),
                        timeout_s: float | None = None, on_tokens: OnTokens | None = None,
                        max_attempts: int = 8, telemetry: Telemetry | None = None,
-                       model: str = "deltaspec-target") -> tuple[Generation, str]:
+                       model: str = "deltaspec-target",
+                       security: ClientSecurity = ClientSecurity()) -> tuple[Generation, str]:
     telemetry = telemetry or Telemetry()
     started = time.perf_counter()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     prompt, out, text, stats = list(prompt_ids or []), [], "", Stats()
     with _generation_span(telemetry, "server", model, max_new_tokens) as span, \
-            telemetry.channel(channel(target_address)) as ch:
+            telemetry.channel(security.channel(target_address)) as ch:
         stub = target_service_pb2_grpc.TargetServiceStub(ch)
         for attempt in range(max_attempts):
             request = target_service_pb2.GenerateRequest(
@@ -73,21 +77,22 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
                            prompt_text: str, max_new_tokens: int, num_draft_tokens: int = 4,
                            sampling: SamplingParams = SamplingParams(), timeout_s: float | None = None,
                            draft_timeout_s: float = 1.0, on_tokens: OnTokens | None = None,
-                           telemetry: Telemetry | None = None, model: str = "deltaspec-target") -> tuple[Generation, str]:
+                           telemetry: Telemetry | None = None, model: str = "deltaspec-target",
+                           security: ClientSecurity = ClientSecurity()) -> tuple[Generation, str]:
     telemetry = telemetry or Telemetry()
     started = time.perf_counter()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with ExitStack() as stack:
         span = stack.enter_context(_generation_span(telemetry, "client", model, max_new_tokens))
-        target_ch = stack.enter_context(telemetry.channel(channel(target_address)))
-        replicas = stack.enter_context(_ReplicaChannels(telemetry))  # closed after the session, which may use one
+        target_ch = stack.enter_context(telemetry.channel(security.channel(target_address)))
+        replicas = stack.enter_context(_ReplicaChannels(telemetry, security))  # closed after the session, which may use one
         session = RemoteTargetSession(target_service_pb2_grpc.TargetServiceStub(target_ch), prompt_ids, prompt_text,
                                       sampling, deadline, dial=replicas.stub)
         stack.callback(session.close)
         remote = None
         if draft_address:
             draft_stub = draft_service_pb2_grpc.DraftServiceStub(
-                stack.enter_context(telemetry.channel(channel(draft_address))))
+                stack.enter_context(telemetry.channel(security.channel(draft_address))))
             remote = RemoteDrafter(draft_stub, sampling, session.vocab_size, draft_timeout_s, deadline)
             stack.callback(remote.close)
         drafter = remote or NoDrafter()
@@ -106,15 +111,15 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
 class _ReplicaChannels(ExitStack):
     """Stubs for the target replicas sessions are pinned to: one channel per address, all closed on exit."""
 
-    def __init__(self, telemetry: Telemetry) -> None:
+    def __init__(self, telemetry: Telemetry, security: ClientSecurity) -> None:
         super().__init__()
-        self.telemetry = telemetry
+        self.telemetry, self.security = telemetry, security
         self.stubs: dict[str, target_service_pb2_grpc.TargetServiceStub] = {}
 
     def stub(self, address: str) -> target_service_pb2_grpc.TargetServiceStub:
         if address not in self.stubs:
             self.stubs[address] = target_service_pb2_grpc.TargetServiceStub(
-                self.enter_context(self.telemetry.channel(channel(address))))
+                self.enter_context(self.telemetry.channel(self.security.channel(address))))
         return self.stubs[address]
 
 

@@ -37,5 +37,6 @@ CHANNEL_OPTIONS = [
 
 
 def channel(address: str) -> grpc.Channel:
-    """A plaintext channel: the services are meant for loopback or a private network."""
+    """A plaintext channel with no token (tests, health checks); `shared.rpc.security.ClientSecurity` dials
+    with TLS and tokens."""
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

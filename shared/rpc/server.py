@@ -5,6 +5,10 @@ UNAVAILABLE), loads its models in a worker thread, then turns each service SERVI
 (SIGTERM, or `drain()`) turns everything NOT_SERVING, lets in-flight calls finish within the
 grace period, and stops. `serve` runs one in the foreground for the CLI; `BackgroundServer` runs
 one on its own event-loop thread, for the demo and the tests.
+
+TLS, tokens and the caller's identity come from a `ServerSecurity` (`shared.rpc.security`). With
+`health_port`, a second, plaintext listener answers grpc.health.v1 and nothing else: Kubernetes'
+native gRPC probes cannot speak TLS.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shared.rpc.options import SERVER_OPTIONS
+from shared.rpc.security import ServerSecurity
 from shared.rpc.status import ErrorInterceptor
 from shared.telemetry import Telemetry
 
@@ -36,20 +41,36 @@ class Service:
     load: Callable[[], None]
 
 
+@dataclass(frozen=True)
+class Listen:
+    """Where and how a server listens."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    security: ServerSecurity = ServerSecurity()
+    health_port: int | None = None  # plaintext grpc.health.v1 only (0 picks one)
+
+
 class ModelServer:
-    def __init__(self, services: list[Service], host: str = "127.0.0.1", port: int = 0, grace_s: float = 10.0,
+    def __init__(self, services: list[Service], listen: Listen = Listen(), grace_s: float = 10.0,
                  telemetry: Telemetry | None = None) -> None:
-        self.services, self.address, self.grace_s = services, f"{host}:{port}", grace_s
+        self.services, self.listen, self.grace_s = services, listen, grace_s
+        listen.security.check(listen.host)
         self.ready: set[str] = set()
         self.health = health.aio.HealthServicer()
-        interceptors = [*(telemetry.server_interceptors() if telemetry else []), ErrorInterceptor(self._serving)]
+        interceptors = [*(telemetry.server_interceptors() if telemetry else []), *listen.security.interceptors(),
+                        ErrorInterceptor(self._serving)]
         self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for service in services:
             service.register(self.server)
         reflection.enable_server_reflection(
             [s.name for s in services] + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        self.port = 0
+        self.health_server: grpc.aio.Server | None = None
+        if listen.health_port is not None:
+            self.health_server = grpc.aio.server(options=SERVER_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+        self.port = self.health_port = 0
 
     def _serving(self, service: str) -> bool:
         """Model services answer once loaded and until drained; health and reflection always."""
@@ -59,9 +80,15 @@ class ModelServer:
         """Listen (every service NOT_SERVING until `load`); returns the bound port."""
         for name in ["", *(s.name for s in self.services)]:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(self.address)
+        address = f"{self.listen.host}:{self.listen.port}"
+        self.port = self.listen.security.add_port(self.server, address)
         if not self.port:
-            raise OSError(f"cannot listen on {self.address}")
+            raise OSError(f"cannot listen on {address}")
+        if self.health_server is not None:
+            self.health_port = self.health_server.add_insecure_port(f"{self.listen.host}:{self.listen.health_port}")
+            if not self.health_port:
+                raise OSError(f"cannot listen on {self.listen.host}:{self.listen.health_port} (health)")
+            await self.health_server.start()
         await self.server.start()
         return self.port
 
@@ -77,24 +104,36 @@ class ModelServer:
         self.ready.clear()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s)
+        await self.stop_health()
+
+    async def stop_health(self) -> None:
+        if self.health_server is not None:
+            await self.health_server.stop(None)
 
 
-def serve(services: list[Service], host: str, port: int, grace_s: float = 10.0, telemetry: Telemetry | None = None,
+def serve(services: list[Service], listen: Listen, grace_s: float = 10.0, telemetry: Telemetry | None = None,
           metrics_port: int | None = None) -> int:
     """Run until SIGTERM or SIGINT, then drain and flush the spans. Announces `listening on HOST:PORT` on stderr.
 
     With `metrics_port`, Prometheus `/metrics` is served on it (same host) from the telemetry's registry.
     """
     telemetry = telemetry or Telemetry()
+    host = listen.host
 
     async def main() -> None:
-        server = ModelServer(services, host, port, grace_s, telemetry)
+        server = ModelServer(services, listen, grace_s, telemetry)
         bound = await server.start()
         if metrics_port is not None:
             print(f"metrics on {host}:{telemetry.metrics.serve(metrics_port, host)}", file=sys.stderr, flush=True)
+        if server.health_server is not None:
+            print(f"health on {host}:{server.health_port}", file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+        tls = "plaintext" if listen.security.tls is None else (
+            "mutual TLS" if listen.security.tls.client_ca else "TLS")
+        auth = "bearer tokens" if listen.security.tokens else "no caller authentication"
+        print(f"{tls}, {auth}", file=sys.stderr, flush=True)
         print(f"listening on {host}:{bound}", file=sys.stderr, flush=True)
         await server.load()
         print(f"serving {', '.join(s.name for s in services)}", file=sys.stderr, flush=True)
@@ -111,12 +150,14 @@ class BackgroundServer:
     """A `ModelServer` on its own event-loop thread; a context manager that stops it on exit."""
 
     def __init__(self, services: list[Service], host: str = "127.0.0.1", port: int = 0, grace_s: float = 10.0,
-                 telemetry: Telemetry | None = None) -> None:
+                 telemetry: Telemetry | None = None, security: ServerSecurity = ServerSecurity(),
+                 health_port: int | None = None) -> None:
         self.host = host
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-server", daemon=True)
         self.thread.start()
-        self.server: ModelServer = self._run(self._make(services, host, port, grace_s, telemetry))
+        listen = Listen(host, port, security, health_port)
+        self.server: ModelServer = self._run(self._make(services, listen, grace_s, telemetry))
         self.port = self._run(self.server.start())
         self.loaded = asyncio.run_coroutine_threadsafe(self.server.load(), self.loop)
 
@@ -135,6 +176,7 @@ class BackgroundServer:
         """Stop at once (no grace): what a crash looks like to clients."""
         if self.thread.is_alive():
             self._run(self.server.server.stop(None))
+            self._run(self.server.stop_health())
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join()
 
@@ -145,9 +187,8 @@ class BackgroundServer:
         self.stop()
 
     @staticmethod
-    async def _make(services: list[Service], host: str, port: int, grace_s: float,
-                    telemetry: Telemetry | None) -> ModelServer:
-        return ModelServer(services, host, port, grace_s, telemetry)  # grpc.aio objects must be made on their loop
+    async def _make(services: list[Service], listen: Listen, grace_s: float, telemetry: Telemetry | None) -> ModelServer:
+        return ModelServer(services, listen, grace_s, telemetry)  # grpc.aio objects must be made on their loop
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()

@@ -1,0 +1,340 @@
+"""Who may call: TLS or mutual TLS on the ports, bearer tokens per call, and the caller's identity.
+
+Server side (`ServerSecurity`):
+- TLS from a certificate and key; with a client CA, mutual TLS (a client without a certificate
+  signed by it is refused in the handshake). The files are read again when they change, at the
+  next new connection: a renewed certificate is served without a restart (a half-written pair is
+  ignored until it loads).
+- Bearer tokens (`TokenStore`): `authorization: Bearer <token>` on every call of the model
+  services, compared in constant time; health and reflection stay open. A missing or unknown
+  token is refused UNAUTHENTICATED. The token file is read again when it changes.
+- Plaintext needs no flag on a loopback address (127.0.0.1, ::1, localhost: development) and
+  `insecure=True` on any other.
+- The caller's identity (`caller()`): the token's name, else the client certificate's subject
+  under mutual TLS, else "anonymous". Sessions belong to it (`shared.decoding.session_table`).
+
+Client side (`ClientSecurity`): the same rule for plaintext, TLS with a CA (and a certificate and
+key for mutual TLS), and the token sent as metadata on every call.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import ssl
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health
+from grpc_reflection.v1alpha import reflection
+
+from shared.decoding.session_table import ANONYMOUS
+from shared.rpc.options import CHANNEL_OPTIONS
+
+log = logging.getLogger(__name__)
+
+PLACEHOLDER = "replace-me"  # the token value in deploy/k8s/base: never accepted
+MIN_TOKEN_CHARS = 16
+OPEN_SERVICES = {health.SERVICE_NAME, reflection.SERVICE_NAME}  # answered without a token
+_CALLER: ContextVar[str] = ContextVar("deltaspec_caller", default=ANONYMOUS)
+
+
+def caller() -> str:
+    """The identity of the caller of the current call (set by `AuthInterceptor`)."""
+    return _CALLER.get()
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0] if ":" in address else address
+
+
+class _Watched:
+    """Files read again when their modification time or size changes (a Secret volume swaps them whole)."""
+
+    def __init__(self, *paths: Path | str) -> None:
+        self.paths = [Path(p) for p in paths]
+        self.seen: tuple | None = None
+
+    def signature(self) -> tuple:
+        files = [f for p in self.paths for f in ([p, *sorted(p.iterdir())] if p.is_dir() else [p])]
+        return tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+
+    def changed(self) -> bool:
+        try:
+            now = self.signature()
+        except OSError:
+            return False  # mid-swap: look again next time
+        changed, self.seen = now != self.seen, now
+        return changed
+
+
+class TokenStore:
+    """Accepted bearer tokens by caller name, from a file or a directory, read again when it changes.
+
+    File: one `name:token` or bare `token` a line (a bare token is named `token-` and the first 8 hex
+    of its SHA-256); blank lines and `#` comments are skipped. Directory (a mounted Kubernetes
+    Secret): each file is one token, named for the file; Kubernetes' `..data` entries are skipped.
+    A placeholder or short token refuses the whole file: at start-up an error, on a reload a logged
+    error, the previous tokens staying in force.
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._watch = _Watched(self.path)
+        self._watch.changed()
+        self.tokens = self._read()
+
+    def lookup(self, token: str) -> str | None:
+        """The name of `token`, or None; every entry is compared, in constant time."""
+        if self._watch.changed():
+            try:
+                self.tokens = self._read()
+            except (OSError, ValueError) as e:
+                log.error("token file %s not reloaded, the previous tokens stay: %s", self.path, e)
+        found = None
+        for name, known in self.tokens.items():
+            if hmac.compare_digest(known.encode(), token.encode()):
+                found = name
+        return found
+
+    def _read(self) -> dict[str, str]:
+        if self.path.is_dir():
+            entries = [(f.name, f.read_text().strip()) for f in sorted(self.path.iterdir())
+                       if not f.name.startswith(".") and f.is_file()]
+        else:
+            entries = [_name_token(line) for line in self.path.read_text().splitlines()
+                       if line.strip() and not line.lstrip().startswith("#")]
+        tokens: dict[str, str] = {}
+        for name, token in entries:
+            _check_token(token, f"{self.path}: {name}")
+            if name in tokens:
+                raise ValueError(f"{self.path}: the name {name!r} is given twice")
+            tokens[name] = token
+        if not tokens:
+            raise ValueError(f"{self.path} holds no token")
+        return tokens
+
+
+def _name_token(line: str) -> tuple[str, str]:
+    name, sep, token = line.strip().partition(":")
+    if sep:
+        return name.strip(), token.strip()
+    return f"token-{hashlib.sha256(name.encode()).hexdigest()[:8]}", name
+
+
+def _check_token(token: str, where: str) -> None:
+    if PLACEHOLDER in token.lower():
+        raise ValueError(f"{where} is the placeholder {PLACEHOLDER!r}, not a token. Create the Secret first, e.g. "
+                         "kubectl -n deltaspec create secret generic deltaspec-auth "
+                         "--from-literal=client=$(openssl rand -hex 32) --from-literal=target=$(openssl rand -hex 32)")
+    if len(token) < MIN_TOKEN_CHARS or not token.isascii() or any(c.isspace() for c in token):
+        raise ValueError(f"{where}: a token must be at least {MIN_TOKEN_CHARS} ASCII characters without spaces "
+                         "(e.g. openssl rand -hex 32)")
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks the bearer token (when tokens are on) and sets the caller's identity for the handler."""
+
+    def __init__(self, tokens: TokenStore | None) -> None:
+        self.tokens = tokens
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.split("/")[1] in OPEN_SERVICES:
+            return handler
+        if handler.unary_unary:
+            return handler._replace(unary_unary=self._unary(handler.unary_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=self._stream(handler.unary_stream))
+        return handler
+
+    def _unary(self, behavior):
+        async def wrapped(request, context: grpc.aio.ServicerContext):
+            _CALLER.set(await self._identify(context))  # this call's task only
+            return await behavior(request, context)
+        return wrapped
+
+    def _stream(self, behavior):
+        async def wrapped(request, context: grpc.aio.ServicerContext):
+            _CALLER.set(await self._identify(context))
+            async for response in behavior(request, context):
+                yield response
+        return wrapped
+
+    async def _identify(self, context: grpc.aio.ServicerContext) -> str:
+        if self.tokens is not None:
+            header = dict(context.invocation_metadata() or ()).get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not token:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                    "missing bearer token: send metadata 'authorization: Bearer <token>' "
+                                    "(deltaspec generate: --token-file or DELTASPEC_TOKEN)")
+            name = self.tokens.lookup(token.strip())
+            if name is None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not accepted by this server")
+            return name  # type: ignore[return-value]
+        subject = (context.auth_context() or {}).get("x509_subject") or \
+            (context.auth_context() or {}).get("x509_common_name")
+        return f"cert:{subject[0].decode()}" if subject else ANONYMOUS
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """The server's certificate chain and key (PEM files), and the CA that signs client certificates (mTLS)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        watch = _Watched(*self._files())
+        watch.changed()
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:  # before every handshake, in gRPC's thread
+            if not watch.changed():
+                return None
+            try:
+                config = self._config()
+            except (OSError, ssl.SSLError, ValueError) as e:
+                log.warning("TLS files changed but do not load yet (%s); serving the previous certificate", e)
+                watch.seen = None  # try again at the next connection
+                return None
+            log.info("TLS certificate reloaded from %s", self.cert)
+            return config
+
+        return grpc.dynamic_ssl_server_credentials(self._config(), fetch,
+                                                   require_client_authentication=self.client_ca is not None)
+
+    def _files(self) -> list[Path]:
+        return [self.cert, self.key, *([self.client_ca] if self.client_ca else [])]
+
+    def _config(self) -> grpc.ServerCertificateConfiguration:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)  # a matching pair
+        return grpc.ssl_server_certificate_configuration(
+            [(self.key.read_bytes(), self.cert.read_bytes())],
+            self.client_ca.read_bytes() if self.client_ca else None)
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """How a server listens: TLS (or plaintext), and whether calls need a token."""
+
+    tls: ServerTLS | None = None
+    tokens: TokenStore | None = None
+    insecure: bool = False  # plaintext on a non-loopback address
+
+    def check(self, host: str) -> None:
+        if self.tls is None and not self.insecure and not is_loopback(host):
+            raise ValueError(f"refusing to serve plaintext on {host}: give --tls-cert and --tls-key "
+                             "(DELTASPEC_TLS_CERT, DELTASPEC_TLS_KEY), or --insecure (DELTASPEC_INSECURE=1) "
+                             "on a trusted network; plaintext needs no flag only on 127.0.0.1, ::1 or localhost")
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        """None when no one is authenticated: every caller is then "anonymous"."""
+        mtls = self.tls is not None and self.tls.client_ca is not None
+        return [AuthInterceptor(self.tokens)] if self.tokens is not None or mtls else []
+
+    def add_port(self, server: grpc.aio.Server, address: str) -> int:
+        if self.tls is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, self.tls.credentials())
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call."""
+
+    def __init__(self, token: Callable[[], str]) -> None:
+        self.token = token
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = [*(details.metadata or ()), ("authorization", f"Bearer {self.token()}")]
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._with_token(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._with_token(client_call_details), request)
+
+
+@dataclass(frozen=True)
+class _CallDetails(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: list | None
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: grpc.Compression | None
+
+
+class _TokenFile:
+    """A client's token file (the token alone), read again when it changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.watch, self.token = path, _Watched(path), ""
+
+    def __call__(self) -> str:
+        if self.watch.changed() or not self.token:
+            self.token = self.path.read_text().strip()
+        return self.token
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How a client dials: TLS with a CA (mTLS with a certificate and key) or plaintext, and its token."""
+
+    ca: Path | None = None  # None with TLS on: the system's roots
+    cert: Path | None = None
+    key: Path | None = None
+    token: str | None = None
+    token_file: Path | None = None
+    server_name: str | None = None  # the name the server's certificate must carry, when not the dialled host
+    insecure: bool = False  # plaintext to a non-loopback address
+
+    @property
+    def tls(self) -> bool:
+        return self.ca is not None or self.cert is not None
+
+    def check(self, address: str) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs its key, and a key its certificate (--tls-cert, --tls-key)")
+        if not self.tls and not self.insecure and not is_loopback(_host(address)):
+            raise ValueError(f"refusing to dial {address} in plaintext: give --tls-ca (DELTASPEC_TLS_CA) for TLS, "
+                             "or --insecure (DELTASPEC_INSECURE=1) on a trusted network; plaintext needs no flag "
+                             "only to 127.0.0.1, ::1 or localhost")
+
+    def channel(self, address: str) -> grpc.Channel:
+        self.check(address)
+        if self.tls:
+            creds = grpc.ssl_channel_credentials(
+                self.ca.read_bytes() if self.ca else None, self.key.read_bytes() if self.key else None,
+                self.cert.read_bytes() if self.cert else None)
+            override = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+            ch = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS + override)
+        else:
+            ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        token = self._token_source()
+        return grpc.intercept_channel(ch, _BearerToken(token)) if token else ch
+
+    def _token_source(self) -> Callable[[], str] | None:
+        if self.token_file is not None:
+            return _TokenFile(self.token_file)
+        if self.token:
+            return lambda: self.token  # type: ignore[return-value]
+        return None
+

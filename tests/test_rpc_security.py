@@ -1,0 +1,339 @@
+"""Who may call, over real loopback gRPC: TLS, mutual TLS, certificate reload, bearer tokens, session ownership.
+
+The certificates are made here (`cryptography`): a CA, a server certificate for 127.0.0.1 and
+localhost, client certificates, and a second CA whose certificates the servers must refuse.
+Servers are the real ones (`BackgroundServer`) on tiny random models (`test_rpc_support`).
+"""
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from deltaspec.v1 import draft_service_pb2 as dpb
+from deltaspec.v1 import draft_service_pb2_grpc, target_service_pb2_grpc
+from deltaspec.v1 import target_service_pb2 as pb
+from shared.cli import main as cli_main
+from shared.decoding.session_table import Limits
+from shared.decoding.speculative import generate
+from shared.model.loader import load_model
+from shared.model.tokenizer import load_tokenizer
+from shared.rpc.client import generate_client_driven, generate_on_server
+from shared.rpc.options import channel
+from shared.rpc.security import PLACEHOLDER, ClientSecurity, ServerSecurity, ServerTLS, TokenStore
+from shared.rpc.server import BackgroundServer
+from target_service import servicer as target_servicer
+from target_service.servicer import NAME as TARGET_NAME
+from target_service.servicer import DraftPeer
+from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, refused, target_service  # noqa: F401
+
+Code = grpc.StatusCode
+
+
+@dataclass
+class Issued:
+    cert: Path
+    key: Path
+
+
+class CA:
+    """A certificate authority writing PEM files under `root`."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.root, self.name = root, name
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        self.cert = (_builder(subject, subject, self.key.public_key())
+                     .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                     .sign(self.key, hashes.SHA256()))
+        self.path = root / f"{name}.crt"
+        self.path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
+
+    def issue(self, common_name: str, server: bool, cert: Path | None = None, key: Path | None = None) -> Issued:
+        """A leaf certificate (for 127.0.0.1 and localhost when `server`), written to `cert`/`key` or new files."""
+        leaf_key = ec.generate_private_key(ec.SECP256R1())
+        builder = _builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]), self.cert.subject,
+                           leaf_key.public_key())
+        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        if server:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        issued = Issued(cert or self.root / f"{common_name}.crt", key or self.root / f"{common_name}.key")
+        issued.key.write_bytes(leaf_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                      serialization.NoEncryption()))
+        issued.cert.write_bytes(builder.sign(self.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+        return issued
+
+
+def _builder(subject: x509.Name, issuer: x509.Name, public_key) -> x509.CertificateBuilder:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1)))
+
+
+@dataclass
+class PKI:
+    ca: CA
+    rogue: CA  # trusted by no server
+    server: Issued
+    alice: Issued
+    bob: Issued
+    target: Issued  # the target's client certificate towards the draft
+    stranger: Issued  # a client certificate from the rogue CA
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> PKI:
+    root = tmp_path_factory.mktemp("pki")
+    ca, rogue = CA(root, "deltaspec-test-ca"), CA(root, "rogue-ca")
+    return PKI(ca, rogue, ca.issue("server", True), ca.issue("alice", False), ca.issue("bob", False),
+               ca.issue("target", False), rogue.issue("stranger", False))
+
+
+TOKENS = {name: secrets.token_hex(16) for name in ("alice", "bob", "target")}
+
+
+@pytest.fixture
+def token_file(tmp_path) -> Path:
+    path = tmp_path / "tokens"
+    path.write_text("# callers\n" + "".join(f"{name}:{token}\n" for name, token in TOKENS.items()))
+    return path
+
+
+def mtls(pki: PKI, tokens: Path | None = None) -> ServerSecurity:
+    return ServerSecurity(ServerTLS(pki.server.cert, pki.server.key, pki.ca.path),
+                          TokenStore(tokens) if tokens else None)
+
+
+def as_client(pki: PKI, who: str | None, token: str | None = None) -> ClientSecurity:
+    """`who`'s certificate (None: none), trusting the test CA, sending `token`."""
+    issued: Issued | None = getattr(pki, who) if who else None
+    return ClientSecurity(pki.ca.path, issued.cert if issued else None, issued.key if issued else None, token)
+
+
+def serve(*services, security: ServerSecurity, health_port: int | None = None) -> BackgroundServer:
+    return BackgroundServer(list(services), security=security, health_port=health_port).wait_loaded(60)
+
+
+def target_of(security: ClientSecurity, address: str) -> target_service_pb2_grpc.TargetServiceStub:
+    return target_service_pb2_grpc.TargetServiceStub(security.channel(address))
+
+
+def create(stub) -> str:
+    return stub.CreateSession(pb.CreateSessionRequest(prompt_ids=PROMPT), timeout=30).session_id
+
+
+def health(address: str, security: ClientSecurity | None = None, service: str = "") -> int:
+    ch = security.channel(address) if security else channel(address)
+    return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+
+def test_tls_serves_encrypted_and_refuses_plaintext_with_a_plaintext_health_port(pair, pki):
+    tls = ServerSecurity(ServerTLS(pki.server.cert, pki.server.key))
+    with serve(target_service(pair[0]), security=tls, health_port=0) as server:
+        sid = create(target_of(ClientSecurity(pki.ca.path), server.address))
+        assert len(sid) == 32
+        refused(lambda: create(target_stub_plain(server.address)), Code.UNAVAILABLE)
+        refused(lambda: create(target_of(ClientSecurity(pki.rogue.path), server.address)), Code.UNAVAILABLE)
+        health_address = f"127.0.0.1:{server.server.health_port}"
+        assert health(health_address, service=TARGET_NAME) == health_pb2.HealthCheckResponse.SERVING
+        refused(lambda: create(target_stub_plain(health_address)), Code.UNIMPLEMENTED)  # health only
+
+
+def target_stub_plain(address: str) -> target_service_pb2_grpc.TargetServiceStub:
+    return target_service_pb2_grpc.TargetServiceStub(channel(address))
+
+
+def test_mutual_tls_refuses_clients_without_a_trusted_certificate(pair, pki):
+    with serve(target_service(pair[0]), security=mtls(pki)) as server:
+        for who in (None, "stranger"):  # no certificate; one from a CA the server does not trust
+            client = ClientSecurity(pki.ca.path, *((pki.stranger.cert, pki.stranger.key) if who else (None, None)))
+            refused(lambda: create(target_of(client, server.address)), Code.UNAVAILABLE)
+        alice, bob = target_of(as_client(pki, "alice"), server.address), target_of(as_client(pki, "bob"), server.address)
+        sid = create(alice)
+        assert alice.GetSession(pb.GetSessionRequest(session_id=sid)).length == len(PROMPT)
+        refused(lambda: bob.GetSession(pb.GetSessionRequest(session_id=sid)), Code.NOT_FOUND, "session_id")
+
+
+def test_a_renewed_certificate_is_served_to_new_connections_without_a_restart(pair, pki, tmp_path):
+    old_ca, new_ca = CA(tmp_path, "old-ca"), CA(tmp_path, "new-ca")
+    live = old_ca.issue("server", True, tmp_path / "tls.crt", tmp_path / "tls.key")
+    with serve(draft_service(pair[1]), security=ServerSecurity(ServerTLS(live.cert, live.key))) as server:
+        assert health(server.address, ClientSecurity(old_ca.path)) == health_pb2.HealthCheckResponse.SERVING
+        refused(lambda: health(server.address, ClientSecurity(new_ca.path)), Code.UNAVAILABLE)
+        new_ca.issue("server", True, live.cert, live.key)  # what a Secret update or cert-manager renewal does
+        stamp = time.time() + 2
+        for path in (live.cert, live.key):
+            os.utime(path, (stamp, stamp))  # a different mtime even on a coarse clock
+        assert health(server.address, ClientSecurity(new_ca.path)) == health_pb2.HealthCheckResponse.SERVING
+        refused(lambda: health(server.address, ClientSecurity(old_ca.path)), Code.UNAVAILABLE)
+
+
+def test_tokens_missing_or_wrong_are_unauthenticated_and_health_stays_open(pair, pki, token_file):
+    with serve(target_service(pair[0]), security=ServerSecurity(tokens=TokenStore(token_file))) as server:
+        for token, words in ((None, "missing bearer token"), ("x" * 32, "not accepted")):
+            err = refused(lambda: create(target_of(ClientSecurity(token=token), server.address)), Code.UNAUTHENTICATED)
+            assert words in err.details()
+        assert health(server.address) == health(server.address, service=TARGET_NAME) == \
+            health_pb2.HealthCheckResponse.SERVING  # no token
+        create(target_of(ClientSecurity(token=TOKENS["alice"]), server.address))
+
+        carol = secrets.token_hex(16)  # the file changes: a new token works, a removed one stops working
+        token_file.write_text(f"carol:{carol}\nbob:{TOKENS['bob']}\n")
+        stamp = time.time() + 2
+        os.utime(token_file, (stamp, stamp))
+        create(target_of(ClientSecurity(token=carol), server.address))
+        refused(lambda: create(target_of(ClientSecurity(token=TOKENS["alice"]), server.address)),
+                Code.UNAUTHENTICATED)
+        token_file.write_text(f"carol:{PLACEHOLDER}-token\n")  # a bad reload keeps the tokens in force
+        os.utime(token_file, (stamp + 2, stamp + 2))
+        create(target_of(ClientSecurity(token=carol), server.address))
+
+
+def test_token_sources_and_the_placeholder(tmp_path, capsys):
+    secret = tmp_path / "secret"  # the layout kubelet gives a mounted Secret: keys link into ..data
+    data = secret / "..2026_01_01"
+    data.mkdir(parents=True)
+    (data / "client").write_text(TOKENS["alice"] + "\n")
+    (data / "target").write_text(TOKENS["target"])
+    (secret / "..data").symlink_to(data.name)
+    for key in ("client", "target"):
+        (secret / key).symlink_to(f"..data/{key}")
+    store = TokenStore(secret)
+    assert store.lookup(TOKENS["alice"]) == "client" and store.lookup(TOKENS["target"]) == "target"
+    assert store.lookup(TOKENS["bob"]) is None and store.lookup("") is None
+
+    bare = tmp_path / "bare"
+    bare.write_text(TOKENS["bob"] + "\n")
+    assert TokenStore(bare).lookup(TOKENS["bob"]).startswith("token-")
+
+    placeholder = tmp_path / "placeholder"
+    placeholder.write_text(f"client:{PLACEHOLDER}-generate-a-token\n")
+    with pytest.raises(ValueError, match="create secret generic deltaspec-auth"):
+        TokenStore(placeholder)
+    short = tmp_path / "short"
+    short.write_text("client:abc\n")
+    with pytest.raises(ValueError, match="at least 16"):
+        TokenStore(short)
+    assert cli_main(["serve-draft", "--port", "0", "--tokens", str(placeholder)]) == 2  # before loading anything
+    assert "placeholder" in capsys.readouterr().err
+
+
+def test_plaintext_only_on_loopback_unless_insecure(capsys):
+    assert cli_main(["serve-draft", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "--insecure" in capsys.readouterr().err
+    for address in ("127.0.0.1:1", "localhost:1", "[::1]:1"):
+        ClientSecurity().check(address)
+    with pytest.raises(ValueError, match="plaintext"):
+        ClientSecurity().check("deltaspec-target:50051")
+    ClientSecurity(insecure=True).check("deltaspec-target:50051")
+    ServerSecurity(insecure=True).check("0.0.0.0")
+    assert cli_main(["generate", "--target-addr", "10.1.2.3:50051", "--prompt", "x"]) == 2
+    assert "--tls-ca" in capsys.readouterr().err
+
+
+def test_another_caller_cannot_touch_a_session_and_it_still_ends_as_target_only(pair, pki, token_file):
+    n = 12
+    expected = generate(load_model(pair[0]), PROMPT, n).token_ids
+    with serve(target_service(pair[0]), draft_service(pair[1]), security=mtls(pki, token_file)) as server:
+        alice = target_of(as_client(pki, "alice", TOKENS["alice"]), server.address)
+        bob = target_of(as_client(pki, "bob", TOKENS["bob"]), server.address)
+        sid = create(alice)
+        first = alice.Verify(pb.VerifyRequest(session_id=sid, round_id="r0", base_version=0, draft_tokens=expected[:3]))
+        bob_calls = {
+            "Verify": lambda s: bob.Verify(pb.VerifyRequest(session_id=s, round_id="r0", base_version=0,
+                                                            draft_tokens=expected[:3])),
+            "Commit": lambda s: bob.Commit(pb.CommitRequest(session_id=s, round_id="r0", accepted=0)),
+            "Revert": lambda s: bob.Revert(pb.RevertRequest(session_id=s, round_id="r0")),
+            "GetSession": lambda s: bob.GetSession(pb.GetSessionRequest(session_id=s)),
+            "CloseSession": lambda s: bob.CloseSession(pb.CloseSessionRequest(session_id=s)),
+        }
+        theirs = {name: refused(lambda: call(sid), Code.NOT_FOUND, "session_id") for name, call in bob_calls.items()}
+
+        version = alice.Commit(pb.CommitRequest(session_id=sid, round_id="r0", accepted=first.accepted)).head_version
+        for i in range(1, n):
+            state = alice.GetSession(pb.GetSessionRequest(session_id=sid))
+            if len(state.generated_ids) >= n:
+                break
+            reply = alice.Verify(pb.VerifyRequest(session_id=sid, round_id=f"r{i}", base_version=version))
+            version = alice.Commit(pb.CommitRequest(session_id=sid, round_id=f"r{i}", accepted=0)).head_version
+        generated = list(alice.GetSession(pb.GetSessionRequest(session_id=sid)).generated_ids)
+        assert generated[:n] == expected, (generated, expected, reply)
+        alice.CloseSession(pb.CloseSessionRequest(session_id=sid))
+
+        # Bob saw exactly what anyone sees for a session that does not exist (here: closed).
+        for name, call in bob_calls.items():
+            gone = refused(lambda: call(sid), Code.NOT_FOUND, "session_id")
+            assert (gone.details(), _status(gone)) == (theirs[name].details(), _status(theirs[name])), name
+
+        # The draft service binds its sessions the same way.
+        alice_d, bob_d = (draft_service_pb2_grpc.DraftServiceStub(as_client(pki, who, TOKENS[who]).channel(
+            server.address)) for who in ("alice", "bob"))
+        dsid = alice_d.CreateSession(dpb.DraftServiceCreateSessionRequest(token_ids=PROMPT)).session_id
+        for call in (lambda: bob_d.Propose(dpb.ProposeRequest(session_id=dsid, round_id="p1", k=2)),
+                     lambda: bob_d.Revert(dpb.DraftServiceRevertRequest(session_id=dsid, round_id="p1")),
+                     lambda: bob_d.CloseSession(dpb.DraftServiceCloseSessionRequest(session_id=dsid))):
+            refused(call, Code.NOT_FOUND, "session_id")
+        assert len(alice_d.Propose(dpb.ProposeRequest(session_id=dsid, round_id="p1", k=2)).draft_tokens) == 2
+
+
+def _status(err: grpc.RpcError) -> list:
+    details = rpc_status.from_call(err).details
+    assert details[0].Is(error_details_pb2.ResourceInfo.DESCRIPTOR)
+    return [d.SerializeToString() for d in details]
+
+
+def test_per_caller_session_quota(pair, token_file):
+    security = ServerSecurity(tokens=TokenStore(token_file))
+    with serve(target_service(pair[0], Limits(max_sessions_per_caller=2)), security=security) as server:
+        alice = target_of(ClientSecurity(token=TOKENS["alice"]), server.address)
+        bob = target_of(ClientSecurity(token=TOKENS["bob"]), server.address)
+        first, _ = create(alice), create(alice)
+        err = refused(lambda: create(alice), Code.RESOURCE_EXHAUSTED, "session_id")
+        assert "'alice' has 2 sessions open, the limit per caller is 2" in err.details()
+        refused(lambda: list(alice.Generate(pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=1))),
+                Code.RESOURCE_EXHAUSTED, "session_id")
+        create(bob)  # others are not held back
+        alice.CloseSession(pb.CloseSessionRequest(session_id=first))
+        create(alice)
+
+
+def test_generation_over_mutual_tls_and_tokens_with_the_draft_channel_authenticated(pair, pki, token_file, capsys):
+    """Both servers demand a client certificate and a token; the target dials its draft with its own."""
+    n = 16
+    expected = generate(load_model(pair[0]), PROMPT, n).token_ids
+    with serve(draft_service(pair[1]), security=mtls(pki, token_file)) as draft:
+        peer = DraftPeer(draft.address, 30.0, as_client(pki, "target", TOKENS["target"]))
+        target_svc = target_servicer.service(lambda: (load_model(pair[0]), load_tokenizer(pair[0])), draft=peer)
+        with serve(target_svc, security=mtls(pki, token_file)) as target:
+            alice = as_client(pki, "alice", TOKENS["alice"])
+            result, _ = generate_on_server(target.address, PROMPT, "", n, security=alice)
+            assert result.token_ids == expected and result.stats.drafted > 0  # the draft answered the target
+
+            token = Path(token_file.parent / "alice.token")
+            token.write_text(TOKENS["alice"] + "\n")
+            assert cli_main(["generate", "--target-addr", target.address, "--draft-addr", draft.address,
+                             "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(n), "--json",
+                             "--tls-ca", str(pki.ca.path), "--tls-cert", str(pki.alice.cert),
+                             "--tls-key", str(pki.alice.key), "--token-file", str(token)]) == 0
+            out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+            assert out["token_ids"] == expected and out["stats"]["drafted"] > 0
+            result, _ = generate_client_driven(target.address, draft.address, PROMPT, "", n, security=alice)
+            assert result.token_ids == expected
