@@ -88,6 +88,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from shared.bench.speedup import heldout_prompts  # noqa: E402
 from shared.model.checkpoint import hf_config  # noqa: E402
 
 EOS, VOCAB = 256, 257
@@ -235,7 +236,8 @@ def params(model: nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------- training
-def train(args, train_ids: Tensor, val_ids: Tensor) -> tuple:
+def train(args, train_ids: Tensor, val_ids: Tensor) -> tuple | None:
+    """Train (or resume from `args.state`); None when `--chunk-steps` stopped it before `--steps`."""
     target = hf_model(TARGET, args.seed).train()
     mtp = MTPHead(target).train()
     drafts = {"distilled": hf_model(DRAFT, args.seed + 1).train()}
@@ -259,7 +261,8 @@ def train(args, train_ids: Tensor, val_ids: Tensor) -> tuple:
         gen.set_state(snap["gen"])
         history, val_history, first = snap["history"], snap["val_history"], snap["step"]
 
-    bar = tqdm(range(first, args.steps), desc="training", unit="step", dynamic_ncols=True, initial=first,
+    last = min(args.steps, first + args.chunk_steps) if args.chunk_steps else args.steps
+    bar = tqdm(range(first, last), desc="training", unit="step", dynamic_ncols=True, initial=first,
                total=args.steps)
     for step in bar:
         f = lr_factor(step, args.steps, args.warmup)
@@ -300,12 +303,14 @@ def train(args, train_ids: Tensor, val_ids: Tensor) -> tuple:
             for k, v in vals.items():
                 val_history[k].append(v)
         bar.set_postfix({k.replace("draft_", "d_"): f"{v:.3f}" for k, v in losses.items()})
-        if args.state and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+        if args.state and ((step + 1) % args.save_every == 0 or step + 1 == last):
             snap = {"models": {n: m.state_dict() for n, m in models.items()},
                     "opts": {n: o.state_dict() for n, o in opts.items()}, "gen": gen.get_state(),
                     "history": history, "val_history": val_history, "step": step + 1}
             torch.save(snap, args.state.with_suffix(".tmp"))
             args.state.with_suffix(".tmp").replace(args.state)
+    if last < args.steps:
+        return None
     for m in models.values():
         m.eval()
     return target, mtp, drafts, history, val_history
@@ -393,48 +398,24 @@ def save_pair(target, mtp, draft, target_dir: Path, draft_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ measuring
-def heldout_prompts(val_ids: Tensor, n: int, length: int) -> list[list[int]]:
-    """n prompts of about `length` bytes, each ending at a line end, spread over the held-out text."""
-    ids = val_ids.tolist()
-    prompts, stride = [], len(ids) // (n + 1)
-    for j in range(1, n + 1):
-        s = j * stride
-        while s > 0 and ids[s - 1] != 10:  # start at a line start
-            s -= 1
-        e = s + length
-        while e < len(ids) - 1 and ids[e - 1] != 10:  # end after a newline
-            e += 1
-        prompt = [t for t in ids[s:e] if t != EOS]
-        prompts.append(prompt)
-    return prompts
-
-
-def measure(target_dir: Path, draft_dir: Path, prompts: list[list[int]], new_tokens: int, k: int,
-            check_exact: bool = False) -> dict:
-    """Greedy speculative decoding with the engine (ModelDrafter, k drafts a round) on each prompt."""
-    from shared.decoding.drafters.model_drafter import ModelDrafter
-    from shared.decoding.speculative import generate
+def quality(target_dir: Path, draft_dir: Path, prompts: list[list[int]], texts: list[list[int]], new_tokens: int,
+            k: int, greedy_only: bool = False) -> dict:
+    """`shared.bench.pair_quality` for greedy decoding and the demo's default sampling; two samples decoded."""
+    from shared import demo
+    from shared.bench.pair_quality import generation_quality, pair_quality
+    from shared.decoding.sampling import SamplingParams
     from shared.model.loader import load_model
 
     target, draft = load_model(target_dir), load_model(draft_dir)
-    drafted = accepted = rounds = produced = 0
-    per_prompt, blank, exact = [], 0, True
-    for prompt in prompts:
-        spec = generate(target, prompt, new_tokens, ModelDrafter(draft), k)
-        st = spec.stats
-        drafted += st.drafted
-        accepted += st.accepted
-        rounds += st.rounds
-        produced += len(spec.token_ids)
-        per_prompt.append(round(st.accepted / max(1, st.drafted), 3))
-        blank += not bytes(t for t in spec.token_ids if t < 256).strip()
-        if check_exact:
-            exact &= spec.token_ids == generate(target, prompt, new_tokens).token_ids
-    out = {"acceptance_rate": accepted / drafted, "mean_accepted_length": produced / rounds,
-           "accepted": accepted, "drafted": drafted, "rounds": rounds, "per_prompt_acceptance": per_prompt,
-           "whitespace_only_continuations": blank}
-    if check_exact:
-        out["greedy_identical_to_target_only"] = exact
+    if greedy_only:
+        out = generation_quality(target, draft, prompts, SamplingParams(), new_tokens, k)
+        out.pop("samples")
+        return out
+    settings = {"greedy": SamplingParams(),
+                "demo": SamplingParams(demo.TEMPERATURE, top_p=demo.TOP_P, seed=demo.SEED)}
+    out = pair_quality(target, draft, prompts, texts, settings, new_tokens, k)
+    for g in out["generation"].values():
+        g["samples"] = [bytes(t for t in ids if t < 256).decode(errors="replace") for ids in g["samples"][:2]]
     return out
 
 
@@ -492,8 +473,8 @@ def main() -> None:
                    help="skip the cross-entropy-only draft trained alongside for comparison")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--val-batch", type=int, default=8)
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=6, help="held-out prompts for acceptance and repetition")
+    p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -504,7 +485,11 @@ def main() -> None:
     p.add_argument("--state", type=Path, default=None,
                    help="snapshot file: written every --save-every steps, and resumed from when it exists")
     p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--chunk-steps", type=int, default=0,
+                   help="with --state: stop after this many steps (snapshot written); rerun to go on (0: all)")
     args = p.parse_args()
+    if args.chunk_steps and not args.state:
+        p.error("--chunk-steps needs --state, where the next chunk resumes from")
 
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
@@ -518,11 +503,16 @@ def main() -> None:
     train_ids, val_ids, held_names, root = load_corpus()
     summary: dict = {"corpus": {"root": str(root), "train_bytes": train_ids.numel(), "heldout_bytes": val_ids.numel(),
                                 "heldout_files": len(held_names)}}
-    prompts = heldout_prompts(val_ids, args.prompts, 256)
+    write_heldout_list(held_names, root)  # the same list every run: heldout_prompts reads it
+    prompts, texts = heldout_prompts(args.prompts, 96), heldout_prompts(8, 512)
     started = time.time()
     if not args.eval_only:
-        write_heldout_list(held_names, root)
-        target, mtp, drafts, history, val_history = train(args, train_ids, val_ids)
+        trained = train(args, train_ids, val_ids)
+        if trained is None:
+            print(f"stopped after this chunk; snapshot in {args.state}: rerun the same command to go on",
+                  file=sys.stderr)
+            return
+        target, mtp, drafts, history, val_history = trained
         summary["train_seconds"] = round(time.time() - started, 1)
         summary["final_train_loss"] = {k: float(np.mean(v[-50:])) for k, v in history.items() if k != "step"}
         summary["final_heldout_loss"] = {k: v[-1] for k, v in val_history.items() if k != "step"}
@@ -531,31 +521,24 @@ def main() -> None:
         agree_batch = batch(val_ids, args.val_batch, args.seq, torch.Generator().manual_seed(args.seed + 200))
         summary["heldout_top1_agreement"] = agreement(target, mtp, drafts, agree_batch)
         # measure every candidate draft with the engine; the best greedy acceptance ships
-        results = {}
-        with tempfile.TemporaryDirectory() as tmp:
-            for key, draft in drafts.items():
-                t_dir, d_dir = Path(tmp) / key / "target", Path(tmp) / key / "draft"
-                save_pair(target, mtp, draft, t_dir, d_dir)
-                results[key] = measure(t_dir, d_dir, prompts, args.new_tokens, args.k)
-        summary["candidates"] = results
-        best = max(results, key=lambda k: results[k]["acceptance_rate"])
+        best = "distilled"
+        if len(drafts) > 1:
+            results = {}
+            with tempfile.TemporaryDirectory() as tmp:
+                for key, draft in drafts.items():
+                    t_dir, d_dir = Path(tmp) / key / "target", Path(tmp) / key / "draft"
+                    save_pair(target, mtp, draft, t_dir, d_dir)
+                    results[key] = quality(t_dir, d_dir, prompts, [], args.new_tokens, args.k, greedy_only=True)
+            summary["candidates"] = results
+            best = max(results, key=lambda k: results[k]["acceptance_rate"])
         summary["shipped_draft"] = best
         save_pair(target, mtp, drafts[best], args.out_target, args.out_draft)
     summary["loads"] = check_loads(args.out_target, args.out_draft, prompts[0][:200])
     summary["total_bytes"] = summary["loads"]["target_bytes"] + summary["loads"]["draft_bytes"]
-    summary[f"engine_k{args.k}"] = measure(args.out_target, args.out_draft, prompts, args.new_tokens, args.k,
-                                           check_exact=True)
+    summary[f"quality_k{args.k}"] = quality(args.out_target, args.out_draft, prompts, texts, args.new_tokens, args.k)
     t_target, t_draft = time_per_token([args.out_target, args.out_draft], prompts[:4], 64)
     summary["ms_per_token"] = {"target": round(t_target * 1e3, 3), "draft": round(t_draft * 1e3, 3),
                                "draft_over_target": round(t_draft / t_target, 3)}
-    from shared.decoding.speculative import generate
-    from shared.model.loader import load_model
-    from shared.model.tokenizer import ByteTokenizer
-
-    tok, target = ByteTokenizer(), load_model(args.out_target)
-    summary["samples"] = [{"prompt_tail": tok.decode(prompt)[-120:],
-                           "greedy_continuation": tok.decode(generate(target, prompt, 200).token_ids)}
-                          for prompt in prompts[:3]]
     summary["wall_seconds"] = round(time.time() - started, 1)
     print(json.dumps(summary, indent=2))
 

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from shared import demo
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
@@ -290,9 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("demo", help="serve the embedded pair on loopback and stream one generation over gRPC")
-    p.add_argument("--prompt", default="def fibonacci(n):")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.set_defaults(func=cmd_demo)
+    p.add_argument("--prompt", default=demo.PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=demo.MAX_NEW_TOKENS)
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=demo.NUM_DRAFT_TOKENS)
+    _add_sampling(p)
+    p.set_defaults(func=cmd_demo, temperature=demo.TEMPERATURE, top_p=demo.TOP_P, seed=demo.SEED)
 
     p = sub.add_parser("bench", help="speed-up, gRPC overhead, HF comparison, rollback strategies, memory-bound ratio")
     p.add_argument("--quick", action="store_true", help="fewer prompts, k values and rounds (a couple of minutes)")
@@ -313,27 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Both services on free loopback ports, one streamed generation through the target's loop, a report."""
-    from draft_service.servicer import service as draft_service
-    from shared.model.loader import load_model
-    from shared.model.tokenizer import load_tokenizer
-    from shared.rpc.client import generate_on_server
-    from shared.rpc.server import BackgroundServer
-    from target_service.servicer import DraftPeer, service as target_service
-
-    with BackgroundServer([draft_service(lambda: load_model(DEFAULT_DRAFT))]) as draft:
-        target_svc = target_service(lambda: (load_model(DEFAULT_TARGET), load_tokenizer(DEFAULT_TARGET)),
-                                    draft=DraftPeer(draft.address))
-        with BackgroundServer([target_svc]) as target:
-            print(f"[draft service on {draft.address}, target service on {target.address}]", file=sys.stderr)
-            draft.wait_loaded()
-            target.wait_loaded()
-            print(args.prompt, end="", flush=True)
-            result, _ = generate_on_server(target.address, None, args.prompt, args.max_new_tokens,
-                                           on_tokens=lambda ids, text: print(text, end="", flush=True))
-    s = result.as_dict()["stats"]
-    print(f"\n[{len(result.token_ids)} tokens in {s['seconds']:.2f} s: {s['tokens_per_s']:.1f} tok/s, "
-          f"acceptance rate {s['acceptance_rate']:.2f}, mean accepted length {s['mean_accepted_length']:.2f}]")
-    return 0
+    return demo.run(args.prompt, args.max_new_tokens, _sampling(args), args.num_draft_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
