@@ -4,16 +4,13 @@ In the cluster the target is a StatefulSet: a normal Service spreads new connect
 replicas (CreateSession goes there), and each replica advertises its stable pod DNS name through
 the headless Service (`--advertise-address`), which CreateSession returns; the client sends every
 later call of the session straight to that replica. Here two target replicas run on loopback, and
-`ServiceProxy` stands in for the Service: a TCP proxy that sends each new connection to the next
-ready endpoint, round robin, and drops an endpoint when its pod goes (what kube-proxy does once
+`TcpProxy` (test_proxy_support) stands in for the Service: a TCP proxy that sends each new connection
+to the next ready endpoint, round robin, and drops an endpoint when its pod goes (what kube-proxy does once
 the EndpointSlice controller removes it). The replica holding a session is killed mid-generation:
 the client opens the session again on the committed history through the Service, on the other
 replica, and the tokens are those of an uninterrupted in-process run.
 """
 from __future__ import annotations
-
-import asyncio
-import threading
 
 import grpc
 import pytest
@@ -26,72 +23,10 @@ from shared.model.tokenizer import load_tokenizer
 from shared.rpc.client import generate_client_driven, generate_on_server
 from shared.rpc.server import BackgroundServer, Service
 from target_service.servicer import NAME as TARGET_NAME, TargetServicer
+from test_proxy_support import TcpProxy
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, refused, start, target_stub  # noqa: F401
 
 N = 24
-
-
-class ServiceProxy:
-    """A stand-in for a ClusterIP Service: each new TCP connection goes to the next endpoint, round robin."""
-
-    def __init__(self, endpoints: list[str]) -> None:
-        self.endpoints = list(endpoints)
-        self.upstream_ports: set[int] = set()  # local ports of the proxy's connections to the replicas
-        self._next = 0
-        self._writers: dict[str, list[asyncio.StreamWriter]] = {}
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="service-proxy", daemon=True)
-        self.thread.start()
-        self.server = self._run(asyncio.start_server(self._accept, "127.0.0.1", 0))
-        self.address = "127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
-
-    def remove(self, endpoint: str) -> None:
-        """The pod is gone: no new connections go there, and the ones through the proxy close."""
-        async def drop() -> None:
-            self.endpoints.remove(endpoint)
-            for writer in self._writers.pop(endpoint, []):
-                writer.close()
-        self._run(drop())
-
-    def close(self) -> None:
-        async def stop() -> None:
-            self.server.close()
-            for writers in self._writers.values():
-                for writer in writers:
-                    writer.close()
-        self._run(stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not self.endpoints:
-            writer.close()
-            return
-        endpoint = self.endpoints[self._next % len(self.endpoints)]
-        self._next += 1
-        host, port = endpoint.rsplit(":", 1)
-        try:
-            up_reader, up_writer = await asyncio.open_connection(host, int(port))
-        except OSError:  # a connection to a dead endpoint is reset; the client reconnects
-            writer.close()
-            return
-        self.upstream_ports.add(up_writer.get_extra_info("sockname")[1])
-        self._writers.setdefault(endpoint, []).extend([writer, up_writer])
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    except (ConnectionError, OSError):
-        pass
-    finally:
-        writer.close()
 
 
 class Replica(TargetServicer):
@@ -137,10 +72,10 @@ def reference(pair) -> list[int]:
 
 @pytest.fixture
 def cluster(pair):
-    """Two target replicas behind a ServiceProxy; yields (replicas, servers, proxy); stops them all."""
+    """Two target replicas behind a TcpProxy; yields (replicas, servers, proxy); stops them all."""
     started = [start_replica(pair[0]), start_replica(pair[0])]
     replicas, servers = [r for r, _ in started], [s for _, s in started]
-    proxy = ServiceProxy([s.address for s in servers])
+    proxy = TcpProxy([s.address for s in servers])
     yield replicas, servers, proxy
     proxy.close()
     for server in servers:
