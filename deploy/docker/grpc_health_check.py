@@ -2,8 +2,9 @@
 
     python grpc_health_check.py [HOST:PORT] [SERVICE]
 
-The address defaults to 127.0.0.1:$DELTASPEC_PORT (50051), the service to "" (the whole server).
-Kubernetes does not run it (its native gRPC probes ask the same question); `docker run` does.
+The address defaults to 127.0.0.1:$DELTASPEC_HEALTH_PORT (the plaintext health-only port a server
+opens with --health-port), else 127.0.0.1:$DELTASPEC_PORT (50051), the service to "" (the whole
+server). Kubernetes does not run it (its native gRPC probes ask the same question); `docker run` does.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def main(argv: list[str]) -> int:
-    address = argv[1] if len(argv) > 1 else f"127.0.0.1:{os.environ.get('DELTASPEC_PORT', '50051')}"
+    port = os.environ.get("DELTASPEC_HEALTH_PORT") or os.environ.get("DELTASPEC_PORT", "50051")
+    address = argv[1] if len(argv) > 1 else f"127.0.0.1:{port}"
     service = argv[2] if len(argv) > 2 else ""
     try:
         with grpc.insecure_channel(address) as channel:

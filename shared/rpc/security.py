@@ -138,9 +138,9 @@ def _name_token(line: str) -> tuple[str, str]:
 
 def _check_token(token: str, where: str) -> None:
     if PLACEHOLDER in token.lower():
-        raise ValueError(f"{where} is the placeholder {PLACEHOLDER!r}, not a token. Create the Secret first, e.g. "
-                         "kubectl -n deltaspec create secret generic deltaspec-auth "
-                         "--from-literal=client=$(openssl rand -hex 32) --from-literal=target=$(openssl rand -hex 32)")
+        raise ValueError(f"{where} is the placeholder {PLACEHOLDER!r}, not a token: put generated tokens there "
+                         "(openssl rand -hex 32); on Kubernetes, replace the deltaspec-auth Secret with an overlay's "
+                         "secretGenerator (behavior: replace; README, Deploy)")
     if len(token) < MIN_TOKEN_CHARS or not token.isascii() or any(c.isspace() for c in token):
         raise ValueError(f"{where}: a token must be at least {MIN_TOKEN_CHARS} ASCII characters without spaces "
                          "(e.g. openssl rand -hex 32)")
