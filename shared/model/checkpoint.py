@@ -21,7 +21,7 @@ def save_checkpoint(model: HybridLM, directory: str | Path) -> Path:
     config = dict(model.config.raw)
     config["dtype"] = DTYPE_NAMES[model.dtype]
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: v.clone() for k, v in model.state_dict().items()}  # a fused model's projections share storage
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight")
     tensors.update(model.mtp)

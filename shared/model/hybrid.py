@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from shared.model import fused
 from shared.model.config import ModelConfig
 from shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
 from shared.state.rollback import ModelState
@@ -28,6 +29,7 @@ class HybridLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp: dict[str, Tensor] = {}  # the checkpoint's mtp.* tensors, kept for the MTP drafter
+        self.fused: list[fused.FusedLayer] | None = None  # set by `fuse()`: forward takes the fused path
 
     @property
     def device(self) -> torch.device:
@@ -39,6 +41,18 @@ class HybridLM(nn.Module):
 
     def new_state(self, capacity: int = 256) -> ModelState:
         return ModelState(self.config, device=self.device, dtype=self.dtype, capacity=capacity)
+
+    def fuse(self, enable: bool = True) -> HybridLM:
+        """Take the fused path (`shared.model.fused`) from now on, or go back to the layer path.
+
+        For inference: the projections' parameters become slices of the fused weights. Models with
+        attention biases (not Qwen3.5's) stay on the layer path.
+        """
+        if not enable or self.config.attention_bias:
+            self.fused = None
+        elif self.fused is None:
+            self.fused = [fused.fuse_layer(layer) for layer in self.model.layers]
+        return self
 
     def set_gdn_kernel(self, name: str) -> None:
         """Force one gated delta rule kernel (`auto`, `naive`, `chunk`, `recurrent`, `triton`)."""
@@ -58,7 +72,12 @@ class HybridLM(nn.Module):
         positions = torch.arange(start, start + ids.numel(), device=self.device)
         x = self.model.embed_tokens(ids.to(self.device))
         rope = rotary_cos_sin(self.config, positions, x.dtype)
-        for layer, st in zip(self.model.layers, state.layer_views()):
-            x = layer(x, st, start, rope)
+        if self.fused is None:
+            for layer, st in zip(self.model.layers, state.layer_views()):
+                x = layer(x, st, start, rope)
+        else:
+            rope = fused.rotary_signed(*rope)
+            for layer, f, st in zip(self.model.layers, self.fused, state.layer_views()):
+                x = fused.decoder_layer(layer, f, x, st, start, rope)
         state.staged += ids.numel()
         return self.lm_head(self.model.norm(x)).float(), x

@@ -85,7 +85,7 @@ def load_model(directory: str | Path, dtype: torch.dtype | None = None, device: 
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.mtp = {k: v.to(dtype) for k, v in mtp.items()}
-    return model.to(device).eval()
+    return model.to(device).eval().fuse()
 
 
 def _more(names: list[str]) -> str:

@@ -94,7 +94,17 @@ class GDNSlot:
     def initial_state(self) -> Tensor:
         return (self.states.spare if self.offset else self.states.recurrent)[self.i]
 
-    def stage(self, x: Tensor, k: Tensor, delta: Tensor, g: Tensor, final_state: Tensor) -> None:
+    def state_out(self) -> Tensor:
+        """Where the state after this pass goes, `(H, Dk, Dv)`: a kernel may write it here directly."""
+        return self.states.spare[self.i]
+
+    def stage(self, x: Tensor, k: Tensor, delta: Tensor, g: Tensor, final_state: Tensor | None,
+              window_and_x: Tensor | None = None) -> None:
+        """Log this pass's T tokens and keep the window and state after them.
+
+        `final_state` None: it is already in `state_out()`. `window_and_x`: `[conv_window(); x]`
+        when the caller has it (saves a concatenation).
+        """
         s, T = self.states, x.shape[0]
         end = self.offset + T
         if s.logged and end <= LOG_CAPACITY:
@@ -104,9 +114,11 @@ class GDNSlot:
             s.g[self.i, :, self.offset : end] = g.t()
         else:
             s.logged = False
-        width = s.conv.shape[1]
-        s.window[self.i] = torch.cat([self.conv_window(), x.to(s.window.dtype)], dim=0)[-width:]
-        s.spare[self.i] = final_state
+        if window_and_x is None:
+            window_and_x = torch.cat([self.conv_window(), x.to(s.window.dtype)], dim=0)
+        s.window[self.i] = window_and_x[-s.conv.shape[1]:]
+        if final_state is not None:
+            s.spare[self.i] = final_state
 
 
 @dataclass

@@ -1,0 +1,168 @@
+"""The fused path: the same hybrid stack in far fewer ATen calls, for decode and verify.
+
+At these model sizes a step costs per-op dispatch, not arithmetic, so this path cuts ops:
+each layer's input projections run as one matmul (GDN qkv/z/b/a, attention q/k/v, MLP
+gate/up), norms are single `rms_norm` calls with their weights folded (`1 + w`, the l2norm's
+scales), residual adds ride on `addmm`, q and k share one rotary call, and a one-token GDN
+step does its conv window and recurrent update in a handful of batched ops, writing the new
+state straight into the staging buffer. `fuse(model)` builds the concatenated weights once and
+re-points the original parameters at slices of them (no extra memory; `state_dict` keys and
+values are unchanged). The layer forwards in `shared.model.layers` stay the truth:
+`tests/test_fused.py` checks this path against them on random weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shared.kernels import pick_kernel
+from shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, RMSNorm
+from shared.state.rollback import AttnLayerState, GDNSlot
+
+L2NORM_EPS = 1e-6  # the GDN's l2norm of q and k (HF's default, not the config's rms_norm_eps)
+
+
+@dataclass
+class FusedGDN:
+    w_in: Tensor  # (conv_dim + value_dim + 2 Hv, hidden): in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+    splits: tuple[int, int, int, int]
+    conv_taps: Tensor  # (K, conv_dim): the depthwise conv weight, time-major
+    qk_scale: Tensor  # (2 n_k, 1): rms_norm(x, eps/d) * scale = l2norm(x) * (d^-1/2 for q, 1 for k)
+    neg_a: Tensor  # (Hv,) -exp(A_log)
+    dt_bias: Tensor  # (Hv,) float32
+
+
+@dataclass
+class FusedAttention:
+    w_qkv: Tensor  # (2 H D + 2 Hkv D, hidden): q_proj (query and gate), k_proj, v_proj
+    splits: tuple[int, int, int]
+    q_norm: Tensor  # (D,) 1 + w
+    k_norm: Tensor
+
+
+@dataclass
+class FusedLayer:
+    input_norm: Tensor  # (hidden,) 1 + w
+    post_norm: Tensor
+    w_gate_up: Tensor  # (2 intermediate, hidden)
+    mixer: FusedGDN | FusedAttention
+
+
+def _concat(*linears: nn.Linear) -> Tensor:
+    """One weight for several projections of the same input; each Linear's weight becomes a row slice of it."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[row : row + n], requires_grad=lin.weight.requires_grad)
+        row += n
+    return weight
+
+
+def _plus_one(norm: RMSNorm) -> Tensor:
+    return (1.0 + norm.weight.detach().float()).to(norm.weight.dtype)
+
+
+def _fuse_gdn(m: GatedDeltaNet) -> FusedGDN:
+    splits = (m.in_proj_qkv.weight.shape[0], m.in_proj_z.weight.shape[0], m.n_v, m.n_v)
+    scale = torch.tensor([m.d_k**-1.0] * m.n_k + [m.d_k**-0.5] * m.n_k, device=m.A_log.device)
+    return FusedGDN(
+        w_in=_concat(m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a), splits=splits,
+        conv_taps=m.conv1d.weight.detach()[:, 0].t().contiguous(), qk_scale=scale[:, None],
+        neg_a=-m.A_log.detach().float().exp(), dt_bias=m.dt_bias.detach().float())
+
+
+def _fuse_attention(m: Attention) -> FusedAttention:
+    splits = (m.q_proj.weight.shape[0], m.k_proj.weight.shape[0], m.v_proj.weight.shape[0])
+    return FusedAttention(w_qkv=_concat(m.q_proj, m.k_proj, m.v_proj), splits=splits,
+                          q_norm=_plus_one(m.q_norm), k_norm=_plus_one(m.k_norm))
+
+
+def fuse_layer(layer: DecoderLayer) -> FusedLayer:
+    mixer = _fuse_gdn(layer.linear_attn) if layer.kind == "linear_attention" else _fuse_attention(layer.self_attn)
+    return FusedLayer(input_norm=_plus_one(layer.input_layernorm), post_norm=_plus_one(layer.post_attention_layernorm),
+                      w_gate_up=_concat(layer.mlp.gate_proj, layer.mlp.up_proj), mixer=mixer)
+
+
+def rotary_signed(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(cos, sin with its first half negated): then rotate_half(x) * sin == roll(x, half) * signed sin."""
+    half = sin.shape[-1] // 2
+    return cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+
+
+def _rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x `(T, H, D)`: rotate the first `cos.shape[-1]` dims, pass the rest (same result as `apply_partial_rotary`)."""
+    dim = cos.shape[-1]
+    rot = x[..., :dim]
+    rot = torch.addcmul(rot * cos[:, None], rot.roll(dim // 2, -1), signed_sin[:, None])
+    return rot if dim == x.shape[-1] else torch.cat([rot, x[..., dim:]], dim=-1)
+
+
+def _gdn(m: GatedDeltaNet, f: FusedGDN, h: Tensor, residual: Tensor, st: GDNSlot) -> Tensor:
+    T = h.shape[0]
+    mixed, z, b, a = F.linear(h, f.w_in).split(f.splits, dim=-1)  # (T, conv_dim), (T, Hv Dv), (T, Hv), (T, Hv)
+    full = torch.cat([st.conv_window(), mixed], dim=0)  # (K-1+T, conv_dim)
+    if T == 1:
+        conv = F.silu((full * f.conv_taps).sum(0, keepdim=True))  # (1, conv_dim)
+    else:
+        conv = F.silu(F.conv1d(full.t()[None], m.conv1d.weight, groups=full.shape[1]))[0].t()  # (T, conv_dim)
+    key_dim = m.n_k * m.d_k
+    qk, v = conv.float().split([2 * key_dim, m.n_v * m.d_v], dim=-1)
+    qk = F.rms_norm(qk.view(T, 2 * m.n_k, m.d_k), (m.d_k,), eps=L2NORM_EPS / m.d_k) * f.qk_scale
+    if m.n_v != m.n_k:
+        qk = qk.repeat_interleave(m.n_v // m.n_k, dim=1)
+    q, k = qk.split(m.n_v, dim=1)  # (T, Hv, Dk) each
+    v = v.view(T, m.n_v, m.d_v)
+    beta = b.float().sigmoid()  # (T, Hv)
+    g = f.neg_a * F.softplus(a.float() + f.dt_bias)
+    if T == 1 and m.kernel_name in ("auto", "recurrent") and not h.is_cuda:
+        # one recurrent step, the new state written straight into the staging buffer
+        state = st.initial_state() * g[0].exp()[:, None, None]  # (Hv, Dk, Dv)
+        delta = (v[0] - torch.bmm(k[0, :, None], state)[:, 0]) * beta[0, :, None]  # (Hv, Dv)
+        state = torch.baddbmm(state, k[0, :, :, None], delta[:, None], out=st.state_out())
+        out = torch.bmm(q[0, :, None], state).view(1, m.n_v, m.d_v)
+        st.stage(mixed, k, delta[None], g, None, full)
+    else:
+        kernel = pick_kernel(m.kernel_name, T, h.is_cuda)
+        out, delta, final = kernel(q[None], k[None], v[None], g[None], beta[None], st.initial_state()[None])
+        out = out[0]
+        st.stage(mixed, k, delta[0], g, final[0], full)
+    out = F.rms_norm(out.to(h.dtype), (m.d_v,), m.norm.weight, m.norm.eps) * F.silu(z.view(T, m.n_v, m.d_v))
+    return torch.addmm(residual, out.view(T, -1), m.out_proj.weight.t())
+
+
+def _attention(m: Attention, f: FusedAttention, h: Tensor, residual: Tensor, st: AttnLayerState, start: int,
+               rope: tuple[Tensor, Tensor]) -> Tensor:
+    T, H, Hkv, D = h.shape[0], m.n_heads, m.n_kv, m.head_dim
+    q_gate, k, v = F.linear(h, f.w_qkv).split(f.splits, dim=-1)
+    q_gate = q_gate.view(T, H, 2 * D)
+    q = F.rms_norm(q_gate[..., :D], (D,), f.q_norm, m.q_norm.eps)
+    k = F.rms_norm(k.view(T, Hkv, D), (D,), f.k_norm, m.k_norm.eps)
+    q, k = _rotary(torch.cat([q, k], dim=1), *rope).split([H, Hkv], dim=1)  # (T, H, D), (T, Hkv, D)
+    end = start + T
+    st.ensure_capacity(end)
+    st.k[:, start:end] = k.transpose(0, 1)
+    st.v[:, start:end] = v.view(T, Hkv, D).transpose(0, 1)
+    mask = None
+    if T > 1:  # query i sits at position start + i and sees keys up to it
+        mask = torch.ones(T, end, dtype=torch.bool, device=h.device).tril(start)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], st.k[None, :, :end], st.v[None, :, :end],
+                                         attn_mask=mask, enable_gqa=H != Hkv)[0].transpose(0, 1)  # (T, H, D)
+    out = out * torch.sigmoid(q_gate[..., D:])
+    return torch.addmm(residual, out.reshape(T, -1), m.o_proj.weight.t())
+
+
+def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, st: GDNSlot | AttnLayerState, start: int,
+                  rope: tuple[Tensor, Tensor]) -> Tensor:
+    """`DecoderLayer.forward` in fewer ops; `rope` is `rotary_signed(...)` of the layer path's (cos, sin)."""
+    h = F.rms_norm(x, x.shape[-1:], f.input_norm, layer.input_layernorm.eps)
+    if isinstance(st, GDNSlot):
+        x = _gdn(layer.linear_attn, f.mixer, h, x, st)  # type: ignore[arg-type]
+    else:
+        x = _attention(layer.self_attn, f.mixer, h, x, st, start, rope)  # type: ignore[arg-type]
+    gate, up = F.linear(F.rms_norm(x, x.shape[-1:], f.post_norm, layer.post_attention_layernorm.eps),
+                        f.w_gate_up).chunk(2, dim=-1)
+    return torch.addmm(x, F.silu(gate) * up, layer.mlp.down_proj.weight.t())

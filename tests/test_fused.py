@@ -1,0 +1,93 @@
+"""The fused path (`shared.model.fused`) against the layer path, the truth it replaces.
+
+Random weights and random token ids (never zeros), awkward sizes on purpose: value heads != key
+heads, d_k != d_v, a rotary share of one half, attention first, untied embeddings. Every forward
+of a session (prefill, one-token decode, multi-token verify, partial and zero commits, reverts)
+must give the same logits and hidden states, and every commit the same head, within float32
+rounding of differently grouped matmuls (relative 1e-5 of each tensor's scale).
+"""
+import copy
+
+import pytest
+import torch
+
+from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.decoding.speculative import generate
+from shared.model.checkpoint import hf_config, random_model
+
+RTOL = 1e-5
+AWKWARD = hf_config(
+    vocab_size=301, hidden_size=72, intermediate_size=100, num_attention_heads=6, num_key_value_heads=2, head_dim=20,
+    linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=12, linear_value_head_dim=20,
+    layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+CONFIGS = {"awkward-ratio3-attn_first-untied": AWKWARD, "default-ratio2-gdn_first-tied": hf_config()}
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool((got - want).abs().max() <= RTOL * want.abs().max().clamp_min(1e-3))
+
+
+def assert_same_head(state, ref) -> None:
+    assert (state.length, state.staged) == (ref.length, ref.staged)
+    n = state.length
+    pairs = [(state.gdn.recurrent, ref.gdn.recurrent), (state.gdn.conv, ref.gdn.conv)]
+    pairs += [(a.k[:, :n], b.k[:, :n]) for a, b in zip(state.attn, ref.attn)]
+    pairs += [(a.v[:, :n], b.v[:, :n]) for a, b in zip(state.attn, ref.attn)]
+    for got, want in pairs:
+        assert close(got, want)
+
+
+@pytest.fixture(params=list(CONFIGS), ids=list(CONFIGS))
+def pair(request):
+    layers = random_model(CONFIGS[request.param], seed=len(request.param))
+    return layers, copy.deepcopy(layers).fuse()
+
+
+def test_fuse_keeps_the_checkpoint(pair):
+    layers, fused = pair
+    want, got = layers.state_dict(), fused.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    layer = fused.model.layers[0]
+    assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == fused.fused[0].w_gate_up.untyped_storage().data_ptr()
+
+
+def test_every_forward_and_commit_matches_the_layer_path(pair):
+    """Prefill, decode (T = 1), verify (T = 2..9) with partial, full and zero commits, and reverts."""
+    layers, fused = pair
+    gen = torch.Generator().manual_seed(7)
+    vocab = layers.config.vocab_size
+    ref, state = layers.new_state(capacity=8), fused.new_state(capacity=8)  # small: the KV buffers grow
+    plan = [(37, 37), (1, 1), (1, 1), (5, 2), (1, 0), (9, 9), (1, 1), (3, 1), (4, None), (2, 1), (1, 1), (6, 4)]
+    for T, keep in plan:
+        ids = torch.randint(0, vocab, (T,), generator=gen)
+        want_logits, want_hidden = layers(ids, ref)
+        got_logits, got_hidden = fused(ids, state)
+        assert close(got_logits, want_logits) and close(got_hidden, want_hidden), f"forward of {T} tokens"
+        if keep is None:
+            ref.revert(), state.revert()
+        else:
+            ref.commit(keep), state.commit(keep)
+        assert_same_head(state, ref)
+
+
+def test_staged_logs_match(pair):
+    """What a verify pass logs for rollback (pre-conv inputs, keys, corrections, decays) is the same."""
+    layers, fused = pair
+    ids = torch.randint(0, layers.config.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
+    ref, state = layers.new_state(), fused.new_state()
+    layers(ids, ref), fused(ids, state)
+    for name in ("x", "k", "delta", "g", "window", "spare"):
+        assert close(getattr(state.gdn, name), getattr(ref.gdn, name)), name
+
+
+def test_speculative_generation_matches_the_layer_path():
+    target = random_model(AWKWARD, seed=5)
+    draft = random_model(hf_config(vocab_size=301, layer_types=["linear_attention", "full_attention"]), seed=6)
+    prompt = torch.randint(0, 301, (11,), generator=torch.Generator().manual_seed(9)).tolist()
+    want = generate(target, prompt, 40, ModelDrafter(draft), 4).token_ids
+    target.fuse(), draft.fuse()
+    assert generate(target, prompt, 40, ModelDrafter(draft), 4).token_ids == want
+    assert generate(target, prompt, 40).token_ids == want
