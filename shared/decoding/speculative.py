@@ -34,7 +34,8 @@ class Stats:
     first_token_seconds: float = 0.0  # from the start of the generation to its first token
     propose_seconds: float = 0.0  # round phases, summed (measured where the loop runs)
     verify_seconds: float = 0.0
-    commit_seconds: float = 0.0
+    commit_seconds: float = 0.0  # the target's commit and the drafter's advance (its own commit)
+    prefill_seconds: float = 0.0  # opening the target session (prompt prefill), in process only
 
     def add_round(self, drafted: int, accepted: int, staged_bytes: int,
                   phase_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
@@ -132,7 +133,9 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
                                      attr.DRAFT_TOKENS: len(proposal.tokens), attr.ACCEPTED_TOKENS: keep,
                                      attr.STAGED_BYTES: rnd.staged_bytes})
         new = session.generated
+        t4 = time.perf_counter()
         drafter.advance(keep, new[-1])
+        stats.commit_seconds += time.perf_counter() - t4
         yield new[len(out):]
         out = new
 
@@ -155,7 +158,7 @@ def generate(
     session = TargetSession(target, prompt_ids, sampling)
     drafter.start(list(prompt_ids))
     attach(drafter, session)
-    stats = Stats()
+    stats = Stats(prefill_seconds=time.perf_counter() - started)
     for _ in decode(session, drafter, max_new_tokens, num_draft_tokens, set(target.config.eos_token_id), stats):
         stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
     stats.seconds = time.perf_counter() - started
