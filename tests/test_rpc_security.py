@@ -28,6 +28,7 @@ from grpc_status import rpc_status
 from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import draft_service_pb2_grpc, target_service_pb2_grpc
 from deltaspec.v1 import target_service_pb2 as pb
+from shared.cli import _client_security, build_parser
 from shared.cli import main as cli_main
 from shared.decoding.session_table import Limits
 from shared.decoding.speculative import generate
@@ -40,6 +41,7 @@ from shared.rpc.server import BackgroundServer
 from target_service import servicer as target_servicer
 from target_service.servicer import NAME as TARGET_NAME
 from target_service.servicer import DraftPeer
+from test_rpc_servers import Served
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, refused, target_service  # noqa: F401
 
 Code = grpc.StatusCode
@@ -315,7 +317,7 @@ def test_per_caller_session_quota(pair, token_file):
         create(alice)
 
 
-def test_generation_over_mutual_tls_and_tokens_with_the_draft_channel_authenticated(pair, pki, token_file, capsys):
+def test_generation_over_mutual_tls_and_tokens_with_the_draft_channel_authenticated(pair, pki, token_file):
     """Both servers demand a client certificate and a token; the target dials its draft with its own."""
     n = 16
     expected = generate(load_model(pair[0]), PROMPT, n).token_ids
@@ -326,14 +328,47 @@ def test_generation_over_mutual_tls_and_tokens_with_the_draft_channel_authentica
             alice = as_client(pki, "alice", TOKENS["alice"])
             result, _ = generate_on_server(target.address, PROMPT, "", n, security=alice)
             assert result.token_ids == expected and result.stats.drafted > 0  # the draft answered the target
-
-            token = Path(token_file.parent / "alice.token")
-            token.write_text(TOKENS["alice"] + "\n")
-            assert cli_main(["generate", "--target-addr", target.address, "--draft-addr", draft.address,
-                             "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(n), "--json",
-                             "--tls-ca", str(pki.ca.path), "--tls-cert", str(pki.alice.cert),
-                             "--tls-key", str(pki.alice.key), "--token-file", str(token)]) == 0
-            out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-            assert out["token_ids"] == expected and out["stats"]["drafted"] > 0
             result, _ = generate_client_driven(target.address, draft.address, PROMPT, "", n, security=alice)
-            assert result.token_ids == expected
+            assert result.token_ids == expected and result.stats.drafted > 0
+
+
+def test_serve_and_generate_commands_with_mutual_tls_and_tokens(pair, pki, token_file, tmp_path, capsys):
+    """The same through the command line: the servers as processes, `deltaspec generate` here."""
+    n = 16
+    expected = generate(load_model(pair[0]), PROMPT, n).token_ids
+    (tmp_path / "target.token").write_text(TOKENS["target"] + "\n")
+    (tmp_path / "alice.token").write_text(TOKENS["alice"] + "\n")
+    tls = ["--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key), "--tls-client-ca", str(pki.ca.path),
+           "--tokens", str(token_file)]
+    draft = Served("serve-draft", pair[1], *tls)
+    target = Served("serve-target", pair[0], *tls, "--draft-addr", draft.address, "--draft-timeout", "30",
+                    "--draft-tls-ca", str(pki.ca.path), "--draft-tls-cert", str(pki.target.cert),
+                    "--draft-tls-key", str(pki.target.key), "--draft-token-file", str(tmp_path / "target.token"))
+    try:
+        draft.wait_serving(), target.wait_serving()
+        client = ["--tls-ca", str(pki.ca.path), "--tls-cert", str(pki.alice.cert), "--tls-key", str(pki.alice.key),
+                  "--token-file", str(tmp_path / "alice.token")]
+        assert cli_main(["generate", "--target-addr", target.address, "--prompt-ids", ",".join(map(str, PROMPT)),
+                         "--max-new-tokens", str(n), "--json", *client]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["token_ids"] == expected and out["stats"]["drafted"] > 0  # target -> draft authenticated
+        assert cli_main(["generate", "--target-addr", target.address, "--prompt-ids", "1", "--max-new-tokens", "1",
+                         "--tls-ca", str(pki.ca.path), "--tls-cert", str(pki.alice.cert),
+                         "--tls-key", str(pki.alice.key)]) == 2  # no token
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+    finally:
+        for served in (target, draft):
+            served.proc.kill()
+            served.proc.wait()
+
+def test_flags_and_environment(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DELTASPEC_TOKEN", TOKENS["alice"])
+    monkeypatch.setenv("DELTASPEC_DRAFT_TOKEN_FILE", str(tmp_path / "target"))
+    monkeypatch.setenv("DELTASPEC_TLS_CERT", str(tmp_path / "missing.crt"))
+    monkeypatch.setenv("DELTASPEC_TLS_KEY", str(tmp_path / "missing.key"))
+    args = build_parser().parse_args(["generate", "--target-addr", "127.0.0.1:1", "--prompt", "x"])
+    assert _client_security(args, "").token == TOKENS["alice"]
+    args = build_parser().parse_args(["serve-target", "--port", "0", "--draft-addr", "127.0.0.1:1"])
+    assert _client_security(args, "draft_").token_file == tmp_path / "target" and args.tls_cert.endswith("missing.crt")
+    assert cli_main(["serve-draft", "--port", "0"]) == 2  # a missing certificate stops it with one line
+    assert "cannot read the TLS certificate or key" in capsys.readouterr().err

@@ -209,7 +209,7 @@ class ServerTLS:
                 return None
             try:
                 config = self._config()
-            except (OSError, ssl.SSLError, ValueError) as e:
+            except ValueError as e:
                 log.warning("TLS files changed but do not load yet (%s); serving the previous certificate", e)
                 watch.seen = None  # try again at the next connection
                 return None
@@ -223,10 +223,14 @@ class ServerTLS:
         return [self.cert, self.key, *([self.client_ca] if self.client_ca else [])]
 
     def _config(self) -> grpc.ServerCertificateConfiguration:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)  # a matching pair
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)  # a matching pair
+        except ssl.SSLError as e:
+            raise ValueError(f"{self.cert} and {self.key} are not a certificate and its key: {e}") from None
+        except OSError as e:
+            raise ValueError(f"cannot read the TLS certificate or key: {e}") from None
         return grpc.ssl_server_certificate_configuration(
-            [(self.key.read_bytes(), self.cert.read_bytes())],
-            self.client_ca.read_bytes() if self.client_ca else None)
+            [(_read(self.key), _read(self.cert))], _read(self.client_ca) if self.client_ca else None)
 
 
 @dataclass(frozen=True)
@@ -252,6 +256,13 @@ class ServerSecurity:
         if self.tls is None:
             return server.add_insecure_port(address)
         return server.add_secure_port(address, self.tls.credentials())
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
 
 
 class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
@@ -290,7 +301,7 @@ class _TokenFile:
 
     def __call__(self) -> str:
         if self.watch.changed() or not self.token:
-            self.token = self.path.read_text().strip()
+            self.token = _read(self.path).decode().strip()
         return self.token
 
 
@@ -321,9 +332,7 @@ class ClientSecurity:
     def channel(self, address: str) -> grpc.Channel:
         self.check(address)
         if self.tls:
-            creds = grpc.ssl_channel_credentials(
-                self.ca.read_bytes() if self.ca else None, self.key.read_bytes() if self.key else None,
-                self.cert.read_bytes() if self.cert else None)
+            creds = grpc.ssl_channel_credentials(*(_read(p) if p else None for p in (self.ca, self.key, self.cert)))
             override = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
             ch = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS + override)
         else:
