@@ -1,6 +1,7 @@
 """A TargetService session behind the loop's `Session` protocol, surviving a target restart.
 
-Calls are retried on UNAVAILABLE (safe: every call is idempotent under its round id). When the
+Calls are retried on UNAVAILABLE, backing off from 50 ms to 1 s (safe: every call is idempotent under
+its round id; a restarted target listens before it serves). When the
 target no longer knows the session (it restarted, or the session expired), a new one is opened
 on the committed history this class keeps, the round in flight is verified again, and the call
 goes on; with greedy decoding the final tokens are exactly those of an uninterrupted run.
@@ -115,6 +116,8 @@ class RemoteTargetSession:
                     self.session_id = None  # the replica holding the session is gone or draining
                 elif e.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.max_attempts - 1:
                     raise
+                else:  # a restarted target listens (and answers UNAVAILABLE) before its model is loaded
+                    time.sleep(min(0.05 * 2 ** attempt, 1.0))
 
     def _opts(self) -> dict:
         timeout = self.call_timeout_s if self.deadline is None else self.deadline - time.monotonic()
