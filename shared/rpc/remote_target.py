@@ -1,10 +1,10 @@
 """A TargetService session behind the loop's `Session` protocol, surviving a target restart.
 
 Calls are retried on UNAVAILABLE, backing off from 50 ms to 1 s (safe: every call is idempotent under
-its round id; a restarted target listens before it serves). When the
-target no longer knows the session (it restarted, or the session expired), a new one is opened
-on the committed history this class keeps, the round in flight is verified again, and the call
-goes on; with greedy decoding the final tokens are exactly those of an uninterrupted run.
+its round id; a restarted target listens before it serves). When the target no longer knows the session
+(it restarted, or the session expired), a new one is opened on the committed history this class keeps,
+the round in flight is verified again, and the call goes on; with greedy decoding the final tokens are
+exactly those of an uninterrupted run.
 
 Session pinning (several target replicas behind one load-balanced address): when CreateSession
 names the replica that holds the session (`target_address`) and a `dial` function is given, every
