@@ -291,6 +291,8 @@ def test_another_caller_cannot_touch_a_session_and_it_still_ends_as_target_only(
         dsid = alice_d.CreateSession(dpb.DraftServiceCreateSessionRequest(token_ids=PROMPT)).session_id
         for call in (lambda: bob_d.Propose(dpb.ProposeRequest(session_id=dsid, round_id="p1", k=2)),
                      lambda: bob_d.Revert(dpb.DraftServiceRevertRequest(session_id=dsid, round_id="p1")),
+                     lambda: bob_d.Commit(dpb.DraftServiceCommitRequest(session_id=dsid, outcome=dpb.RoundOutcome(
+                         round_id="p1", accepted=0, next_token=1))),
                      lambda: bob_d.CloseSession(dpb.DraftServiceCloseSessionRequest(session_id=dsid))):
             refused(call, Code.NOT_FOUND, "session_id")
         assert len(alice_d.Propose(dpb.ProposeRequest(session_id=dsid, round_id="p1", k=2)).draft_tokens) == 2
