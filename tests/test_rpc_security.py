@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from grpc_status import rpc_status
 
 from deltaspec.v1 import draft_service_pb2 as dpb
@@ -195,6 +196,7 @@ def test_tokens_missing_or_wrong_are_unauthenticated_and_health_stays_open(pair,
             assert words in err.details()
         assert health(server.address) == health(server.address, service=TARGET_NAME) == \
             health_pb2.HealthCheckResponse.SERVING  # no token
+        assert TARGET_NAME in ProtoReflectionDescriptorDatabase(channel(server.address)).get_services()
         create(target_of(ClientSecurity(token=TOKENS["alice"]), server.address))
 
         carol = secrets.token_hex(16)  # the file changes: a new token works, a removed one stops working
