@@ -215,7 +215,7 @@ def _add_server(p: argparse.ArgumentParser, model: str) -> None:
                         "speak TLS, such as Kubernetes' (default: $DELTASPEC_HEALTH_PORT; none)")
 
 
-def _add_client_security(p: argparse.ArgumentParser, prefix: str, peer: str) -> None:
+def _add_client_security(p: argparse.ArgumentParser, prefix: str, peer: str):
     """--[prefix]tls-ca, --[prefix]tls-cert, --[prefix]tls-key, --[prefix]tls-server-name, --[prefix]token-file,
     each defaulting to $DELTASPEC_[PREFIX]..., for dialling `peer`."""
     env_prefix = f"DELTASPEC_{prefix.upper().replace('-', '_')}"
@@ -230,6 +230,7 @@ def _add_client_security(p: argparse.ArgumentParser, prefix: str, peer: str) -> 
                                       "changes)")):
         var = env_prefix + name.upper().replace("-", "_")
         g.add_argument(f"--{prefix}{name}", default=os.environ.get(var), help=f"{what} (default: ${var})")
+    return g
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -263,9 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-addr", help="HOST:PORT of a target service: generate there instead of in process")
     p.add_argument("--draft-addr", help="HOST:PORT of a draft service: drive the loop from here (with --target-addr)")
     p.add_argument("--timeout", type=float, help="deadline in seconds for the whole generation over gRPC")
-    _add_client_security(p, "", "services")
-    p.add_argument("--insecure", action="store_true", default=_env_flag("DELTASPEC_INSECURE"),
-                   help="allow plaintext to a non-loopback address (default: $DELTASPEC_INSECURE=1)")
+    _add_client_security(p, "", "services").add_argument(
+        "--insecure", action="store_true", default=_env_flag("DELTASPEC_INSECURE"),
+        help="allow plaintext to a non-loopback address (default: $DELTASPEC_INSECURE=1)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve-target", help="serve the target model (TargetService) over gRPC")
