@@ -32,12 +32,14 @@ import pytest
 from shared.decoding.speculative import generate
 from shared.model.loader import load_model
 from shared.rpc.client import generate_client_driven, generate_on_server
+from shared.rpc.options import CHANNEL_OPTIONS
 from test_proxy_support import TcpProxy
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, start, target_service  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 40
 KILLS = 20
+RECONNECT_S = dict(CHANNEL_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000 + 0.1
 
 ZYGOTE = """
 import os, signal, sys
@@ -148,3 +150,104 @@ def test_target_killed_mid_round_and_restarted_20_times(pair, reference):
               f"every output identical to the uninterrupted run")
     finally:
         zygote.close()
+
+
+def test_draft_killed_and_stalled_costs_speculation_not_tokens(pair):
+    """Client-driven, the draft a process: SIGKILL then a restart; SIGSTOP past the deadline then SIGCONT."""
+    n = 128
+    expected = generate(load_model(pair[0]), PROMPT, n).token_ids
+    port = free_port()
+    zygote = Zygote(pair[1])
+    serve = ("serve-draft", "--model", str(pair[1]), "--port", str(port))
+    events = {3: "kill", 6: "restart", 16: "stop", 19: "cont"}  # after these rounds
+    chunks: list[int] = []  # tokens per round: more than one means drafts were accepted
+    try:
+        pid = zygote.spawn(*serve)
+        with start(target_service(pair[0])) as target:
+            def on_tokens(ids: list[int], text: str) -> None:
+                nonlocal pid
+                chunks.append(len(ids))
+                event = events.get(len(chunks))
+                if event == "kill":
+                    zygote.kill(pid)
+                elif event == "restart":
+                    pid = zygote.spawn(*serve)
+                    time.sleep(RECONNECT_S)  # the client's channel redials within its reconnect backoff
+                elif event in ("stop", "cont"):
+                    os.kill(pid, signal.SIGSTOP if event == "stop" else signal.SIGCONT)
+
+            result, _ = generate_client_driven(target.address, f"127.0.0.1:{port}", PROMPT, "", n,
+                                               num_draft_tokens=4, draft_timeout_s=0.2, on_tokens=on_tokens)
+    finally:
+        zygote.close()
+    assert result.token_ids == expected
+    assert max(chunks[:3]) > 1 and chunks[3:6] == [1, 1, 1]  # speculating, then the draft is dead
+    assert max(chunks[6:16]) > 1 and max(chunks[19:]) > 1  # speculation resumed after each recovery
+    assert 1 in chunks[16:19]  # the stalled draft missed its deadline
+
+
+def test_proxy_delays_drops_and_resets_connections(pair, reference):
+    """client -> proxy -> target -> proxy -> draft (and client -> proxy -> draft when the client drives)."""
+    rng = random.Random(5)
+    with start(draft_service(pair[1])) as draft:
+        to_draft = TcpProxy([draft.address])
+        with start(target_service(pair[0], draft_address=to_draft.address, draft_timeout_s=0.2)) as target:
+            to_target = TcpProxy([target.address])
+            paths = {
+                "client-driven": lambda: generate_client_driven(to_target.address, to_draft.address, PROMPT, "", N,
+                                                                num_draft_tokens=4, draft_timeout_s=0.2)[0],
+                "server loop": lambda: generate_on_server(to_target.address, PROMPT, "", N, num_draft_tokens=4)[0]}
+            faults: dict[str, int] = {}
+            extra: dict[str, list[float]] = {name: [] for name in paths}
+            try:
+                for name, run in paths.items():
+                    for _ in range(3):
+                        started = time.perf_counter()
+                        assert run().token_ids == reference
+                        clean = time.perf_counter() - started
+                        with _Chaos(rng, to_target, to_draft, faults):
+                            started = time.perf_counter()
+                            assert run().token_ids == reference, name
+                            extra[name].append(time.perf_counter() - started - clean)
+            finally:
+                to_target.close()
+                to_draft.close()
+    assert set(faults) == set(_Chaos.KINDS)
+    print(f"\nproxy faults injected: {dict(sorted(faults.items()))}; outputs identical; extra latency per "
+          + "; ".join(f"{name} generation ({N} tokens): mean {sum(v) / len(v) * 1e3:.0f} ms, max {max(v) * 1e3:.0f} ms"
+                      for name, v in extra.items()))
+
+
+class _Chaos:
+    """A thread that injects one random fault every 30-120 ms into the two proxies, until the block ends."""
+
+    KINDS = ("target delay 20 ms", "target drop", "target reset",
+             "draft delay 300 ms", "draft black hole", "draft drop", "draft reset")
+
+    def __init__(self, rng: random.Random, to_target: TcpProxy, to_draft: TcpProxy, counts: dict[str, int]) -> None:
+        self.rng, self.to_target, self.to_draft, self.counts = rng, to_target, to_draft, counts
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _Chaos:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        while not self.done.wait(self.rng.uniform(0.03, 0.12)):
+            kind = self.rng.choice(self.KINDS)
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            proxy = self.to_target if kind.startswith("target") else self.to_draft
+            if kind.endswith("drop"):
+                proxy.drop()
+            elif kind.endswith("reset"):
+                proxy.reset()
+            else:  # a spell of delay or silence
+                proxy.delay_s = 0.3 if kind == "draft delay 300 ms" else 0.02 if "delay" in kind else 0.0
+                proxy.blackhole = kind == "draft black hole"
+                self.done.wait(self.rng.uniform(0.03, 0.12))
+                proxy.delay_s, proxy.blackhole = 0.0, False

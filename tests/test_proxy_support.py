@@ -43,6 +43,8 @@ class TcpProxy:
     def reset(self) -> None:
         """Abort every open connection with a TCP reset (SO_LINGER 0), both sides."""
         def abort(writer: asyncio.StreamWriter) -> None:
+            if writer.is_closing():
+                return
             sock = writer.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from deltaspec.v1 import draft_service_pb2 as dpb
-from deltaspec.v1 import draft_service_pb2_grpc
+from deltaspec.v1 import draft_service_pb2_grpc, sampling_pb2
 from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.v1 import target_service_pb2_grpc
 from draft_service.servicer import NAME as DRAFT_NAME, DraftServicer
@@ -39,7 +39,7 @@ class FlakyDraft(DraftServicer):
 
     def __init__(self, load) -> None:
         super().__init__(load)
-        self.faults: list[str] = []  # one per coming Propose: "slow", "garbage" or "error"
+        self.faults: list[str] = []  # one per coming Propose: "slow", "garbage", "bad-probs" or "error"
         self.deadlines: list[float | None] = []
 
     async def Propose(self, request, context):
@@ -50,6 +50,9 @@ class FlakyDraft(DraftServicer):
         if fault == "error":
             await context.abort(grpc.StatusCode.INTERNAL, "injected")
         reply = await super().Propose(request, context)
+        if fault == "bad-probs":  # plausible tokens, probabilities no sampler could have drawn them from
+            del reply.draft_probs[:]
+            reply.draft_probs.extend([float("nan")] * (len(reply.draft_tokens) * 257))
         return dpb.ProposeResponse(draft_tokens=[10**6] * request.k) if fault == "garbage" else reply
 
 
@@ -116,6 +119,15 @@ def test_draft_outage_costs_speculation_not_tokens(pair, target, flaky, referenc
         tokens, last = final_stats(lonely.address, num_draft_tokens=4)
         assert tokens == reference and last.stats.drafted == 0 and last.stats.draft_failures > 0
         assert generate_client_driven(lonely.address, dead, PROMPT, "", N)[0].token_ids == reference
+
+
+def test_draft_garbage_probabilities_cost_speculation_when_sampling(target, flaky):
+    servicer, _ = flaky
+    servicer.faults = ["bad-probs", "bad-probs"]
+    sampling = sampling_pb2.SamplingParams(temperature=0.9, seed=4)
+    tokens, last = final_stats(target, num_draft_tokens=4, sampling=sampling)
+    assert len(tokens) == N and not servicer.faults
+    assert last.stats.draft_failures == 2 and last.stats.accepted > 0  # refused, then speculation resumed
 
 
 def test_deadlines_reach_the_draft(target, flaky):

@@ -1,8 +1,9 @@
 """Generating over gRPC, on either path, with the result shaped as in-process `generate` returns it.
 
 - `generate_on_server`: one `Generate` stream; the target runs the loop against its own draft
-  peer. If the stream breaks (the target restarted), it is opened again on the prompt plus the
-  tokens received so far, for the tokens still missing.
+  peer. If the stream breaks (the target restarted, the network reset it), it is opened again on the
+  prompt plus the tokens received so far, for the tokens still missing; it gives up after
+  `max_attempts` breaks in a row that brought no token.
 - `generate_client_driven`: this process runs the loop (`shared.decoding.speculative.decode`)
   with the target and the draft as remote peers: one Propose, one Verify and one Commit a round.
   A session is opened through `target_address` (which may be a load-balanced service) and its
@@ -47,7 +48,9 @@ def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt
     with _generation_span(telemetry, "server", model, max_new_tokens) as span, \
             telemetry.channel(security.channel(target_address)) as ch:
         stub = target_service_pb2_grpc.TargetServiceStub(ch)
-        for attempt in range(max_attempts):
+        failures = 0  # broken streams in a row that brought no token
+        while True:
+            received = len(out)
             request = target_service_pb2.GenerateRequest(
                 prompt_ids=prompt + out, prompt_text="" if prompt else prompt_text,
                 sampling=sampling_to_proto(sampling), max_new_tokens=max_new_tokens - len(out),
@@ -66,8 +69,10 @@ def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt
                         _merge(stats, stats_from_proto(msg.stats))
                 break
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == max_attempts - 1:
+                failures = 0 if len(out) > received else failures + 1
+                if e.code() != grpc.StatusCode.UNAVAILABLE or failures == max_attempts:
                     raise
+                time.sleep(min(0.05 * 2 ** failures, 1.0) if failures else 0.0)  # a restarted target loads first
         _usage(span, prompt, out)
     stats.seconds = time.perf_counter() - started
     return Generation(prompt, out, stats), text
