@@ -101,7 +101,8 @@ def round_checkpoint_replay(model: HybridLM, state: ModelState, tokens: torch.Te
     state.commit(len(tokens))  # a verify pass without rollback advances the head over every token
     t2 = time.perf_counter()
     if keep < len(tokens):
-        state.gdn.conv, state.gdn.recurrent = saved
+        state.gdn.conv.copy_(saved[0])
+        state.gdn.recurrent.copy_(saved[1])
         state.length -= len(tokens)
         model(tokens[:keep], state)  # replay the accepted tokens through the whole model
         state.commit(keep)

@@ -29,7 +29,7 @@ L2NORM_EPS = 1e-6  # the GDN's l2norm of q and k (HF's default, not the config's
 class FusedGDN:
     w_in: Tensor  # (conv_dim + value_dim + 2 Hv, hidden): in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
     splits: tuple[int, int, int, int]
-    conv_taps: Tensor  # (K, conv_dim): the depthwise conv weight, time-major
+    conv_taps: Tensor  # (conv_dim, K): the depthwise conv weight
     qk_scale: Tensor  # (2 n_k, 1): rms_norm(x, eps/d) * scale = l2norm(x) * (d^-1/2 for q, 1 for k)
     neg_a: Tensor  # (Hv,) -exp(A_log)
     dt_bias: Tensor  # (Hv,) float32
@@ -71,7 +71,7 @@ def _fuse_gdn(m: GatedDeltaNet) -> FusedGDN:
     scale = torch.tensor([m.d_k**-1.0] * m.n_k + [m.d_k**-0.5] * m.n_k, device=m.A_log.device)
     return FusedGDN(
         w_in=_concat(m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a), splits=splits,
-        conv_taps=m.conv1d.weight.detach()[:, 0].t().contiguous(), qk_scale=scale[:, None],
+        conv_taps=m.conv1d.weight.detach()[:, 0], qk_scale=scale[:, None],
         neg_a=-m.A_log.detach().float().exp(), dt_bias=m.dt_bias.detach().float())
 
 
@@ -105,10 +105,7 @@ def _gdn(m: GatedDeltaNet, f: FusedGDN, h: Tensor, residual: Tensor, st: GDNSlot
     T = h.shape[0]
     mixed, z, b, a = F.linear(h, f.w_in).split(f.splits, dim=-1)  # (T, conv_dim), (T, Hv Dv), (T, Hv), (T, Hv)
     full = torch.cat([st.conv_window(), mixed], dim=0)  # (K-1+T, conv_dim)
-    if T == 1:
-        conv = F.silu((full * f.conv_taps).sum(0, keepdim=True))  # (1, conv_dim)
-    else:
-        conv = F.silu(F.conv1d(full.t()[None], m.conv1d.weight, groups=full.shape[1]))[0].t()  # (T, conv_dim)
+    conv = F.silu((full.unfold(0, f.conv_taps.shape[1], 1) * f.conv_taps).sum(-1))  # windows (T, conv_dim, K)
     key_dim = m.n_k * m.d_k
     qk, v = conv.float().split([2 * key_dim, m.n_v * m.d_v], dim=-1)
     qk = F.rms_norm(qk.view(T, 2 * m.n_k, m.d_k), (m.d_k,), eps=L2NORM_EPS / m.d_k) * f.qk_scale
@@ -120,11 +117,12 @@ def _gdn(m: GatedDeltaNet, f: FusedGDN, h: Tensor, residual: Tensor, st: GDNSlot
     g = f.neg_a * F.softplus(a.float() + f.dt_bias)
     if T == 1 and m.kernel_name in ("auto", "recurrent") and not h.is_cuda:
         # one recurrent step, the new state written straight into the staging buffer
-        state = st.initial_state() * g[0].exp()[:, None, None]  # (Hv, Dk, Dv)
-        delta = (v[0] - torch.bmm(k[0, :, None], state)[:, 0]) * beta[0, :, None]  # (Hv, Dv)
-        state = torch.baddbmm(state, k[0, :, :, None], delta[:, None], out=st.state_out())
-        out = torch.bmm(q[0, :, None], state).view(1, m.n_v, m.d_v)
-        st.stage(mixed, k, delta[None], g, None, full)
+        H, Dk, Dv = m.n_v, m.d_k, m.d_v
+        state = st.initial_state() * g.view(H, 1, 1).exp()  # (H, Dk, Dv)
+        delta = (v.view(H, 1, Dv) - torch.bmm(k.view(H, 1, Dk), state)) * beta.view(H, 1, 1)  # (H, 1, Dv)
+        state = torch.baddbmm(state, k.view(H, Dk, 1), delta, out=st.state_out())
+        out = torch.bmm(q.view(H, 1, Dk), state).view(1, H, Dv)
+        st.stage(mixed, k, delta.view(1, H, Dv), g, None, full)
     else:
         kernel = pick_kernel(m.kernel_name, T, h.is_cuda)
         out, delta, final = kernel(q[None], k[None], v[None], g[None], beta[None], st.initial_state()[None])

@@ -52,6 +52,27 @@ class GDNStates:
         self.delta = torch.zeros(n_layers, H, LOG_CAPACITY, Dv, **f32)
         self.g = torch.zeros(n_layers, H, LOG_CAPACITY, **f32)
         self.logged = True  # the logs cover every staged token
+        # per-layer views, made once: indexing costs a dispatch per index in every layer of every step
+        self.layers = {name: list(getattr(self, name).unbind(0)) for name in ("conv", "window", "recurrent", "spare")}
+        self._log_views: dict[tuple[int, int, int], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self._prefixes: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+
+    def log_views(self, i: int, start: int, end: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Layer i's log slots for staged tokens start..end-1: x `(T, C)`, k `(H, Dk, T)`, delta `(H, T, Dv)`, g `(H, T)`."""
+        key = (i, start, end)
+        if key not in self._log_views:
+            self._log_views[key] = (self.x[i, start:end], self.k[i, :, :, start:end], self.delta[i, :, start:end],
+                                    self.g[i, :, start:end])
+        return self._log_views[key]
+
+    def _prefix(self, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The logs of the first n staged tokens (x, k, delta as `(L H, n, Dv)`) and the `(n, n+1)` 0/1
+        matrix whose product with g_0..g_{n-1} gives [G_n, G_n - G_0, ..., G_n - G_{n-1}]; made once per n."""
+        if n not in self._prefixes:
+            L, H, _, Dv = self.delta.shape
+            sums = torch.ones(n, n + 1, device=self.g.device).tril()  # row s adds g_s to G_n and to G_n - G_t, t < s
+            self._prefixes[n] = (self.x[:, :n], self.k[..., :n], self.delta[:, :, :n].view(L * H, n, Dv), sums)
+        return self._prefixes[n]
 
     def prepare_commit(self, n: int, staged: int) -> tuple[Tensor, Tensor]:
         """(window, recurrent) of the head after keeping n of `staged` tokens; writes only spare buffers."""
@@ -59,23 +80,26 @@ class GDNStates:
             return self.window, self.spare
         if not self.logged:
             raise ValueError(f"partial commit ({n} of {staged}) of a staging longer than {LOG_CAPACITY} tokens")
+        x, k, delta, decay_sums = self._prefix(n)
         width = self.conv.shape[1]
-        self.window.copy_(torch.cat([self.conv, self.x[:, :n]], dim=1)[:, -width:])
-        L, H, Dk, _ = self.k.shape
-        G = self.g[..., :n].cumsum(-1)  # (L, H, n)
-        weighted_k = self.k[..., :n] * (G[..., -1:] - G).exp()[:, :, None]  # (L, H, Dk, n)
+        if n >= width:
+            self.window.copy_(x[:, n - width:])
+        else:
+            torch.cat([self.conv[:, n:], x], dim=1, out=self.window)
+        # decays[..., 0] = exp(G_n), decays[..., 1 + t] = exp(G_n - G_t), G_t = g_0 + ... + g_t
+        decays = (self.g[..., :n] @ decay_sums).exp()  # (L, H, n+1)
+        L, H, Dk, Dv = self.recurrent.shape
         # spare <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T, one batched matmul over (layer, head)
-        torch.baddbmm(
-            (self.recurrent * G[..., -1, None, None].exp()).view(L * H, Dk, -1),
-            weighted_k.view(L * H, Dk, n),
-            self.delta[:, :, :n].reshape(L * H, n, -1),
-            out=self.spare.view(L * H, Dk, -1),
-        )
+        torch.baddbmm((self.recurrent * decays[..., :1, None]).view(L * H, Dk, Dv),
+                      (k * decays[:, :, None, 1:]).view(L * H, Dk, n), delta, out=self.spare.view(L * H, Dk, Dv))
         return self.window, self.spare
 
     def swap_in(self) -> None:
         self.conv, self.window = self.window, self.conv
         self.recurrent, self.spare = self.spare, self.recurrent
+        views = self.layers
+        views["conv"], views["window"] = views["window"], views["conv"]
+        views["recurrent"], views["spare"] = views["spare"], views["recurrent"]
         self.logged = True
 
 
@@ -89,14 +113,14 @@ class GDNSlot:
 
     def conv_window(self) -> Tensor:
         """The K-1 pre-conv inputs before this pass's first token, `(K-1, conv_dim)`."""
-        return (self.states.window if self.offset else self.states.conv)[self.i]
+        return self.states.layers["window" if self.offset else "conv"][self.i]
 
     def initial_state(self) -> Tensor:
-        return (self.states.spare if self.offset else self.states.recurrent)[self.i]
+        return self.states.layers["spare" if self.offset else "recurrent"][self.i]
 
     def state_out(self) -> Tensor:
         """Where the state after this pass goes, `(H, Dk, Dv)`: a kernel may write it here directly."""
-        return self.states.spare[self.i]
+        return self.states.layers["spare"][self.i]
 
     def stage(self, x: Tensor, k: Tensor, delta: Tensor, g: Tensor, final_state: Tensor | None,
               window_and_x: Tensor | None = None) -> None:
@@ -108,17 +132,18 @@ class GDNSlot:
         s, T = self.states, x.shape[0]
         end = self.offset + T
         if s.logged and end <= LOG_CAPACITY:
-            s.x[self.i, self.offset : end] = x
-            s.k[self.i, :, :, self.offset : end] = k.permute(1, 2, 0)
-            s.delta[self.i, :, self.offset : end] = delta.transpose(0, 1)
-            s.g[self.i, :, self.offset : end] = g.t()
+            log_x, log_k, log_delta, log_g = s.log_views(self.i, self.offset, end)
+            log_x.copy_(x)
+            log_k.copy_(k.permute(1, 2, 0))
+            log_delta.copy_(delta.transpose(0, 1))
+            log_g.copy_(g.t())
         else:
             s.logged = False
         if window_and_x is None:
             window_and_x = torch.cat([self.conv_window(), x.to(s.window.dtype)], dim=0)
-        s.window[self.i] = window_and_x[-s.conv.shape[1]:]
+        s.layers["window"][self.i].copy_(window_and_x[-s.conv.shape[1]:])
         if final_state is not None:
-            s.spare[self.i] = final_state
+            self.state_out().copy_(final_state)
 
 
 @dataclass
