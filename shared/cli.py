@@ -11,6 +11,16 @@ from shared import demo
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"--lengths must be comma-separated positive integers, got {text!r}")
+    return lengths
+
+
 def _ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -245,6 +255,17 @@ def cmd_study(args: argparse.Namespace) -> int:
     return study_main(args)
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    demo.quiet_grpc()
+    from shared.bench.soak import run
+
+    summary = run(Path(args.target or DEFAULT_TARGET), Path(args.draft or DEFAULT_DRAFT), args.sessions, args.seconds,
+                  args.report_every, args.max_new_tokens, args.num_draft_tokens)
+    if args.json:
+        print(json.dumps(summary))
+    return 0 if summary["errors"] == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -302,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer prompts, k values and rounds (a couple of minutes)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--lengths", type=_lengths, help="new tokens of the long generations (default 96,384,1024; quick 96,384)")
+    p.add_argument("--prompts", type=int, help="held-out prompts per length (default 5; quick 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a shared 2-core machine)")
     p.set_defaults(func=cmd_bench)
 
@@ -312,6 +335,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory for the PNG plots (default: the repository's docs/)")
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_study)
+
+    p = sub.add_parser("soak", help="concurrent sessions for a fixed time against serve-target and serve-draft "
+                                    "processes on loopback, both loops, greedy and sampled: errors, round times, RSS")
+    p.add_argument("--sessions", type=int, default=64, help="concurrent sessions (worker threads)")
+    p.add_argument("--seconds", type=float, default=300.0)
+    p.add_argument("--report-every", type=float, default=30.0, help="seconds between report lines")
+    p.add_argument("--target", help="target checkpoint directory (default: the embedded target)")
+    p.add_argument("--draft", help="draft checkpoint directory (default: the embedded draft)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON line at the end")
+    p.set_defaults(func=cmd_soak)
     return parser
 
 

@@ -1,20 +1,26 @@
 """`deltaspec bench`: every figure measured side by side in one run, reported as ratios.
 
-Sections: acceptance and speed-up by drafter and k; the gRPC path over in-process; ours over HF
-transformers' generate(); rollback strategies; the memory-bound regime (verify k+1 over decode 1);
-and, only where CUDA is present, the same on the GPU. Plots go to docs/.
+Sections: the cost of one step (ATen calls and time, layer path vs fused path); acceptance and
+speed-up by drafter and k; long generations (96 to 1024 tokens: speculative, our target-only and
+HF transformers' generate(), alternated, with each round's phases); the gRPC path over in-process;
+tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over decode 1); and,
+only where CUDA is present, the same on the GPU. Plots go to docs/; a full run's tables also go to
+docs/bench.txt.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from shared.bench import generation, steps as step_costs
 from shared.bench.rollback import compare
-from shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio, versus_hf
+from shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
 from shared.decoding.drafters import make_drafter
 from shared.decoding.drafters.model_drafter import ModelDrafter
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -50,17 +56,23 @@ def run(args: argparse.Namespace) -> dict:
     prompts = heldout_prompts(2 if quick else 3)
     ks = (2, 4) if quick else (1, 2, 4, 8)
     new_tokens = 48 if quick else 96
-    steps = ["acceptance", "grpc", "hf", "tracing", "rollback", "memory"] + (["gpu"] if torch.cuda.is_available() else [])
+    lengths = args.lengths or ((96, 384) if quick else (96, 384, 1024))
+    long_prompts = heldout_prompts(args.prompts or (2 if quick else 5))
+    steps = ["steps", "acceptance", "generations", "grpc", "tracing", "rollback", "memory"]
+    steps += ["gpu"] if torch.cuda.is_available() else []
     result: dict = {}
-    with tqdm(total=len(steps), desc="bench") as bar:
+    with tqdm(total=len(steps) - 1 + len(lengths) * len(long_prompts), desc="bench") as bar:
+        result["steps"] = step_costs.step_costs({"embedded target": target, "embedded draft": draft},
+                                                blocks=3 if quick else 7)
+        bar.update()
         result["acceptance"] = acceptance_and_speedup(target, drafters, ks, prompts, new_tokens)
         bar.update()
+        best_k = max((r for r in result["acceptance"] if r["drafter"] == "draft model"), key=lambda r: r["speedup"])["k"]
+        result["generations"] = generation.long_generations(target, DEFAULT_TARGET, drafters["draft model"], best_k,
+                                                            long_prompts, lengths, bar.update)
         from shared.rpc.overhead import measure
 
         result["grpc"] = measure(max_new_tokens=new_tokens, repeats=2 if quick else 3)
-        bar.update()
-        best_k = max((r for r in result["acceptance"] if r["drafter"] == "draft model"), key=lambda r: r["speedup"])["k"]
-        result["hf"] = versus_hf(DEFAULT_TARGET, prompts[0], new_tokens, drafters["draft model"], best_k)
         bar.update()
         result["tracing"] = tracing_overhead(target, ModelDrafter(draft), prompts[0], new_tokens,
                                              repeats=3 if quick else 7)
@@ -76,17 +88,16 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def print_tables(result: dict) -> None:
-    print("\nAcceptance and speed-up (held-out text, greedy; speed-up = tokens/s over target-only)")
+    step_costs.print_rows(result["steps"])
+    print("\nAcceptance and speed-up (held-out text, greedy, warmed; speed-up = tokens/s over target-only)")
     print(f"{'drafter':<14} {'k':>2} {'accept':>7} {'mean len':>9} {'speed-up':>9} identical")
     for r in result["acceptance"]:
         print(f"{r['drafter']:<14} {r['k']:>2} {r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>9.2f} "
               f"{r['speedup']:>9.2f} {r['identical']}")
+    generation.print_rows(result["generations"])
     g = result["grpc"]["ratio_to_in_process"]
     print(f"\ngRPC loopback over in-process tokens/s: server loop {g['server_loop']:.2f}, "
           f"client-driven {g['client_driven']:.2f}")
-    h = result["hf"]
-    print(f"Ours over HF generate(): target-only {h['target_only_over_hf']:.2f}x, "
-          f"speculative {h['speculative_over_hf']:.2f}x, identical tokens {h['identical_to_hf']}")
     t = result["tracing"]
     print(f"Tracing off vs compiled out: {t['off_tokens_per_s']:.1f} vs {t['compiled_out_tokens_per_s']:.1f} tok/s "
           f"(cost {100 * t['off_cost']:.1f} %, from the loop's added time per round "
@@ -136,6 +147,12 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print_tables(result)
+        tables = io.StringIO()
+        with contextlib.redirect_stdout(tables):
+            print_tables(result)
+        print(tables.getvalue(), end="")
+        if not args.quick:
+            DOCS.mkdir(exist_ok=True)
+            (DOCS / "bench.txt").write_text(tables.getvalue())
     plot(result)
     return 0

@@ -1,5 +1,5 @@
-"""End-to-end speed-up figures: acceptance, speculative over target-only, ours over HF, and the
-memory-bound regime the speed-up comes from. Every figure is a ratio of two runs made side by
+"""Speed-up figures: acceptance and speculative over target-only by drafter and k, and the
+memory-bound regime the speed-up comes from (long generations against HF: `generation.py`). Every figure is a ratio of two runs made side by
 side in one process (absolute times on a shared machine are noise)."""
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def heldout_prompts(count: int = 4, length: int = 96) -> list[list[int]]:
 def acceptance_and_speedup(target: HybridLM, drafters: dict[str, Callable[[], Drafter]], ks: tuple[int, ...],
                            prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
     """For each drafter and k: acceptance, mean accepted length, and tokens/s over target-only (same prompts)."""
+    generate(target, prompts[0], 16)  # warm every path before timing
+    for make in drafters.values():
+        generate(target, prompts[0], 16, make(), max(ks))
     base_s, want = 0.0, []
     for prompt in prompts:
         g = generate(target, prompt, max_new_tokens)
@@ -58,36 +61,13 @@ def acceptance_and_speedup(target: HybridLM, drafters: dict[str, Callable[[], Dr
     return rows
 
 
-def versus_hf(target_dir: Path, prompt: list[int], max_new_tokens: int, drafter: Callable[[], Drafter],
-              k: int) -> dict:
-    """tokens/s of HF transformers' generate() against ours, target-only and speculative, same checkpoint."""
-    from transformers import Qwen3_5ForCausalLM
-
-    from shared.model.loader import load_model
-
-    hf = Qwen3_5ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    ours = load_model(target_dir)
-    with torch.no_grad():
-        started = time.perf_counter()
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                          min_new_tokens=max_new_tokens)
-        hf_s = time.perf_counter() - started
-    ref = out[0, len(prompt):].tolist()
-    plain = generate(ours, prompt, max_new_tokens)
-    spec = generate(ours, prompt, max_new_tokens, drafter(), k)
-    same = plain.token_ids == spec.token_ids == ref[: len(plain.token_ids)]
-    return {"target_only_over_hf": hf_s / plain.stats.seconds * len(plain.token_ids) / len(ref),
-            "speculative_over_hf": hf_s / spec.stats.seconds * len(spec.token_ids) / len(ref),
-            "identical_to_hf": same}
-
-
 def memory_bound_ratio(k: int = 4, context: int = 64, repeats: int = 7, device: str = "cpu") -> dict:
     """Time to verify k+1 tokens over time to decode one, on a randomly initialised target of >= 100M parameters."""
     cfg = hf_config(vocab_size=32000, hidden_size=768, intermediate_size=3072, num_attention_heads=12,
                     num_key_value_heads=4, head_dim=64, linear_num_key_heads=8, linear_num_value_heads=16,
                     linear_key_head_dim=64, linear_value_head_dim=64,
                     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 3, tie_word_embeddings=False)
-    model = random_model(cfg, seed=0).to(device)
+    model = random_model(cfg, seed=0).to(device).fuse()
     params = sum(p.numel() for p in model.parameters())
     state = model.new_state(capacity=context + 64)
     model(torch.arange(context, device=device), state)
