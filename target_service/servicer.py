@@ -141,13 +141,16 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                 attach(drafter, session)
                 stats = Stats()
                 session.session_id = self.sessions.add(session, owner)  # type: ignore[attr-defined]
-                with self.sessions.use(session.session_id, owner):  # type: ignore[attr-defined]
-                    for new in decode(session, drafter, request.max_new_tokens, request.num_draft_tokens,
-                                      self.eos, stats, self.telemetry.tracer, self.metrics):
-                        stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
-                        loop.call_soon_threadsafe(queue.put_nowait, new)
-                        if cancelled.is_set():
-                            return
+                try:
+                    with self.sessions.use(session.session_id, owner):  # type: ignore[attr-defined]
+                        for new in decode(session, drafter, request.max_new_tokens, request.num_draft_tokens,
+                                          self.eos, stats, self.telemetry.tracer, self.metrics):
+                            stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
+                            loop.call_soon_threadsafe(queue.put_nowait, new)
+                            if cancelled.is_set():
+                                return
+                finally:  # the stream's session ends with it (nobody else knows its id): free its slot and state
+                    self.sessions.remove(session.session_id, owner)  # type: ignore[attr-defined]
                 stats.seconds = time.perf_counter() - started
                 n = len(session.generated)
                 self.metrics.generation(stats.first_token_seconds,

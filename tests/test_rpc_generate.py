@@ -211,3 +211,18 @@ def test_in_process_drafters_behind_the_server_loop(tmp_path, local_draft):
         got, _ = generate_on_server(server.address, PROMPT * 3, "", N, num_draft_tokens=4)
     assert got.token_ids == want
     assert got.stats.drafted > 0
+
+
+def test_no_session_outlives_its_generation(pair, flaky):
+    """Generate's own target session, and the draft sessions of both loops, end with the generation
+    (the last round drafts nothing: its draft session used to be dropped without CloseSession)."""
+    draft, address = flaky
+    servicer = TargetServicer(lambda: (load_model(pair[0]), load_tokenizer(pair[0])),
+                              draft=target_servicer_module.DraftPeer(address, 0.3))
+    service = Service(TARGET_NAME, lambda s: target_service_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
+                      servicer.load)
+    before = len(draft.sessions)
+    with start(service) as server:
+        assert generate_on_server(server.address, PROMPT, "", N)[0].stats.accepted > 0
+        assert generate_client_driven(server.address, address, PROMPT, "", N)[0].stats.accepted > 0
+        assert len(servicer.sessions) == 0 and len(draft.sessions) == before

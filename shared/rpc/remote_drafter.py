@@ -51,7 +51,8 @@ class RemoteDrafter:
         timeout = self._timeout()
         if k == 0 or self.skip or timeout <= 0:
             self.skip = max(0, self.skip - 1)
-            self.session_id = None  # it misses this round's outcome: rebuild it next time
+            self.close()  # it misses this round's outcome: free it now (a dropped id would hold a slot until
+            # its TTL; the last round of every generation has k = 0), rebuild it next time
             return Proposal([])
         round_id = f"r{self.rounds}"
         try:
