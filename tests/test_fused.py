@@ -55,12 +55,13 @@ def test_fuse_keeps_the_checkpoint(pair):
 
 
 def test_every_forward_and_commit_matches_the_layer_path(pair):
-    """Prefill, decode (T = 1), verify (T = 2..9) with partial, full and zero commits, and reverts."""
+    """Prefill (one and two chunks), decode (T = 1), verify (T = 2..9): partial, full and zero commits, reverts."""
     layers, fused = pair
     gen = torch.Generator().manual_seed(7)
     vocab = layers.config.vocab_size
     ref, state = layers.new_state(capacity=8), fused.new_state(capacity=8)  # small: the KV buffers grow
-    plan = [(37, 37), (1, 1), (1, 1), (5, 2), (1, 0), (9, 9), (1, 1), (3, 1), (4, None), (2, 1), (1, 1), (6, 4)]
+    plan = [(70, 70), (1, 1), (1, 1), (5, 2), (1, 0), (9, 9), (1, 1), (3, 1), (4, None), (2, 1), (1, 1), (6, 4),
+            (37, 37), (5, 3)]  # 70: two chunks; 37: one
     for T, keep in plan:
         ids = torch.randint(0, vocab, (T,), generator=gen)
         want_logits, want_hidden = layers(ids, ref)

@@ -8,37 +8,56 @@ Within a chunk of C tokens the corrections solve one unit-lower-triangular syste
     S_C  = exp(G_C) S0 + sum_s exp(G_C - G_s) k_s delta_s^T
 
 so a chunk costs a few small matmuls and one triangular solve instead of C dependent steps.
-Same contract as `naive_recurrent_gated_delta_rule`.
+The solve reads only the strict lower triangle (`unitriangular`), so L needs no diagonal mask,
+and exp(G_t - G_s) is zeroed above the diagonal by a -inf fill before the exp: few ops, since a
+verify pass of a handful of tokens is dispatch-bound. Same contract as
+`naive_recurrent_gated_delta_rule`.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+CHUNK_SIZE = 64
+_ABOVE: dict[tuple[int, torch.device], Tensor] = {}  # (C, C) masks of s > t, made once per chunk length
+
+
+def _above_diagonal(C: int, device: torch.device) -> Tensor:
+    key = (C, device)
+    if key not in _ABOVE:
+        _ABOVE[key] = torch.ones(C, C, dtype=torch.bool, device=device).triu(1)
+    return _ABOVE[key]
+
+
+def one_chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                               state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk in heads-first layout: float32 `(..., H, C, D)` q, k, v, `(..., H, C)` g and beta, `(..., H, Dk, Dv)`
+    state; returns (out, delta, state after), heads first. The fused path calls it directly for a verify pass."""
+    G = g.cumsum(-1)  # (B, H, C)
+    exp_G = G.exp()[..., None]
+    # exp(G_t - G_s) for s <= t, exactly 0 above the diagonal
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill_(_above_diagonal(G.shape[-1], G.device), -torch.inf).exp_()
+    L = (k @ k.transpose(-1, -2)) * decay * beta[..., :, None]  # its diagonal is ignored by the unit solve
+    rhs = beta[..., None] * (v - exp_G * (k @ state))  # (B, H, C, Dv)
+    delta = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    out = exp_G * (q @ state) + ((q @ k.transpose(-1, -2)) * decay) @ delta
+    last = G[..., -1:]
+    state = last[..., None].exp() * state + (k * (last - G).exp()[..., None]).transpose(-1, -2) @ delta
+    return out, delta, state
+
 
 def chunk_gated_delta_rule(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, chunk_size: int = 64
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, chunk_size: int = CHUNK_SIZE
 ) -> tuple[Tensor, Tensor, Tensor]:
     # work in (B, H, T, D) float32
     q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
     g, beta = (x.float().transpose(1, 2) for x in (g, beta))  # (B, H, T)
     state = initial_state.float()
-    T = q.shape[2]
-    out = torch.empty_like(v)
-    delta = torch.empty_like(v)
-    for start in range(0, T, chunk_size):
-        sl = slice(start, min(start + chunk_size, T))
-        qc, kc, vc, bc = q[:, :, sl], k[:, :, sl], v[:, :, sl], beta[:, :, sl]
-        G = g[:, :, sl].cumsum(-1)  # (B, H, C)
-        C = G.shape[-1]
-        decay = (G[..., :, None] - G[..., None, :]).tril().exp().tril()  # (B, H, C, C), exp(G_t - G_s) for s <= t
-        strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
-        L = (bc[..., :, None] * decay * (kc @ kc.transpose(-1, -2))).masked_fill(~strict, 0.0)
-        rhs = bc[..., None] * (vc - G.exp()[..., None] * (kc @ state))  # (B, H, C, Dv)
-        eye = torch.eye(C, dtype=q.dtype, device=q.device)
-        dc = torch.linalg.solve_triangular(eye + L, rhs, upper=False, unitriangular=True)
-        scores = (qc @ kc.transpose(-1, -2)) * decay  # decay is already zero above the diagonal
-        out[:, :, sl] = G.exp()[..., None] * (qc @ state) + scores @ dc
-        delta[:, :, sl] = dc
-        state = G[..., -1:, None].exp() * state + (kc * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2) @ dc
+    outs, deltas = [], []
+    for start in range(0, q.shape[2], chunk_size):
+        sl = slice(start, start + chunk_size)
+        out, delta, state = one_chunk_gated_delta_rule(q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl], state)
+        outs.append(out)
+        deltas.append(delta)
+    out, delta = (xs[0] if len(xs) == 1 else torch.cat(xs, dim=2) for xs in (outs, deltas))
     return out.transpose(1, 2), delta.transpose(1, 2), state

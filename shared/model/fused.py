@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shared.kernels import pick_kernel
+from shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
 from shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, RMSNorm
 from shared.state.rollback import AttnLayerState, GDNSlot
 
@@ -33,6 +34,7 @@ class FusedGDN:
     qk_scale: Tensor  # (2 n_k, 1): rms_norm(x, eps/d) * scale = l2norm(x) * (d^-1/2 for q, 1 for k)
     neg_a: Tensor  # (Hv,) -exp(A_log)
     dt_bias: Tensor  # (Hv,) float32
+    out_t: Tensor  # out_proj.weight.t(), a view (addmm takes the residual)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class FusedAttention:
     splits: tuple[int, int, int]
     q_norm: Tensor  # (D,) 1 + w
     k_norm: Tensor
+    out_t: Tensor  # o_proj.weight.t(), a view
 
 
 @dataclass
@@ -48,6 +51,7 @@ class FusedLayer:
     input_norm: Tensor  # (hidden,) 1 + w
     post_norm: Tensor
     w_gate_up: Tensor  # (2 intermediate, hidden)
+    down_t: Tensor  # down_proj.weight.t(), a view
     mixer: FusedGDN | FusedAttention
 
 
@@ -72,19 +76,20 @@ def _fuse_gdn(m: GatedDeltaNet) -> FusedGDN:
     return FusedGDN(
         w_in=_concat(m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a), splits=splits,
         conv_taps=m.conv1d.weight.detach()[:, 0], qk_scale=scale[:, None],
-        neg_a=-m.A_log.detach().float().exp(), dt_bias=m.dt_bias.detach().float())
+        neg_a=-m.A_log.detach().float().exp(), dt_bias=m.dt_bias.detach().float(), out_t=m.out_proj.weight.detach().t())
 
 
 def _fuse_attention(m: Attention) -> FusedAttention:
     splits = (m.q_proj.weight.shape[0], m.k_proj.weight.shape[0], m.v_proj.weight.shape[0])
     return FusedAttention(w_qkv=_concat(m.q_proj, m.k_proj, m.v_proj), splits=splits,
-                          q_norm=_plus_one(m.q_norm), k_norm=_plus_one(m.k_norm))
+                          q_norm=_plus_one(m.q_norm), k_norm=_plus_one(m.k_norm), out_t=m.o_proj.weight.detach().t())
 
 
 def fuse_layer(layer: DecoderLayer) -> FusedLayer:
     mixer = _fuse_gdn(layer.linear_attn) if layer.kind == "linear_attention" else _fuse_attention(layer.self_attn)
     return FusedLayer(input_norm=_plus_one(layer.input_layernorm), post_norm=_plus_one(layer.post_attention_layernorm),
-                      w_gate_up=_concat(layer.mlp.gate_proj, layer.mlp.up_proj), mixer=mixer)
+                      w_gate_up=_concat(layer.mlp.gate_proj, layer.mlp.up_proj),
+                      down_t=layer.mlp.down_proj.weight.detach().t(), mixer=mixer)
 
 
 def rotary_signed(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -106,15 +111,17 @@ def _gdn(m: GatedDeltaNet, f: FusedGDN, h: Tensor, residual: Tensor, st: GDNSlot
     mixed, z, b, a = F.linear(h, f.w_in).split(f.splits, dim=-1)  # (T, conv_dim), (T, Hv Dv), (T, Hv), (T, Hv)
     full = torch.cat([st.conv_window(), mixed], dim=0)  # (K-1+T, conv_dim)
     conv = F.silu((full.unfold(0, f.conv_taps.shape[1], 1) * f.conv_taps).sum(-1))  # windows (T, conv_dim, K)
+    if conv.dtype != torch.float32:  # the delta rule runs in float32 (no cast, no dispatch, for float32 models)
+        conv, b, a = conv.float(), b.float(), a.float()
     key_dim = m.n_k * m.d_k
-    qk, v = conv.float().split([2 * key_dim, m.n_v * m.d_v], dim=-1)
+    qk, v = conv.split([2 * key_dim, m.n_v * m.d_v], dim=-1)
     qk = F.rms_norm(qk.view(T, 2 * m.n_k, m.d_k), (m.d_k,), eps=L2NORM_EPS / m.d_k) * f.qk_scale
     if m.n_v != m.n_k:
         qk = qk.repeat_interleave(m.n_v // m.n_k, dim=1)
     q, k = qk.split(m.n_v, dim=1)  # (T, Hv, Dk) each
     v = v.view(T, m.n_v, m.d_v)
-    beta = b.float().sigmoid()  # (T, Hv)
-    g = f.neg_a * F.softplus(a.float() + f.dt_bias)
+    beta = b.sigmoid()  # (T, Hv)
+    g = f.neg_a * F.softplus(a + f.dt_bias)
     if T == 1 and m.kernel_name in ("auto", "recurrent") and not h.is_cuda:
         # one recurrent step, the new state written straight into the staging buffer
         H, Dk, Dv = m.n_v, m.d_k, m.d_v
@@ -123,13 +130,21 @@ def _gdn(m: GatedDeltaNet, f: FusedGDN, h: Tensor, residual: Tensor, st: GDNSlot
         state = torch.baddbmm(state, k.view(H, Dk, 1), delta, out=st.state_out())
         out = torch.bmm(q.view(H, 1, Dk), state).view(1, H, Dv)
         st.stage(mixed, k, delta.view(1, H, Dv), g, None, full)
+    elif T <= CHUNK_SIZE and m.kernel_name in ("auto", "chunk") and not h.is_cuda:
+        # a verify pass: one chunk, heads first, straight into the chunked form (no batch axis, casts or slices)
+        out, delta, final = one_chunk_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                       g.t(), beta.t(), st.initial_state())
+        out, delta = out.transpose(0, 1), delta.transpose(0, 1)  # (T, Hv, Dv)
+        st.stage(mixed, k, delta, g, final, full)
     else:
         kernel = pick_kernel(m.kernel_name, T, h.is_cuda)
         out, delta, final = kernel(q[None], k[None], v[None], g[None], beta[None], st.initial_state()[None])
         out = out[0]
         st.stage(mixed, k, delta[0], g, final[0], full)
-    out = F.rms_norm(out.to(h.dtype), (m.d_v,), m.norm.weight, m.norm.eps) * F.silu(z.view(T, m.n_v, m.d_v))
-    return torch.addmm(residual, out.view(T, -1), m.out_proj.weight.t())
+    if out.dtype != h.dtype:
+        out = out.to(h.dtype)
+    out = F.rms_norm(out, (m.d_v,), m.norm.weight, m.norm.eps) * F.silu(z.view(T, m.n_v, m.d_v))
+    return torch.addmm(residual, out.view(T, -1), f.out_t)
 
 
 def _attention(m: Attention, f: FusedAttention, h: Tensor, residual: Tensor, st: AttnLayerState, start: int,
@@ -150,7 +165,7 @@ def _attention(m: Attention, f: FusedAttention, h: Tensor, residual: Tensor, st:
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], st.k[None, :, :end], st.v[None, :, :end],
                                          attn_mask=mask, enable_gqa=H != Hkv)[0].transpose(0, 1)  # (T, H, D)
     out = out * torch.sigmoid(q_gate[..., D:])
-    return torch.addmm(residual, out.reshape(T, -1), m.o_proj.weight.t())
+    return torch.addmm(residual, out.reshape(T, -1), f.out_t)
 
 
 def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, st: GDNSlot | AttnLayerState, start: int,
@@ -163,4 +178,4 @@ def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, st: GDNSlot | A
         x = _attention(layer.self_attn, f.mixer, h, x, st, start, rope)  # type: ignore[arg-type]
     gate, up = F.linear(F.rms_norm(x, x.shape[-1:], f.post_norm, layer.post_attention_layernorm.eps),
                         f.w_gate_up).chunk(2, dim=-1)
-    return torch.addmm(x, F.silu(gate) * up, layer.mlp.down_proj.weight.t())
+    return torch.addmm(x, F.silu(gate) * up, f.down_t)
