@@ -55,6 +55,10 @@ class TcpProxy:
         async def stop() -> None:
             self.server.close()
             await self._each(lambda writer: writer.close())
+            pipes = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pipes:
+                task.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)
         self._run(stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()

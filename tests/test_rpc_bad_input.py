@@ -27,8 +27,8 @@ from shared.decoding.speculative import generate
 from shared.model.loader import load_model
 from shared.rpc.options import MAX_MESSAGE_BYTES
 from shared.rpc.status import field_of
-from test_rpc_support import PROMPT, draft_service, draft_stub, one_torch_thread, pair, start, target_service  # noqa: F401
-from test_rpc_support import target_stub
+from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, start,  # noqa: F401
+                              target_service, target_stub)
 
 Code = grpc.StatusCode
 K, N, VOCAB, MAX_PROMPT = 3, 10, 257, 64
@@ -245,11 +245,11 @@ class Case:
     name: str
     service: str  # TargetService | DraftService
     at: str  # where in the round the bad call comes: committed | proposed | verified
-    call: Callable[[Loop], object]  # the bad call; `concurrent_*` return the refused calls' errors instead
+    call: Callable[[Loop], object]  # the bad call (or, when `concurrent`, many at once returning the refused ones)
     code: Code
     field: str | None  # None only where gRPC itself refuses before any handler runs (message size)
     setup: Callable[[Loop], None] | None = None  # valid calls made first
-    changes_session: bool = False  # concurrent calls whose winner moves the session
+    concurrent: bool = False  # one of the calls wins and may move the session; the others are refused
 
 
 T, D = "TargetService", "DraftService"
@@ -357,7 +357,7 @@ CASES = [
          lambda L: raw(L.s, TARGET + "Verify", L.verify_request(round_id="x").SerializeToString()
                        + string_field(2, b"r" * OVERSIZED), limit=-1), RE, None),
     Case("concurrent Verify of different rounds", T, "proposed", concurrent_verify, FP, "round_id",
-         changes_session=True),
+         concurrent=True),
     # TargetService.Commit / Revert
     Case("accept count above the verdict", T, "verified",
          lambda L: L.t.Commit(pb.CommitRequest(session_id=L.sid, round_id=L.tround, accepted=L.verdict.accepted + 1)),
@@ -377,7 +377,7 @@ CASES = [
     Case("Revert of an unknown round", T, "verified",
          lambda L: L.t.Revert(pb.RevertRequest(session_id=L.sid, round_id="never")), NF, "round_id"),
     Case("concurrent Commit and Revert of one round", T, "verified", concurrent_commit_and_revert, FP, "round_id",
-         changes_session=True),
+         concurrent=True),
     # DraftService
     Case("draft history id = vocab size", D, "committed",
          lambda L: L.d.CreateSession(DCREATE(token_ids=[1, VOCAB])), IA, "token_ids"),
@@ -466,13 +466,13 @@ def test_bad_input_is_refused_and_changes_nothing(servers, reference, baseline, 
     if case.setup:
         case.setup(loop)
     before = loop.snapshot()
-    errors = case.call(loop) if case.name.startswith("concurrent") else refused(lambda: case.call(loop))
+    errors = case.call(loop) if case.concurrent else refused(lambda: case.call(loop))
     assert errors
     for e in errors:
         assert e.code() not in (Code.UNKNOWN, Code.INTERNAL), e.details()
         assert e.code() == case.code, e.details()
         assert field_of(e) == case.field, e.details()
-    if not case.changes_session:
+    if not case.concurrent:
         assert loop.snapshot() == before
     assert loop.finish() == reference
     assert loop.proposals == baseline
