@@ -1,8 +1,9 @@
 """Faults on real processes and a real network path: every generation ends on the uninterrupted tokens.
 
 - The target, a `deltaspec serve-target` process, is killed with SIGKILL mid-round and restarted on
-  the same port 20 times during client-driven generation; the client opens its session again on
-  the committed history each time.
+  the same port 20 times during client-driven generations, greedy and sampled; the client opens its
+  session again on the committed history each time, and random draws keyed by position make the
+  sampled tokens those of an uninterrupted run too.
 - The draft, a `deltaspec serve-draft` process, is killed and restarted, and stalled (SIGSTOP) past
   its per-round deadline, then resumed: rounds go on without drafts meanwhile, and speculation
   resumes once it is back. (Slow, erroring and garbage-talking drafts inside a server process are
@@ -29,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.decoding.sampling import SamplingParams
 from shared.decoding.speculative import generate
 from shared.model.loader import load_model
 from shared.rpc.client import generate_client_driven, generate_on_server
@@ -140,14 +143,18 @@ def test_target_killed_mid_round_and_restarted_20_times(pair, reference):
                         killers.append(threading.Timer(rng.uniform(0.0, 0.01), kill_and_restart))
                         killers[-1].start()
 
+                sampling = SamplingParams(0.9, 0, 0.95, seed=runs) if runs % 2 else SamplingParams()
+                expected = reference if sampling.greedy else generate(  # sampled: the same seeded draws in process
+                    load_model(pair[0]), PROMPT, N, ModelDrafter(load_model(pair[1]), sampling), 4, sampling).token_ids
                 result, _ = generate_client_driven(f"127.0.0.1:{port}", draft.address, PROMPT, "", N,
-                                                   num_draft_tokens=4, on_tokens=on_tokens)
+                                                   num_draft_tokens=4, sampling=sampling, draft_timeout_s=30,
+                                                   on_tokens=on_tokens)
                 for killer in killers:
                     killer.join()
                 runs += 1
-                assert result.token_ids == reference, f"run {runs}"
-        print(f"\ntarget SIGKILLed mid-round and restarted {kills} times over {runs} client-driven generations; "
-              f"every output identical to the uninterrupted run")
+                assert result.token_ids == expected, f"run {runs}, {sampling}"
+        print(f"\ntarget SIGKILLed mid-round and restarted {kills} times over {runs} client-driven generations "
+              f"(greedy and sampled); every output identical to the uninterrupted run")
     finally:
         zygote.close()
 
