@@ -51,7 +51,7 @@ def test_fuse_keeps_the_checkpoint(pair):
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
     layer = fused.model.layers[0]
-    assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == fused.fused[0].w_gate_up.untyped_storage().data_ptr()
+    assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == fused.fused.layers[0].w_gate_up.untyped_storage().data_ptr()
 
 
 def test_every_forward_and_commit_matches_the_layer_path(pair):
@@ -92,3 +92,17 @@ def test_speculative_generation_matches_the_layer_path():
     target.fuse(), draft.fuse()
     assert generate(target, prompt, 40, ModelDrafter(draft), 4).token_ids == want
     assert generate(target, prompt, 40).token_ids == want
+
+
+def test_bfloat16_weights_take_the_same_path():
+    """bf16 weights: the delta rule still runs in float32 on both paths; logits agree to bf16 rounding."""
+    layers = random_model(AWKWARD, seed=8).to(torch.bfloat16)
+    fused = copy.deepcopy(layers).fuse()
+    ids = torch.randint(0, 301, (9,), generator=torch.Generator().manual_seed(4))
+    ref, state = layers.new_state(), fused.new_state()
+    for chunk in (ids[:6], ids[6:7], ids[7:]):
+        want, _ = layers(chunk, ref)
+        got, _ = fused(chunk, state)
+        assert (got - want).norm() / want.norm() < 3e-2
+        ref.commit(len(chunk)), state.commit(len(chunk))
+    assert state.gdn.recurrent.dtype == torch.float32

@@ -13,6 +13,7 @@ values are unchanged). The layer forwards in `shared.model.layers` stay the trut
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ from torch import Tensor, nn
 from shared.kernels import pick_kernel
 from shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
 from shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, RMSNorm
+
+if TYPE_CHECKING:
+    from shared.model.hybrid import HybridStack
 from shared.state.rollback import AttnLayerState, GDNSlot
 
 L2NORM_EPS = 1e-6  # the GDN's l2norm of q and k (HF's default, not the config's rms_norm_eps)
@@ -83,6 +87,16 @@ def _fuse_attention(m: Attention) -> FusedAttention:
     splits = (m.q_proj.weight.shape[0], m.k_proj.weight.shape[0], m.v_proj.weight.shape[0])
     return FusedAttention(w_qkv=_concat(m.q_proj, m.k_proj, m.v_proj), splits=splits,
                           q_norm=_plus_one(m.q_norm), k_norm=_plus_one(m.k_norm), out_t=m.o_proj.weight.detach().t())
+
+
+@dataclass
+class FusedStack:
+    layers: list[FusedLayer]
+    final_norm: Tensor  # (hidden,) 1 + w
+
+
+def fuse_stack(stack: HybridStack) -> FusedStack:
+    return FusedStack([fuse_layer(layer) for layer in stack.layers], _plus_one(stack.norm))
 
 
 def fuse_layer(layer: DecoderLayer) -> FusedLayer:

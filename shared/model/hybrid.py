@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shared.model import fused
@@ -29,7 +30,7 @@ class HybridLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp: dict[str, Tensor] = {}  # the checkpoint's mtp.* tensors, kept for the MTP drafter
-        self.fused: list[fused.FusedLayer] | None = None  # set by `fuse()`: forward takes the fused path
+        self.fused: fused.FusedStack | None = None  # set by `fuse()`: forward takes the fused path
 
     @property
     def device(self) -> torch.device:
@@ -51,7 +52,7 @@ class HybridLM(nn.Module):
         if not enable or self.config.attention_bias:
             self.fused = None
         elif self.fused is None:
-            self.fused = [fused.fuse_layer(layer) for layer in self.model.layers]
+            self.fused = fused.fuse_stack(self.model)
         return self
 
     def set_gdn_kernel(self, name: str) -> None:
@@ -75,9 +76,11 @@ class HybridLM(nn.Module):
         if self.fused is None:
             for layer, st in zip(self.model.layers, state.layer_views()):
                 x = layer(x, st, start, rope)
+            normed = self.model.norm(x)
         else:
             rope = fused.rotary_signed(*rope)
-            for layer, f, st in zip(self.model.layers, self.fused, state.layer_views()):
+            for layer, f, st in zip(self.model.layers, self.fused.layers, state.layer_views()):
                 x = fused.decoder_layer(layer, f, x, st, start, rope)
+            normed = F.rms_norm(x, x.shape[-1:], self.fused.final_norm, self.model.norm.eps)
         state.staged += ids.numel()
-        return self.lm_head(self.model.norm(x)).float(), x
+        return self.lm_head(normed).float(), x

@@ -5,6 +5,8 @@ Every layer works on one sequence `(T, hidden)` and stages its tokens into its s
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -97,10 +99,13 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(T, -1))
 
 
+@functools.lru_cache(maxsize=16)
+def _inv_freq(dim: int, theta: float, device: torch.device) -> Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
 def rotary_cos_sin(cfg: ModelConfig, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    dim = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
-    freqs = positions.float()[:, None] * inv_freq  # (T, dim/2)
+    freqs = positions.float()[:, None] * _inv_freq(cfg.rotary_dim, cfg.rope_theta, positions.device)  # (T, dim/2)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
