@@ -120,7 +120,7 @@ def plot(result: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4))
     for name in sorted({r["drafter"] for r in result["acceptance"]}):
         rows = [r for r in result["acceptance"] if r["drafter"] == name]
         left.plot([r["k"] for r in rows], [r["acceptance_rate"] for r in rows], marker="o", label=f"{name}: acceptance")
@@ -128,6 +128,20 @@ def plot(result: dict) -> None:
     left.set_xlabel("draft tokens k")
     left.set_title("Acceptance and speed-up over target-only")
     left.legend()
+    rows = result["generations"]
+    lengths = [r["length"] for r in rows]
+    for name, label in (("speculative", "speculative"), ("target_only", "our target-only"), ("hf", "HF generate()")):
+        stats = [r["tokens_per_s"][name] for r in rows]
+        medians = [s["median"] for s in stats]
+        middle.errorbar(lengths, medians, yerr=[[m - s["min"] for m, s in zip(medians, stats)],
+                                                [s["max"] - m for m, s in zip(medians, stats)]],
+                        marker="o", capsize=3, label=label)
+    middle.set_xscale("log")
+    middle.set_xticks(lengths, [str(n) for n in lengths])
+    middle.set_xlabel("new tokens (greedy, held-out prompts)")
+    middle.set_ylabel("tokens/s (median, min-max)")
+    middle.set_title("Long generations, one CPU thread")
+    middle.legend()
     wide = [r for r in result["rollback"] if r["model"] == "random 512-wide"]
     for strategy in ("closed_form", "snapshots", "checkpoint_replay"):
         rows = [r for r in wide if r["strategy"] == strategy]
@@ -144,15 +158,12 @@ def plot(result: dict) -> None:
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     result = run(args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        tables = io.StringIO()
-        with contextlib.redirect_stdout(tables):
-            print_tables(result)
-        print(tables.getvalue(), end="")
-        if not args.quick:
-            DOCS.mkdir(exist_ok=True)
-            (DOCS / "bench.txt").write_text(tables.getvalue())
-    plot(result)
+    tables = io.StringIO()
+    with contextlib.redirect_stdout(tables):
+        print_tables(result)
+    print(json.dumps(result) if args.json else tables.getvalue().rstrip("\n"))
+    if not args.quick:  # the figures in docs/ come from full runs only
+        DOCS.mkdir(exist_ok=True)
+        (DOCS / "bench.txt").write_text(tables.getvalue())
+        plot(result)
     return 0
