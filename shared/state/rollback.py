@@ -55,7 +55,7 @@ class GDNStates:
         # per-layer views, made once: indexing costs a dispatch per index in every layer of every step
         self.layers = {name: list(getattr(self, name).unbind(0)) for name in ("conv", "window", "recurrent", "spare")}
         self._log_views: dict[tuple[int, int, int], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
-        self._prefixes: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self._prefixes: dict[int, tuple[Tensor, Tensor, Tensor, Tensor, Tensor]] = {}
 
     def log_views(self, i: int, start: int, end: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Layer i's log slots for staged tokens start..end-1: x `(T, C)`, k `(H, Dk, T)`, delta `(H, T, Dv)`, g `(H, T)`."""
@@ -65,13 +65,14 @@ class GDNStates:
                                     self.g[i, :, start:end])
         return self._log_views[key]
 
-    def _prefix(self, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The logs of the first n staged tokens (x, k, delta as `(L H, n, Dv)`) and the `(n, n+1)` 0/1
-        matrix whose product with g_0..g_{n-1} gives [G_n, G_n - G_0, ..., G_n - G_{n-1}]; made once per n."""
+    def _prefix(self, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Views of the first n staged tokens' logs (the last K-1 x, k, delta as `(L H, n, Dv)`, g as `(L, H, 1, n)`)
+        and the `(n, n+1)` 0/1 matrix whose product with g gives [G_n, G_n - G_0, ..., G_n - G_{n-1}]; made once per n."""
         if n not in self._prefixes:
             L, H, _, Dv = self.delta.shape
             sums = torch.ones(n, n + 1, device=self.g.device).tril()  # row s adds g_s to G_n and to G_n - G_t, t < s
-            self._prefixes[n] = (self.x[:, :n], self.k[..., :n], self.delta[:, :, :n].view(L * H, n, Dv), sums)
+            self._prefixes[n] = (self.x[:, max(0, n - self.conv.shape[1]):n], self.k[..., :n],
+                                 self.delta[:, :, :n].view(L * H, n, Dv), self.g[:, :, None, :n], sums)
         return self._prefixes[n]
 
     def prepare_commit(self, n: int, staged: int) -> tuple[Tensor, Tensor]:
@@ -80,18 +81,18 @@ class GDNStates:
             return self.window, self.spare
         if not self.logged:
             raise ValueError(f"partial commit ({n} of {staged}) of a staging longer than {LOG_CAPACITY} tokens")
-        x, k, delta, decay_sums = self._prefix(n)
-        width = self.conv.shape[1]
-        if n >= width:
-            self.window.copy_(x[:, n - width:])
+        x_tail, k, delta, g, decay_sums = self._prefix(n)
+        if n >= self.conv.shape[1]:
+            self.window.copy_(x_tail)
         else:
-            torch.cat([self.conv[:, n:], x], dim=1, out=self.window)
-        # decays[..., 0] = exp(G_n), decays[..., 1 + t] = exp(G_n - G_t), G_t = g_0 + ... + g_t
-        decays = (self.g[..., :n] @ decay_sums).exp()  # (L, H, n+1)
+            torch.cat([self.conv[:, n:], x_tail], dim=1, out=self.window)
+        # exp(G_n) (L, H, 1, 1) and exp(G_n - G_t) (L, H, 1, n), G_t = g_0 + ... + g_t
+        exp_total, decays = (g @ decay_sums).exp_().split([1, n], dim=-1)
         L, H, Dk, Dv = self.recurrent.shape
-        # spare <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T, one batched matmul over (layer, head)
-        torch.baddbmm((self.recurrent * decays[..., :1, None]).view(L * H, Dk, Dv),
-                      (k * decays[:, :, None, 1:]).view(L * H, Dk, n), delta, out=self.spare.view(L * H, Dk, Dv))
+        # spare <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T, one batched matmul over (layer, head),
+        # written in place (a state-sized temporary would cost an allocation and its page faults)
+        torch.mul(self.recurrent, exp_total, out=self.spare)
+        self.spare.view(L * H, Dk, Dv).baddbmm_((k * decays).view(L * H, Dk, n), delta)
         return self.window, self.spare
 
     def swap_in(self) -> None:
