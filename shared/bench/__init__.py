@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> dict:
     steps = ["steps", "acceptance", "generations", "grpc", "tracing", "rollback", "memory"]
     steps += ["gpu"] if torch.cuda.is_available() else []
     result: dict = {}
-    with tqdm(total=len(steps) - 1 + len(lengths) * len(long_prompts), desc="bench") as bar:
+    repeats = 1 if quick else 2
+    with tqdm(total=len(steps) - 1 + len(lengths) * len(long_prompts) * repeats, desc="bench") as bar:
         result["steps"] = step_costs.step_costs({"embedded target": target, "embedded draft": draft},
                                                 blocks=3 if quick else 7)
         bar.update()
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> dict:
         bar.update()
         best_k = max((r for r in result["acceptance"] if r["drafter"] == "draft model"), key=lambda r: r["speedup"])["k"]
         result["generations"] = generation.long_generations(target, DEFAULT_TARGET, drafters["draft model"], best_k,
-                                                            long_prompts, lengths, bar.update)
+                                                            long_prompts, lengths, repeats, bar.update)
         from shared.rpc.overhead import measure
 
         result["grpc"] = measure(max_new_tokens=new_tokens, repeats=2 if quick else 3)

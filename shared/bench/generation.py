@@ -47,9 +47,11 @@ class HFRunner:
 
 
 def long_generations(target: HybridLM, target_dir: Path, drafter: Callable[[], Drafter], k: int,
-                     prompts: list[list[int]], lengths: tuple[int, ...],
+                     prompts: list[list[int]], lengths: tuple[int, ...], repeats: int = 1,
                      progress: Callable[[], None] = lambda: None) -> list[dict]:
-    """One row per length: tokens/s of each path, the three ratios, round phases, exactness."""
+    """One row per length: tokens/s of each path, the three ratios, round phases, exactness.
+
+    Every prompt runs `repeats` times; each (prompt, repeat) is one sample of every figure."""
     hf = HFRunner(target_dir)
     runs: dict[str, Callable[[list[int], int], tuple[list[int], float, Generation | None]]] = {
         "speculative": lambda p, n: _ours(generate(target, p, n, drafter(), k)),
@@ -66,7 +68,7 @@ def long_generations(target: HybridLM, target_dir: Path, drafter: Callable[[], D
         phases: dict[str, float] = dict.fromkeys((*PHASES, "bookkeeping", "total"), 0.0)
         identical = identical_hf = True
         rounds = tokens_spec = drafted = accepted = 0
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(p for p in prompts for _ in range(repeats)):
             names = list(runs)[i % 3:] + list(runs)[: i % 3]  # rotate the order
             out = {name: runs[name](prompt, length) for name in names}
             tps = {name: len(toks) / seconds for name, (toks, seconds, _) in out.items()}
@@ -92,7 +94,7 @@ def long_generations(target: HybridLM, target_dir: Path, drafter: Callable[[], D
         total = phases.pop("total")
         in_rounds = total - phases["prefill"]
         rows.append({
-            "length": length, "prompts": len(prompts), "k": k,
+            "length": length, "prompts": len(prompts), "repeats": repeats, "k": k,
             "tokens_per_s": {name: spread(v) for name, v in per_run.items()},
             "ratios": {name: spread(v) for name, v in ratios.items()},
             "phase_share": {name: v / (total if name == "prefill" else in_rounds) for name, v in phases.items()},
@@ -108,9 +110,11 @@ def _ours(g: Generation) -> tuple[list[int], float, Generation]:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print("\nLong generations (greedy, held-out prompts, warmed, alternated; median [min-max] over prompts)")
+    r0 = rows[0]
+    print(f"\nLong generations (greedy, {r0['prompts']} held-out prompts x {r0['repeats']}, k = {r0['k']}, warmed, "
+          "alternated; median [min-max] over runs)")
     print(f"{'tokens':>6} {'spec tok/s':>11} {'target tok/s':>12} {'HF tok/s':>9} {'spec/target':>17} "
-          f"{'target/HF':>17} {'spec/HF':>17} {'accept':>6} identical")
+          f"{'target/HF':>17} {'spec/HF':>17} {'accept':>6} {'mean len':>8} identical")
     for r in rows:
         t, q = r["tokens_per_s"], r["ratios"]
         cells = [f"{x['median']:.2f} [{x['min']:.2f}-{x['max']:.2f}]" for x in
@@ -118,7 +122,7 @@ def print_rows(rows: list[dict]) -> None:
         same = "yes" if r["identical_to_target_only"] else "NO"
         print(f"{r['length']:>6} {t['speculative']['median']:>11.1f} {t['target_only']['median']:>12.1f} "
               f"{t['hf']['median']:>9.1f} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} {r['acceptance_rate']:>6.2f} "
-              f"{same} (HF: {'yes' if r['identical_to_hf'] else 'no'})")
+              f"{r['mean_accepted_length']:>8.2f} {same} (HF: {'yes' if r['identical_to_hf'] else 'no'})")
     print("\nWhere a speculative round's time goes (draft + verify + commit + bookkeeping = 100 %; "
           "prefill: share of the whole generation)")
     print(f"{'tokens':>6} {'round ms':>9} {'draft':>6} {'verify':>7} {'commit':>7} {'bookkeep':>8} {'prefill':>7}")
