@@ -403,6 +403,8 @@ def save(model, directory: Path, extra: dict[str, Tensor] | None = None) -> None
         tensors = load_file(directory / "model.safetensors")
         tensors.update({k: v.detach().contiguous() for k, v in extra.items()})
         save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    for written in directory.iterdir():  # readable by the non-root user of the service image
+        written.chmod(0o644)
 
 
 def save_pair(target, mtp, draft, target_dir: Path, draft_dir: Path) -> None:
