@@ -4,8 +4,8 @@
     .venv/bin/python scripts/train_default_pair.py --state /tmp/pair.pt --chunk-steps 500   # in chunks
     .venv/bin/python scripts/train_default_pair.py --eval-only  # re-measures the shipped pair
 
-Budget. 3000 steps take about 35-45 minutes on one CPU thread (a tqdm bar shows the rate and the time
-left), then about 5 minutes of measuring. With `--state FILE` a snapshot (models, optimisers, data
+Budget. 3000 steps took 38 minutes on one CPU thread of a busy 2-core machine (a tqdm bar shows the
+rate and the time left), then under a minute of measuring. With `--state FILE` a snapshot (models, optimisers, data
 sampler, loss history) is written every `--save-every` steps and at the end; the same command resumes
 from it, after an interruption or after `--chunk-steps N` stopped it on purpose, and a run resumed in
 chunks sees the same batches and learning-rate schedule as one run straight through. A snapshot at the last step goes
