@@ -49,14 +49,15 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
         previous = _outcome(request.previous) if request.HasField("previous") else None
         with self.sessions.use(request.session_id, caller()) as session:
             started = time.perf_counter()
-            proposal = await asyncio.to_thread(session.propose, request.round_id, request.k, previous)
+            rnd = await asyncio.to_thread(session.propose, request.round_id, request.k, previous, request.speculative)
             self.telemetry.metrics.propose_seconds.observe(time.perf_counter() - started)
             greedy = session.drafter.sampling.greedy
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attributes({attr.SESSION_ID: request.session_id, attr.ROUND_ID: request.round_id,
-                                 attr.DRAFT_TOKENS: len(proposal.tokens)})
-        return pb.ProposeResponse(draft_tokens=proposal.tokens, draft_probs=probs_to_proto(proposal.probs, greedy))
+                                 attr.DRAFT_TOKENS: len(rnd.proposal.tokens)})
+        return pb.ProposeResponse(draft_tokens=rnd.proposal.tokens, assumed_next_token=rnd.guess,
+                                  draft_probs=probs_to_proto(rnd.proposal.probs, greedy))
 
     async def Commit(self, request: pb.DraftServiceCommitRequest, context) -> pb.DraftServiceCommitResponse:
         with self.sessions.use(request.session_id, caller()) as session:

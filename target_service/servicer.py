@@ -20,6 +20,7 @@ from opentelemetry import trace
 from deltaspec.v1 import draft_service_pb2_grpc, sampling_pb2, target_service_pb2_grpc
 from deltaspec.v1 import target_service_pb2 as pb
 from shared.decoding.drafters import attach, make_drafter
+from shared.decoding.pipelined import decode_pipelined
 from shared.decoding.sampling import SamplingParams
 from shared.decoding.session_table import Limits, SessionTable
 from shared.decoding.speculative import Stats, decode
@@ -50,8 +51,9 @@ class DraftPeer:
 class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
     def __init__(self, load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
                  draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None,
-                 local_draft: str = "none") -> None:
+                 local_draft: str = "none", pipeline_depth: int = 1) -> None:
         self._load, self.limits, self.draft = load, limits, draft
+        self.pipeline_depth = pipeline_depth  # pipelined rounds staged at once per session (0: serial only)
         self.local_draft = local_draft  # 'ngram' or 'mtp': drafted in this process when no draft peer is set
         self.advertise_address = advertise_address  # this replica's stable HOST:PORT, returned with each session
         self.sessions: SessionTable[TargetSession] = SessionTable(limits)
@@ -69,7 +71,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
     async def CreateSession(self, request: pb.CreateSessionRequest, context) -> pb.CreateSessionResponse:
         prompt, sampling = self._prompt(request), sampling_from_proto(request.sampling)
         self.sessions.reserve(caller())
-        session = await asyncio.to_thread(TargetSession, self.model, prompt, sampling)
+        session = await asyncio.to_thread(TargetSession, self.model, prompt, sampling, self.pipeline_depth)
         return pb.CreateSessionResponse(
             session_id=self.sessions.add(session, caller()), head_version=session.version, prompt_ids=prompt,
             vocab_size=self.vocab_size, eos_token_ids=sorted(self.eos), max_draft_tokens=MAX_DRAFT_TOKENS,
@@ -80,8 +82,10 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
             probs = probs_from_proto(request.draft_probs, list(request.draft_tokens), self.vocab_size, "draft_probs")
             probs = None if session.sampling.greedy else probs  # checked even so: garbage is refused, not ignored
             started = time.perf_counter()
+            parent = request.parent_round_id or None
+            guess = request.parent_next_token if request.HasField("parent_next_token") else None
             rnd = await asyncio.to_thread(session.verify, request.round_id, list(request.draft_tokens),
-                                          request.base_version, probs)
+                                          request.base_version, probs, parent, guess)
             self.metrics.verify_seconds.observe(time.perf_counter() - started)
         _annotate(request.session_id, rnd)
         return pb.VerifyResponse(accepted=rnd.verdict.accepted, next_token=rnd.verdict.next_token,
@@ -94,26 +98,27 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
             if rnd is not None:  # a retry of a commit already made counts nothing
                 self.metrics.round(len(rnd.drafts), request.accepted, rnd.staged_bytes,
                                    commit_s=time.perf_counter() - started)
-        _annotate(request.session_id, session.round, version)
+        _annotate(request.session_id, session.find(request.round_id), version)
         return pb.CommitResponse(head_version=version, committed_tokens=tokens)
 
     async def Revert(self, request: pb.RevertRequest, context) -> pb.RevertResponse:
         with self.sessions.use(request.session_id, caller()) as session:
-            pending = session.pending is not None and session.pending.round_id == request.round_id
+            rnd = session.find(request.round_id)
+            pending = rnd is not None and rnd.outcome == "pending"
             version = await asyncio.to_thread(session.revert, request.round_id)
             if pending:
                 self.metrics.reverts.inc()
-                self.metrics.staged_bytes.inc(session.round.staged_bytes)  # type: ignore[union-attr]
-        _annotate(request.session_id, session.round, version)
+                self.metrics.staged_bytes.inc(rnd.staged_bytes)  # type: ignore[union-attr]
+        _annotate(request.session_id, session.find(request.round_id), version)
         return pb.RevertResponse(head_version=version)
 
     async def GetSession(self, request: pb.GetSessionRequest, context) -> pb.GetSessionResponse:
         with self.sessions.use(request.session_id, caller()) as session, session.lock:
-            pending = session.pending
+            pending, chained = session.pending, session.chained
             return pb.GetSessionResponse(
                 session_id=request.session_id, length=len(session.tokens), head_version=session.version,
                 pending_round=_staged(pending) if pending else None, generated_ids=session.generated,
-                text=self.tokenizer.decode(session.generated))
+                text=self.tokenizer.decode(session.generated), chained_round=_staged(chained) if chained else None)
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionResponse:
         self.sessions.remove(request.session_id, caller())
@@ -136,15 +141,16 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
             try:
                 local = self.local_draft if request.num_draft_tokens else "none"
                 drafter = remote or make_drafter(local, self.model, sampling)
-                session = TargetSession(self.model, prompt, sampling)
+                session = TargetSession(self.model, prompt, sampling, self.pipeline_depth)
                 drafter.start(list(prompt))
                 attach(drafter, session)
                 stats = Stats()
                 session.session_id = self.sessions.add(session, owner)  # type: ignore[attr-defined]
                 try:
                     with self.sessions.use(session.session_id, owner):  # type: ignore[attr-defined]
-                        for new in decode(session, drafter, request.max_new_tokens, request.num_draft_tokens,
-                                          self.eos, stats, self.telemetry.tracer, self.metrics):
+                        rounds = decode_pipelined if remote and self.pipeline_depth else decode
+                        for new in rounds(session, drafter, request.max_new_tokens, request.num_draft_tokens,
+                                        self.eos, stats, self.telemetry.tracer, self.metrics):
                             stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
                             loop.call_soon_threadsafe(queue.put_nowait, new)
                             if cancelled.is_set():
@@ -212,8 +218,8 @@ def _commit(session: TargetSession, round_id: str, accepted: int) -> tuple[int, 
     with session.lock:
         fresh = session.pending is not None and session.pending.round_id == round_id
         version = session.commit(round_id, accepted)
-        tokens = session.tokens[len(session.tokens) - session.round.committed - 1:]  # type: ignore[union-attr]
-        return version, tokens, session.round if fresh else None
+        rnd = session.find(round_id)
+        return version, rnd.committed_tokens, rnd if fresh else None  # type: ignore[union-attr]
 
 
 def _annotate(session_id: str, rnd: Round | None, new_version: int | None = None) -> None:
@@ -230,12 +236,12 @@ def _annotate(session_id: str, rnd: Round | None, new_version: int | None = None
 
 def _staged(rnd: Round) -> pb.StagedRound:
     return pb.StagedRound(round_id=rnd.round_id, base_version=rnd.base_version, draft_count=len(rnd.drafts),
-                          staged_bytes=rnd.staged_bytes)
+                          staged_bytes=rnd.staged_bytes, parent_round_id=rnd.parent or "")
 
 
 def service(load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
             draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None,
-            local_draft: str = "none") -> Service:
-    servicer = TargetServicer(load, limits, draft, advertise_address, telemetry, local_draft)
+            local_draft: str = "none", pipeline_depth: int = 1) -> Service:
+    servicer = TargetServicer(load, limits, draft, advertise_address, telemetry, local_draft, pipeline_depth)
     return Service(NAME, lambda server: target_service_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
                    servicer.load)

@@ -6,6 +6,12 @@ and `revert` drops a proposal, for callers that drive the loop step by step. As 
 the same round id with the same input returns the same answer without advancing twice, the same
 round id with other input is refused, and refused calls change nothing: every check runs before
 the first mutation.
+
+Pipelined rounds: `propose(..., speculative=True)` proposes the next round on top of the open one
+without committing it (the drafter's `speculate`), assuming every draft of the open round is
+accepted and followed by the draft's own guess. An outcome of the open round that matches makes
+the speculative round the open one; any other outcome drops it. An outcome may also name the
+speculative round: the open round then counts as fully accepted with the guess.
 """
 from __future__ import annotations
 
@@ -33,7 +39,8 @@ class DraftRound:
     k: int
     previous: Outcome | None
     proposal: Proposal
-    state: str = "proposed"  # proposed | committed | reverted
+    guess: int | None = None  # for a speculative round: the token assumed after the open round's drafts
+    state: str = "proposed"  # proposed | committed | reverted | dropped
     outcome: Outcome | None = None
 
 
@@ -49,27 +56,42 @@ class DraftSession:
         self.drafter.start(list(history))
         self.length = len(history)  # committed tokens the draft knows of
         self.round: DraftRound | None = None  # the open proposal, or the last finished one (for retries)
+        self.speculative: DraftRound | None = None  # a round proposed on top of the open one
+        self.earlier: DraftRound | None = None  # the round before, or the last dropped one (for retries)
         self.lock = threading.RLock()
 
-    def propose(self, round_id: str, k: int, previous: Outcome | None = None) -> Proposal:
+    def propose(self, round_id: str, k: int, previous: Outcome | None = None,
+                speculative: bool = False) -> DraftRound:
         with self.lock:
-            rnd = self.round
-            if rnd is not None and rnd.round_id == round_id:
-                if (rnd.k, rnd.previous) != (k, previous):
+            known = next((r for r in (self.round, self.speculative) if r and r.round_id == round_id), None)
+            if known is not None:
+                if (known.k, known.previous, known.guess is not None) != (k, previous, speculative):
                     raise FailedPrecondition(f"round {round_id!r} was already proposed with other input", "round_id")
-                return rnd.proposal
+                return known
             if not 0 <= k <= MAX_DRAFT_TOKENS:
                 raise InvalidArgument(f"k = {k} is outside [0, {MAX_DRAFT_TOKENS}]", "k")
-            if previous is not None:
-                apply = self._check_outcome(previous, "previous")
-            elif rnd is not None and rnd.state == "proposed":
-                raise FailedPrecondition(f"round {rnd.round_id!r} is still open: pass its outcome first", "previous")
-            else:
-                apply = False
+            apply = previous is not None and self._check_outcome(previous, "previous")
+            opened = self.round is not None and self.round.state == "proposed"
+            if apply:
+                opened = self._promotes(previous)  # type: ignore[arg-type]
+            if speculative and not opened:
+                raise FailedPrecondition("no open round to propose on top of (after the previous outcome)",
+                                         "speculative")
+            if speculative and not apply and self.speculative is not None:
+                raise FailedPrecondition(f"round {self.speculative.round_id!r} is already proposed on top of the "
+                                         "open round", "speculative")
+            if not speculative and opened and (apply or previous is None):
+                open_id = self.speculative.round_id if apply else self.round.round_id  # type: ignore[union-attr]
+                raise FailedPrecondition(f"round {open_id!r} is open: pass its outcome first", "previous")
             if apply:
                 self._apply(previous)  # type: ignore[arg-type]
+            if speculative:
+                guess, proposal = self.drafter.speculate(k)
+                self.speculative = DraftRound(round_id, k, previous, proposal, guess)
+                return self.speculative
+            self._drop_speculative()
             self.round = DraftRound(round_id, k, previous, self.drafter.propose(k))
-            return self.round.proposal
+            return self.round
 
     def commit(self, outcome: Outcome) -> None:
         with self.lock:
@@ -81,7 +103,18 @@ class DraftSession:
             rnd = self._round(round_id, "round_id")
             if rnd.state == "committed":
                 raise FailedPrecondition(f"round {round_id!r} is already committed", "round_id")
+            if rnd is self.speculative:
+                self.drafter.discard_speculation()
+                self.speculative = None
+            elif rnd.state == "proposed":
+                self._drop_speculative()
             rnd.state = "reverted"  # the next proposal starts again from the same history
+
+    def _promotes(self, outcome: Outcome) -> bool:
+        """After applying `outcome`, a speculative round is the open one."""
+        spec, rnd = self.speculative, self.round
+        return (spec is not None and rnd is not None and outcome.round_id == rnd.round_id
+                and outcome.accepted == len(rnd.proposal.tokens) and outcome.next_token == spec.guess)
 
     def _check_outcome(self, outcome: Outcome, field_name: str) -> bool:
         """Validate an outcome; True when it still has to be applied, False for a repeat."""
@@ -91,8 +124,8 @@ class DraftSession:
                 raise FailedPrecondition(f"round {outcome.round_id!r} was committed with another outcome",
                                          field_name)
             return False
-        if rnd.state == "reverted":
-            raise FailedPrecondition(f"round {outcome.round_id!r} was reverted", f"{field_name}.round_id")
+        if rnd.state in ("reverted", "dropped"):
+            raise FailedPrecondition(f"round {outcome.round_id!r} was {rnd.state}", f"{field_name}.round_id")
         if not 0 <= outcome.accepted <= len(rnd.proposal.tokens):
             raise InvalidArgument(f"accept count {outcome.accepted} is outside [0, {len(rnd.proposal.tokens)}] "
                                   f"proposed in round {outcome.round_id!r}", f"{field_name}.accepted")
@@ -100,11 +133,27 @@ class DraftSession:
         return True
 
     def _apply(self, outcome: Outcome) -> None:
-        self.drafter.advance(outcome.accepted, outcome.next_token)
+        rnd, spec = self.round, self.speculative
+        if spec is not None and outcome.round_id == spec.round_id:  # the open round kept all, then the guess
+            implied = Outcome(rnd.round_id, len(rnd.proposal.tokens), spec.guess)  # type: ignore[union-attr,arg-type]
+            self._apply(implied)
+            rnd, spec = self.round, None
+        promoted = self._promotes(outcome)
+        self.drafter.advance(outcome.accepted, outcome.next_token)  # keeps or drops the speculation
         self.length += outcome.accepted + 1
-        self.round.state, self.round.outcome = "committed", outcome  # type: ignore[union-attr]
+        rnd.state, rnd.outcome = "committed", outcome  # type: ignore[union-attr]
+        if promoted:
+            self.earlier, self.round, self.speculative = rnd, self.speculative, None
+        else:
+            self._drop_speculative()
+
+    def _drop_speculative(self) -> None:
+        if self.speculative is not None:
+            self.speculative.state = "dropped"
+            self.earlier, self.speculative = self.speculative, None
 
     def _round(self, round_id: str, field_name: str) -> DraftRound:
-        if self.round is None or self.round.round_id != round_id:
-            raise NotFound(f"no round {round_id!r} in this draft session", field_name)
-        return self.round
+        for rnd in (self.round, self.speculative, self.earlier):
+            if rnd is not None and rnd.round_id == round_id:
+                return rnd
+        raise NotFound(f"no round {round_id!r} in this draft session", field_name)

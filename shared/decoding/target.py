@@ -7,6 +7,12 @@ Round protocol (the services expose exactly this):
   the new version; the next token (recovered, bonus, or d_{a+1} when the caller keeps fewer than
   the verdict allowed) becomes the new pending input.
 - `revert(round_id)` drops the staged round.
+Pipelined rounds: `verify(..., parent=r, guess=g)` stages round r+1 on top of the pending round r,
+assuming r is fully accepted and followed by token g (r+1's first input), while r is still
+pending (at most one such chained round). It is refused at once when r's verdict already says
+otherwise. `commit(r)` with full acceptance and next token g keeps r+1 staged as the new pending
+round (a pointer swap); any other commit or revert of r drops r+1 in the same step, and later
+calls naming r+1 are refused. Nothing of r+1 reaches the head before `commit(r+1)`.
 Retries are safe: the same call with the same input returns the same answer and never advances
 the head twice; the same round id with other input is refused. Refused calls change nothing.
 """
@@ -22,6 +28,7 @@ from shared.decoding.sampling import SamplingParams, probabilities
 from shared.decoding.verify import Verdict, accept_greedy, accept_rejection
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from shared.model.hybrid import HybridLM
+from shared.state.rollback import LOG_CAPACITY
 
 MAX_DRAFT_TOKENS = 16
 
@@ -34,9 +41,12 @@ class Round:
     verdict: Verdict
     staged_bytes: int
     hidden: Tensor = field(repr=False)  # (k+1, hidden) last-layer states of the verified positions
-    outcome: str = "pending"  # pending | committed | reverted
+    parent: str | None = None  # a pipelined round: the round it was staged on, and the token assumed after it
+    guess: int | None = None
+    outcome: str = "pending"  # pending | committed | reverted | dropped (its parent ended otherwise)
     committed: int | None = None  # accept count actually committed
     new_version: int | None = None
+    committed_tokens: list[int] = field(default_factory=list)  # what the commit appended
 
 
 def check_tokens(tokens: list[int] | tuple[int, ...], vocab_size: int, field_name: str) -> None:
@@ -48,7 +58,8 @@ def check_tokens(tokens: list[int] | tuple[int, ...], vocab_size: int, field_nam
 class TargetSession:
     """One sequence on the target. Thread-safe: every public method holds the session lock."""
 
-    def __init__(self, model: HybridLM, prompt_ids: list[int], sampling: SamplingParams = SamplingParams()) -> None:
+    def __init__(self, model: HybridLM, prompt_ids: list[int], sampling: SamplingParams = SamplingParams(),
+                 max_chain: int = 1) -> None:
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty", "prompt")
         check_tokens(prompt_ids, model.config.vocab_size, "prompt_ids")
@@ -57,6 +68,9 @@ class TargetSession:
         self.prompt_len = len(prompt_ids)
         self.version = 0
         self.round: Round | None = None  # the pending round, or the last finished one (for retries)
+        self.chained: Round | None = None  # a pipelined round staged on top of the pending one
+        self.earlier: tuple[Round, ...] = ()  # rounds kept for retries: the one before, the last dropped
+        self.max_chain = max_chain  # pipelined rounds staged at once: 0 (refused) or 1
         self.lock = threading.RLock()
         self.state = model.new_state(capacity=max(256, 2 * len(prompt_ids)))
         # last-layer states of the prompt's prefilled positions (for drafters that read the trunk: MTP)
@@ -69,37 +83,96 @@ class TargetSession:
     def pending(self) -> Round | None:
         return self.round if self.round is not None and self.round.outcome == "pending" else None
 
+    def find(self, round_id: str) -> Round | None:
+        return next((r for r in (self.round, self.chained, *self.earlier) if r and r.round_id == round_id), None)
+
     def verify(self, round_id: str, drafts: list[int], base_version: int | None = None,
-               draft_probs: Tensor | None = None) -> Round:
+               draft_probs: Tensor | None = None, parent: str | None = None, guess: int | None = None) -> Round:
         with self.lock:
             drafts_t = tuple(drafts)
-            if self.round is not None and self.round.round_id == round_id:
-                if self.round.drafts != drafts_t or (base_version is not None and base_version != self.round.base_version):
+            known = self.find(round_id)
+            if known is not None:
+                if known.drafts != drafts_t or (base_version is not None and base_version != known.base_version) \
+                        or (parent is not None and (parent, guess) != (known.parent, known.guess)):
                     raise FailedPrecondition(f"round {round_id!r} was already verified with other input", "round_id")
-                if self.round.outcome == "reverted":  # its verdict no longer stands: staging is gone
+                if known.outcome == "reverted":  # its verdict no longer stands: staging is gone
                     raise FailedPrecondition(f"round {round_id!r} was reverted: verify under a new round id",
                                              "round_id")
-                return self.round
-            if self.pending is not None:
-                raise FailedPrecondition(
-                    f"round {self.pending.round_id!r} is still pending: commit or revert it first", "round_id")
-            if base_version is not None and base_version != self.version:
-                raise FailedPrecondition(f"base version {base_version} is stale: the head is at {self.version}",
-                                         "base_version")
+                if known.outcome == "dropped":
+                    raise FailedPrecondition(f"round {round_id!r} was dropped: round {known.parent!r} it was staged "
+                                             "on ended otherwise; verify under a new round id", "round_id")
+                return known
             if len(drafts) > MAX_DRAFT_TOKENS:
                 raise InvalidArgument(f"{len(drafts)} draft tokens, the limit is {MAX_DRAFT_TOKENS}", "draft_tokens")
             check_tokens(drafts, self.model.config.vocab_size, "draft_tokens")
             if draft_probs is not None and tuple(draft_probs.shape) != (len(drafts), self.model.config.vocab_size):
                 raise InvalidArgument(f"draft probabilities have shape {tuple(draft_probs.shape)}, expected "
                                       f"({len(drafts)}, {self.model.config.vocab_size})", "draft_probs")
+            if parent is not None:
+                if guess is None:
+                    raise InvalidArgument(f"round {round_id!r} names parent round {parent!r} but no token assumed "
+                                          "after it", "parent_next_token")
+                check_tokens([guess], self.model.config.vocab_size, "parent_next_token")
+                if not self._committed_as_assumed(parent, guess):
+                    return self._verify_chained(round_id, drafts_t, base_version, draft_probs, parent, guess)
+            if self.pending is not None:
+                raise FailedPrecondition(
+                    f"round {self.pending.round_id!r} is still pending: commit or revert it first", "round_id")
+            if base_version is not None and base_version != self.version:
+                raise FailedPrecondition(f"base version {base_version} is stale: the head is at {self.version}",
+                                         "base_version")
             logits, hidden = self.model(torch.tensor([self.tokens[-1], *drafts]), self.state)
-            probs = probabilities(logits, self.sampling)
-            if self.sampling.greedy:
-                verdict = accept_greedy(probs, list(drafts))
-            else:
-                verdict = accept_rejection(probs, list(drafts), draft_probs, self.sampling.generator(len(self.tokens)))
-            self.round = Round(round_id, self.version, drafts_t, verdict, self.state.staged_bytes(), hidden)
+            verdict = self._verdict(logits, drafts_t, draft_probs, len(self.tokens))
+            self.earlier = tuple(r for r in (self.round, *self.earlier[1:]) if r)
+            self.round = Round(round_id, self.version, drafts_t, verdict, self.state.staged_bytes(), hidden, parent,
+                               guess)
             return self.round
+
+    def _verdict(self, logits: Tensor, drafts: tuple[int, ...], draft_probs: Tensor | None, position: int) -> Verdict:
+        probs = probabilities(logits, self.sampling)
+        if self.sampling.greedy:
+            return accept_greedy(probs, list(drafts))
+        return accept_rejection(probs, list(drafts), draft_probs, self.sampling.generator(position))
+
+    def _committed_as_assumed(self, parent: str, guess: int) -> bool:
+        """The parent is the last round, committed with every draft kept and `guess` after them."""
+        rnd = self.round
+        return (rnd is not None and rnd.round_id == parent and rnd.outcome == "committed"
+                and rnd.committed == len(rnd.drafts) and rnd.committed_tokens[-1] == guess)
+
+    def _verify_chained(self, round_id: str, drafts: tuple[int, ...], base_version: int | None,
+                        draft_probs: Tensor | None, parent: str, guess: int) -> Round:
+        """Stage `[guess, *drafts]` on top of the pending round `parent`, as if it were fully accepted."""
+        rnd = self.pending
+        if self.max_chain < 1:
+            raise FailedPrecondition("this target stages no pipelined rounds (pipeline depth 0): verify round "
+                                     f"{round_id!r} after committing {parent!r}", "parent_round_id")
+        if rnd is None or rnd.round_id != parent:
+            if self.find(parent) is None:
+                raise NotFound(f"no round {parent!r} to stage round {round_id!r} on", "parent_round_id")
+            raise FailedPrecondition(f"round {parent!r} ended otherwise than round {round_id!r} assumed",
+                                     "parent_round_id")
+        if self.chained is not None:
+            raise FailedPrecondition(f"round {self.chained.round_id!r} is already staged on round {parent!r}",
+                                     "parent_round_id")
+        if rnd.verdict.accepted < len(rnd.drafts):
+            raise FailedPrecondition(f"round {parent!r} accepts {rnd.verdict.accepted} of {len(rnd.drafts)} drafts; "
+                                     f"round {round_id!r} assumed all", "parent_round_id")
+        if rnd.verdict.next_token != guess:
+            raise FailedPrecondition(f"round {parent!r} is followed by token {rnd.verdict.next_token}, not "
+                                     f"{guess} as round {round_id!r} assumed", "parent_next_token")
+        if base_version is not None and base_version != rnd.base_version + 1:
+            raise FailedPrecondition(f"base version {base_version} is not the one after round {parent!r} "
+                                     f"({rnd.base_version + 1})", "base_version")
+        if self.state.staged + len(drafts) + 1 > LOG_CAPACITY:
+            raise FailedPrecondition(f"rounds {parent!r} and {round_id!r} together stage more than {LOG_CAPACITY} "
+                                     "tokens", "draft_tokens")
+        self.state.mark()
+        logits, hidden = self.model(torch.tensor([guess, *drafts]), self.state)
+        verdict = self._verdict(logits, drafts, draft_probs, len(self.tokens) + len(rnd.drafts) + 1)
+        self.chained = Round(round_id, rnd.base_version + 1, drafts, verdict,
+                             self.state.staged_bytes() - rnd.staged_bytes, hidden, parent, guess)
+        return self.chained
 
     def commit(self, round_id: str, accepted: int) -> int:
         """Keep `accepted` draft tokens of the pending round; returns the new head version."""
@@ -110,17 +183,30 @@ class TargetSession:
                     raise FailedPrecondition(
                         f"round {round_id!r} was committed with {rnd.committed} accepted, not {accepted}", "accepted")
                 return rnd.new_version  # type: ignore[return-value]
-            if rnd.outcome == "reverted":
-                raise FailedPrecondition(f"round {round_id!r} was reverted", "round_id")
+            if rnd.outcome in ("reverted", "dropped"):
+                raise FailedPrecondition(f"round {round_id!r} was {rnd.outcome}", "round_id")
+            if rnd is self.chained:
+                raise FailedPrecondition(f"round {round_id!r} is staged on round {rnd.parent!r}, which is not "
+                                         "committed yet", "round_id")
             if not 0 <= accepted <= rnd.verdict.accepted:
                 raise InvalidArgument(
                     f"accept count {accepted} is outside [0, {rnd.verdict.accepted}] verified for round {round_id!r}",
                     "accepted")
             next_token = rnd.verdict.next_token if accepted == rnd.verdict.accepted else rnd.drafts[accepted]
-            self.state.commit(accepted + 1)
-            self.tokens.extend([*rnd.drafts[:accepted], next_token])
+            child = self.chained
+            keep_child = child is not None and accepted == len(rnd.drafts) and next_token == child.guess
+            if keep_child:
+                self.state.commit_marked()
+            else:
+                self.state.commit(accepted + 1)
+                self._drop_chained()
+            rnd.committed_tokens = [*rnd.drafts[:accepted], next_token]
+            self.tokens.extend(rnd.committed_tokens)
             self.version += 1
             rnd.outcome, rnd.committed, rnd.new_version = "committed", accepted, self.version
+            if keep_child:
+                self.earlier = (rnd, *self.earlier[1:])
+                self.round, self.chained = child, None
             return self.version
 
     def revert(self, round_id: str) -> int:
@@ -128,15 +214,26 @@ class TargetSession:
             rnd = self._round(round_id)
             if rnd.outcome == "committed":
                 raise FailedPrecondition(f"round {round_id!r} is already committed", "round_id")
-            if rnd.outcome == "pending":
+            if rnd is self.chained:
+                self.state.drop_marked()
+                self._drop_chained("reverted")
+            elif rnd.outcome == "pending":
                 self.state.revert()
+                self._drop_chained()
                 rnd.outcome = "reverted"
             return self.version
 
+    def _drop_chained(self, outcome: str = "dropped") -> None:
+        if self.chained is not None:
+            self.chained.outcome = outcome
+            self.earlier = (*self.earlier[:1], self.chained)
+            self.chained = None
+
     def _round(self, round_id: str) -> Round:
-        if self.round is None or self.round.round_id != round_id:
+        rnd = self.find(round_id)
+        if rnd is None:
             raise NotFound(f"no round {round_id!r} in this session", "round_id")
-        return self.round
+        return rnd
 
     @property
     def generated(self) -> list[int]:

@@ -8,6 +8,8 @@
   with the target and the draft as remote peers: one Propose, one Verify and one Commit a round.
   A session is opened through `target_address` (which may be a load-balanced service) and its
   later calls go straight to the replica that holds it when that replica advertises an address.
+  With a draft and `pipeline` (the default) the rounds are pipelined
+  (`shared.decoding.pipelined`): the draft proposes round r+1 while the target verifies round r.
 
 Every channel is dialled as `security` says (`shared.rpc.security.ClientSecurity`: TLS, mutual TLS,
 the bearer token); the default is plaintext, which it allows only to loopback addresses.
@@ -23,6 +25,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from deltaspec.v1 import draft_service_pb2_grpc, target_service_pb2, target_service_pb2_grpc
 from shared.decoding.drafters import NoDrafter
+from shared.decoding.pipelined import decode_pipelined
 from shared.decoding.sampling import SamplingParams
 from shared.decoding.speculative import Generation, Stats, decode
 from shared.rpc.convert import sampling_to_proto, stats_from_proto
@@ -83,7 +86,8 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
                            sampling: SamplingParams = SamplingParams(), timeout_s: float | None = None,
                            draft_timeout_s: float = 1.0, on_tokens: OnTokens | None = None,
                            telemetry: Telemetry | None = None, model: str = "deltaspec-target",
-                           security: ClientSecurity = ClientSecurity()) -> tuple[Generation, str]:
+                           security: ClientSecurity = ClientSecurity(),
+                           pipeline: bool = True) -> tuple[Generation, str]:
     telemetry = telemetry or Telemetry()
     started = time.perf_counter()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -103,7 +107,8 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
         drafter = remote or NoDrafter()
         drafter.start(list(session.tokens))
         stats = Stats()
-        for new in decode(session, drafter, max_new_tokens, num_draft_tokens, session.eos, stats, telemetry.tracer):
+        rounds = decode_pipelined if remote and pipeline else decode
+        for new in rounds(session, drafter, max_new_tokens, num_draft_tokens, session.eos, stats, telemetry.tracer):
             stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
             if on_tokens:
                 on_tokens(new, "")

@@ -7,6 +7,12 @@ slow draft costs little. The draft session is then rebuilt from the committed hi
 this class keeps, so speculation resumes exactly where the sequence is.
 
 Each round costs one Propose: it carries the previous round's outcome.
+
+Pipelined rounds (`speculate`): a speculative Propose asks the peer for the next round on top of
+the open one, as if the open round kept every draft and were followed by the peer's guess (returned
+with the proposal). `advance` makes it the open round when the outcome matches; the outcome then
+travels with the next Propose, which the peer reads as confirming the speculation. A failed
+speculation costs only the pipelining: it is handled like a failed Propose.
 """
 from __future__ import annotations
 
@@ -43,11 +49,12 @@ class RemoteDrafter:
         self.round_id: str | None = None  # this round's proposal, when the peer made one
         self.proposed: list[int] = []
         self.previous: draft_service_pb2.RoundOutcome | None = None
+        self.speculation: tuple[str, int, list[int]] | None = None  # (round id, guess, tokens) on the open round
         self.skip = self.consecutive_failures = 0
 
     def propose(self, k: int) -> Proposal:
         self.rounds += 1
-        self.round_id, self.proposed = None, []
+        self.round_id, self.proposed, self.speculation = None, [], None
         timeout = self._timeout()
         if k == 0 or self.skip or timeout <= 0:
             self.skip = max(0, self.skip - 1)
@@ -64,20 +71,48 @@ class RemoteDrafter:
                 session_id=self.session_id, round_id=round_id, k=k, previous=self.previous), timeout=self._timeout())
             proposal = self._check(reply, k)
         except (grpc.RpcError, MalformedProposal) as e:
-            self.failures += 1
-            self.consecutive_failures += 1
-            self.skip = min(2 ** (self.consecutive_failures - 1), self.max_backoff_rounds)
-            self.session_id = None
-            log.warning("draft failed (%s); %d round(s) without speculation", _describe(e), self.skip)
+            self._failed(e)
             return Proposal([])
         self.consecutive_failures = 0
-        self.round_id, self.proposed = round_id, proposal.tokens
+        self.round_id, self.proposed, self.previous = round_id, proposal.tokens, None  # the outcome is folded in
         return proposal
+
+    def speculate(self, k: int) -> tuple[int, Proposal] | None:
+        """The next round's proposal if the open one keeps every draft, and the token the peer assumes after them."""
+        timeout = self._timeout()
+        if k == 0 or self.session_id is None or self.round_id is None or timeout <= 0:
+            return None
+        self.rounds += 1
+        round_id = f"r{self.rounds}"
+        try:
+            reply = self.stub.Propose(draft_service_pb2.ProposeRequest(
+                session_id=self.session_id, round_id=round_id, k=k, previous=self.previous, speculative=True),
+                timeout=timeout)
+            proposal = self._check(reply, k)
+            if not reply.HasField("assumed_next_token") or reply.assumed_next_token >= self.vocab_size:
+                raise MalformedProposal("a speculative proposal without a valid assumed next token")
+        except (grpc.RpcError, MalformedProposal) as e:
+            self._failed(e)
+            return None
+        self.consecutive_failures = 0
+        self.previous = None
+        self.speculation = (round_id, reply.assumed_next_token, proposal.tokens)
+        return reply.assumed_next_token, proposal
 
     def advance(self, accepted: int, next_token: int) -> None:
         self.history += [*self.proposed[:accepted], next_token]
         self.previous = (draft_service_pb2.RoundOutcome(round_id=self.round_id, accepted=accepted,
                                                          next_token=next_token) if self.round_id else None)
+        spec, self.speculation = self.speculation, None
+        if spec is not None and accepted == len(self.proposed) and next_token == spec[1]:
+            self.round_id, self.proposed = spec[0], spec[2]  # the peer's speculation is the open round now
+
+    def _failed(self, e: Exception) -> None:
+        self.failures += 1
+        self.consecutive_failures += 1
+        self.skip = min(2 ** (self.consecutive_failures - 1), self.max_backoff_rounds)
+        self.session_id = None
+        log.warning("draft failed (%s); %d round(s) without speculation", _describe(e), self.skip)
 
     def close(self) -> None:
         """Free the peer's session; best effort (it expires on its own anyway)."""

@@ -11,6 +11,10 @@ names the replica that holds the session (`target_address`) and a `dial` functio
 later call of the session goes to that replica directly, without waiting for it to be ready. If the
 replica is gone (UNAVAILABLE) or no longer holds the session (NOT_FOUND), the session is opened
 again on the committed history through the load-balanced address, on whichever replica answers.
+
+A pipelined round (`verify(..., parent=, guess=)`) is one attempt: any refusal or failure only
+loses the pipelining (FailedPrecondition), and the loop verifies the round again the plain way.
+Once its parent is committed, its commit goes through the usual retries.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from deltaspec.v1 import target_service_pb2_grpc
 from shared.decoding.sampling import SamplingParams
 from shared.decoding.target import Round
 from shared.decoding.verify import Verdict
+from shared.errors import FailedPrecondition
 from shared.rpc.convert import probs_to_proto, sampling_to_proto
 from shared.rpc.status import field_of
 
@@ -45,6 +50,7 @@ class RemoteTargetSession:
         self.reopened = -1  # times the session had to be opened again
         self._in_flight: tuple[str, list[int], Tensor | None] | None = None  # the round verified, not yet committed
         self._round: Round | None = None
+        self._chained: dict[str, tuple[Round, tuple[str, list[int], Tensor | None]]] = {}  # pipelined, by round id
         self._call(lambda: None)  # opens the session, with the usual retries
         self.prompt_len = len(self.tokens)
         self.vocab_size: int = self._created.vocab_size
@@ -56,11 +62,31 @@ class RemoteTargetSession:
         return self.tokens[self.prompt_len:]
 
     def verify(self, round_id: str, drafts: list[int], base_version: int | None = None,
-               draft_probs: Tensor | None = None) -> Round:
+               draft_probs: Tensor | None = None, parent: str | None = None, guess: int | None = None) -> Round:
+        if parent is not None:
+            return self._verify_chained(round_id, drafts, base_version, draft_probs, parent, guess)
         self._in_flight = (round_id, list(drafts), draft_probs)
         return self._call(self._verify)
 
+    def _verify_chained(self, round_id: str, drafts: list[int], base_version: int | None,
+                        draft_probs: Tensor | None, parent: str, guess: int | None) -> Round:
+        try:
+            reply = self.stub.Verify(pb.VerifyRequest(
+                session_id=self.session_id, round_id=round_id, base_version=base_version, draft_tokens=drafts,
+                draft_probs=probs_to_proto(draft_probs, self.sampling.greedy), parent_round_id=parent,
+                parent_next_token=guess), **self._opts())
+        except grpc.RpcError as e:
+            raise FailedPrecondition(f"round {round_id!r} was not staged on {parent!r}: {e.code().name}: "
+                                     f"{e.details()}", "parent_round_id") from None
+        rnd = Round(round_id, base_version or 0, tuple(drafts), Verdict(reply.accepted, reply.next_token),
+                    reply.round.staged_bytes, hidden=torch.empty(0), parent=parent, guess=guess)
+        recent = dict(list(self._chained.items())[-3:])  # older ones were dropped: forget them
+        self._chained = {**recent, round_id: (rnd, (round_id, list(drafts), draft_probs))}
+        return rnd
+
     def commit(self, round_id: str, accepted: int) -> int:
+        if round_id in self._chained:  # a pipelined round whose parent is committed: it is the round in flight now
+            self._round, self._in_flight = self._chained.pop(round_id)
         reply = self._call(lambda: self.stub.Commit(pb.CommitRequest(
             session_id=self.session_id, round_id=round_id,
             accepted=min(accepted, self._round.verdict.accepted)), **self._opts()))  # type: ignore[union-attr]

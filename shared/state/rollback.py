@@ -20,6 +20,10 @@ others not). When n equals everything staged the spares already hold the result 
 a pointer swap. Logs are kept for up to `LOG_CAPACITY` staged tokens (a speculative round);
 longer stagings (prefill) keep only the spare and the window, and commit all or nothing.
 
+A pipelined round is staged on top of the round before it (`mark`, then more staging): the
+snapshot after the first round's tokens is the one extra staging. `commit_marked` makes it the head
+by a pointer swap and keeps the later round staged; `drop_marked` drops the later round only.
+
 Cost per sequence: one extra state (the spare) plus O(T (conv_dim + H (Dk + Dv))) logged
 numbers per GDN layer and round; no forward pass is ever re-run.
 """
@@ -32,7 +36,7 @@ from torch import Tensor
 
 from shared.model.config import ModelConfig
 
-LOG_CAPACITY = 20  # staged tokens a round may log: k <= 16 drafts plus up to 2 pending inputs, with room
+LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one on top) of k <= 16 drafts plus inputs
 
 
 class GDNStates:
@@ -96,12 +100,41 @@ class GDNStates:
         return self.window, self.spare
 
     def swap_in(self) -> None:
-        self.conv, self.window = self.window, self.conv
-        self.recurrent, self.spare = self.spare, self.recurrent
-        views = self.layers
-        views["conv"], views["window"] = views["window"], views["conv"]
-        views["recurrent"], views["spare"] = views["spare"], views["recurrent"]
+        self._swap("conv", "window")
+        self._swap("recurrent", "spare")
         self.logged = True
+
+    def mark(self) -> None:
+        """Snapshot the window and state after everything staged (the one extra staging of a chained round)."""
+        if "marked_state" not in self.layers:
+            self.marked_window, self.marked_state = torch.empty_like(self.conv), torch.empty_like(self.recurrent)
+            self.layers["marked_window"] = list(self.marked_window.unbind(0))
+            self.layers["marked_state"] = list(self.marked_state.unbind(0))
+        self.marked_window.copy_(self.window)
+        self.marked_state.copy_(self.spare)
+
+    def commit_marked(self, n: int, staged: int) -> None:
+        """The snapshot becomes the head (n tokens in); the logs of the staged tokens after it move to the front."""
+        self._swap("conv", "marked_window")
+        self._swap("recurrent", "marked_state")
+        rest = staged - n
+        if self.logged and rest:
+            for log, axis in ((self.x, 1), (self.k, 3), (self.delta, 2), (self.g, 2)):
+                log.narrow(axis, 0, rest).copy_(log.narrow(axis, n, rest).clone())
+
+    def drop_marked(self) -> None:
+        """Back to the snapshot: the tokens staged after it are dropped, those before stay staged."""
+        self._swap("window", "marked_window")
+        self._swap("spare", "marked_state")
+
+    def marked_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
+
+    def _swap(self, a: str, b: str) -> None:
+        ta, tb = getattr(self, a), getattr(self, b)
+        setattr(self, a, tb)
+        setattr(self, b, ta)
+        self.layers[a], self.layers[b] = self.layers[b], self.layers[a]
 
 
 @dataclass
@@ -173,6 +206,7 @@ class ModelState:
                  capacity: int = 256) -> None:
         self.length = 0  # tokens in the committed head
         self.staged = 0  # tokens staged on top of it
+        self.marked = 0  # with `mark`: staged tokens the snapshot covers (a chained round stages after them)
         self.kinds = config.layer_types
         self.gdn = GDNStates(config, self.kinds.count("linear_attention"), device, dtype)
         shape = (config.num_key_value_heads, capacity, config.head_dim)
@@ -196,16 +230,39 @@ class ModelState:
         self.gdn.prepare_commit(n, self.staged)
         self.gdn.swap_in()
         self.length += n
-        self.staged = 0
+        self.staged = self.marked = 0
 
     def revert(self) -> None:
         """Drop everything staged; the head is untouched by construction."""
-        self.staged = 0
+        self.staged = self.marked = 0
         self.gdn.logged = True
+
+    def mark(self) -> None:
+        """Remember the state after everything staged so far; a chained round then stages on top of it."""
+        if not self.staged:
+            raise ValueError("nothing is staged to mark")
+        self.gdn.mark()
+        self.marked = self.staged
+
+    def commit_marked(self) -> None:
+        """Keep the tokens staged before `mark` (a pointer swap); the tokens staged after it stay staged."""
+        if not self.marked:
+            raise ValueError("no mark to commit")
+        self.gdn.commit_marked(self.marked, self.staged)
+        self.length += self.marked
+        self.staged -= self.marked
+        self.marked = 0
+
+    def drop_marked(self) -> None:
+        """Drop the tokens staged after `mark`; those before it stay staged."""
+        if not self.marked:
+            raise ValueError("no mark to drop")
+        self.gdn.drop_marked()
+        self.staged, self.marked = self.marked, 0
 
     def staged_bytes(self) -> int:
         """Bytes logged for the staged tokens (the spare state is allocated once and not counted)."""
         if not self.gdn.logged:
             return 0
         per_token = sum(t.numel() * t.element_size() for t in (self.gdn.x, self.gdn.k, self.gdn.delta, self.gdn.g))
-        return per_token // LOG_CAPACITY * self.staged
+        return per_token // LOG_CAPACITY * self.staged + (self.gdn.marked_bytes() if self.marked else 0)

@@ -5,6 +5,12 @@ The draft model rolls back exactly as the target does: proposing stages tokens o
 next token, and after a full accept also the last draft) wait in `pending` and open the next
 proposal's first forward pass; longer backlogs (the prompt, zero-draft rounds) are prefilled
 first, so a round's staging stays within the state's log capacity.
+
+`speculate(k)` proposes the next round before this one's outcome is known (pipelined rounds): it
+feeds the rest of this round, guesses the target's next token (the draft's most likely one), marks
+the state there and proposes from the guess, on top of this round's staging. `advance` keeps that
+proposal when every draft was accepted and the guess was right (a pointer swap), and drops it
+otherwise. Its random draws are keyed by the same positions as the serial run's.
 """
 from __future__ import annotations
 
@@ -20,34 +26,65 @@ class ModelDrafter:
         self.model, self.sampling = model, sampling
         self.pending: list[int] = []
         self.proposed: list[int] = []
+        self.speculation: tuple[int, list[int]] | None = None  # (guess, proposal) of the next round, unsettled
+        self.guess = 0  # the most likely token after the open round (once it is fed)
         self.state = model.new_state()
 
     def start(self, prompt_ids: list[int]) -> None:
         self.state = self.model.new_state(capacity=max(256, 2 * len(prompt_ids)))
-        self.pending, self.proposed = list(prompt_ids), []
+        self.pending, self.proposed, self.speculation = list(prompt_ids), [], None
 
     def propose(self, k: int) -> Proposal:
         self.state.revert()
-        self.proposed = []
+        self.proposed, self.speculation = [], None
         if len(self.pending) > 2:  # a prompt, or inputs piled up by zero-draft rounds: prefill all but the last
             self.model(torch.tensor(self.pending[:-1]), self.state)
             self.state.commit(self.state.staged)
             self.pending = self.pending[-1:]
-        if k == 0:
-            return Proposal([])
-        inputs, dists = self.pending, []
-        generator = self.sampling.generator(self.state.length + len(self.pending), stream=1)
+        proposal = self._draw(self.pending, k, self.state.length + len(self.pending))
+        self.proposed = list(proposal.tokens)
+        return proposal
+
+    def speculate(self, k: int) -> tuple[int, Proposal]:
+        """The next round's proposal if this one keeps every draft, and the token it assumes after them."""
+        unfed = (self.pending + self.proposed)[self.state.staged:]
+        if unfed:  # else a speculation was dropped: the round is fed already and its guess stands
+            logits, _ = self.model(torch.tensor(unfed), self.state)
+            self.guess = int(logits[-1].argmax())
+        guess = self.guess
+        self.state.mark()
+        proposal = self._draw([guess], k, self.state.length + self.state.staged + 1)
+        self.speculation = (guess, list(proposal.tokens))
+        return guess, proposal
+
+    def _draw(self, inputs: list[int], k: int, position: int) -> Proposal:
+        """k tokens, one forward each, from `inputs`; draws keyed by the first proposal's position."""
+        tokens, dists = [], []
+        generator = self.sampling.generator(position, stream=1)
         for _ in range(k):
             logits, _ = self.model(torch.tensor(inputs), self.state)
             q = probabilities(logits[-1], self.sampling)
             token = int(q.argmax()) if self.sampling.greedy else draw(q, generator)
-            self.proposed.append(token)
+            tokens.append(token)
             dists.append(q)
             inputs = [token]
-        return Proposal(list(self.proposed), None if self.sampling.greedy else torch.stack(dists))
+        return Proposal(tokens, None if self.sampling.greedy or not tokens else torch.stack(dists))
+
+    def discard_speculation(self) -> None:
+        if self.speculation is not None:
+            self.state.drop_marked()
+            self.speculation = None
 
     def advance(self, accepted: int, next_token: int) -> None:
-        """Commit pending + the accepted proposals that were fed; the rest waits in `pending`."""
+        """Commit pending + the accepted proposals that were fed; the rest waits in `pending`. A speculation
+        whose assumption holds becomes the open round."""
+        if self.speculation is not None:
+            guess, tokens = self.speculation
+            if accepted == len(self.proposed) and next_token == guess:
+                self.state.commit_marked()
+                self.pending, self.proposed, self.speculation = [guess], tokens, None
+                return
+            self.discard_speculation()
         kept = self.pending + self.proposed[:accepted]
         fed = min(len(kept), self.state.staged)
         self.state.commit(fed)

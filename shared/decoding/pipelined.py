@@ -1,0 +1,166 @@
+"""The pipelined decoding loop: the draft proposes round r+1 while the target verifies round r.
+
+Serial rounds leave each side idle while the other works and while messages cross the network:
+
+    serial     draft  [propose r]                        [propose r+1]
+               target             [verify r][commit r]                [verify r+1][commit r+1]
+
+    pipelined  draft  [propose r][speculate r+1]   [speculate r+2]
+               target            [verify r][verify r+1][commit r][verify r+2][commit r+1] ...
+
+While round r is verified, the drafter proposes round r+1 (`speculate`) as if r kept all its drafts
+and were followed by the draft's own guess of the next token; the target stages r+1 on top of r
+(`verify(..., parent=r, guess=g)`) before r is committed. When r's verdict matches (every draft
+kept, the next token equal to the guess) r+1 is already verified and the draft is already
+speculating r+2; otherwise the target and the draft drop r+1 and the next round is an ordinary
+one. Either way the committed tokens are those of the serial loop (`speculative.decode`): a kept
+round r+1 is exactly the round the serial loop would have run, its random draws keyed by the
+same positions. The drafter must offer `speculate(k) -> (guess, Proposal) | None`.
+
+Target and draft calls overlap through a small thread pool; each call carries the caller's
+context, so RPC spans stay in the generation's trace.
+"""
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from opentelemetry.trace import Tracer
+
+from shared.decoding.drafters import Drafter, Proposal
+from shared.decoding.speculative import NO_TRACER, Session, Stats, _ids
+from shared.decoding.target import Round
+from shared.errors import FailedPrecondition, NotFound
+from shared.telemetry import attributes as attr
+
+
+@dataclass
+class _Planned:
+    """A round whose drafts are known: its id, base version, proposal and the verify in flight."""
+
+    round_id: str
+    base: int
+    proposal: Proposal
+    verifying: Future
+    guess: int | None = None  # a speculative round: the token assumed after its parent
+
+
+def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_tokens: int, eos: set[int],
+                     stats: Stats, tracer: Tracer = NO_TRACER, metrics=None) -> Iterator[list[int]]:
+    """Rounds until `max_new_tokens` or an EOS (included), pipelined; yields what each round commits."""
+    out = session.generated
+    if len(out) >= max_new_tokens or (out and out[-1] in eos):
+        return
+    names = (f"p{n}" for n in range(1 << 62))
+    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="pipeline") as pool:
+        def submit(fn, *args) -> Future:
+            return pool.submit(contextvars.copy_context().run, fn, *args)
+
+        def plan(proposal: Proposal) -> _Planned:
+            name, base = next(names), session.version
+            return _Planned(name, base, proposal, submit(session.verify, name, proposal.tokens, base, proposal.probs))
+
+        def chain(parent: _Planned, guess: int, proposal: Proposal) -> _Planned:
+            name = next(names)
+            return _Planned(name, parent.base + 1, proposal, submit(_verify_chained, session, name, proposal,
+                                                                   parent.base + 1, parent.round_id, guess), guess)
+
+        t = time.perf_counter()
+        cur = plan(drafter.propose(min(num_draft_tokens, max_new_tokens - len(out) - 1)))
+        propose_s = time.perf_counter() - t
+        ahead: _Planned | None = None  # round cur+1, speculated and sent to the target
+        while True:
+            with tracer.start_as_current_span("round") as span:
+                traced = span.is_recording()
+                ids = _ids(session, cur.round_id) if traced else {}
+                room = max_new_tokens - len(out)
+                t0 = time.perf_counter()
+                if ahead is None:
+                    with tracer.start_as_current_span("propose"):
+                        ahead = _speculate(drafter, cur, room, num_draft_tokens, chain)
+                t1 = time.perf_counter()
+                with tracer.start_as_current_span("verify") as phase:
+                    rnd: Round = cur.verifying.result()
+                    if traced:
+                        phase.set_attributes({**ids, attr.BASE_VERSION: cur.base, attr.DRAFT_TOKENS: len(rnd.drafts),
+                                              attr.ACCEPTED_TOKENS: rnd.verdict.accepted,
+                                              attr.STAGED_BYTES: rnd.staged_bytes})
+                t2 = time.perf_counter()
+                drafts = list(rnd.drafts)
+                keep = next((i for i, token in enumerate(drafts[:rnd.verdict.accepted]) if token in eos),
+                            rnd.verdict.accepted)  # stop at an accepted EOS
+                next_token = rnd.verdict.next_token if keep == rnd.verdict.accepted else drafts[keep]
+                kept = ahead is not None and keep == len(drafts) and next_token == ahead.guess
+                drafter.advance(keep, next_token)  # keeps the draft's speculation or drops it
+                committing = submit(session.commit, cur.round_id, keep)
+                room_after = room - keep - 1
+                t3 = time.perf_counter()
+                with tracer.start_as_current_span("propose"):
+                    if kept:  # speculate the round after `ahead` while the target verifies it
+                        following = _speculate(drafter, ahead, room_after, num_draft_tokens)  # type: ignore[arg-type]
+                    elif room_after > 0 and next_token not in eos:
+                        proposal = drafter.propose(min(num_draft_tokens, room_after - 1))
+                t4 = time.perf_counter()
+                with tracer.start_as_current_span("commit") as phase:
+                    version = committing.result()
+                    if traced:
+                        phase.set_attributes({**ids, attr.BASE_VERSION: cur.base, attr.NEW_VERSION: version,
+                                              attr.ACCEPTED_TOKENS: keep})
+                t5 = time.perf_counter()
+                phases = (propose_s + (t1 - t0) + (t4 - t3), t2 - t1, (t3 - t2) + (t5 - t4))
+                stats.add_round(len(drafts), keep, rnd.staged_bytes, phases)
+                if metrics is not None:
+                    metrics.round(len(drafts), keep, rnd.staged_bytes, *phases)
+                if traced:
+                    span.set_attributes({**ids, attr.BASE_VERSION: cur.base, attr.NEW_VERSION: version,
+                                         attr.DRAFT_TOKENS: len(drafts), attr.ACCEPTED_TOKENS: keep,
+                                         attr.STAGED_BYTES: rnd.staged_bytes})
+            new = session.generated
+            yield new[len(out):]
+            out = new
+            if len(out) >= max_new_tokens or out[-1] in eos:
+                return
+            propose_s = 0.0
+            if kept:  # `ahead` becomes the current round; its verify may have been refused: then run it plainly
+                cur = ahead  # type: ignore[assignment]
+                cur.verifying = _or_verify(cur, session, submit)
+                ahead = None
+                if following is not None:
+                    ahead = chain(cur, *following)
+            else:
+                cur, ahead = plan(proposal), None
+
+
+def _speculate(drafter: Drafter, parent: _Planned, room: int, num_draft_tokens: int, chain=None):
+    """The round after `parent` if it keeps every draft: sent to the target chained on `parent` when `chain` is
+    given, else returned as (guess, proposal) for the caller to chain later; None when there is no room."""
+    k = min(num_draft_tokens, room - len(parent.proposal.tokens) - 2)
+    speculate = getattr(drafter, "speculate", None)
+    if k < 1 or speculate is None:
+        return None
+    guessed = speculate(k)
+    if guessed is None:
+        return None
+    return guessed if chain is None else chain(parent, *guessed)
+
+
+def _verify_chained(session: Session, round_id: str, proposal: Proposal, base: int, parent: str,
+                    guess: int) -> Round | None:
+    """Verify on top of `parent`; None when the target refuses (the parent ended otherwise, or no pipelining)."""
+    try:
+        return session.verify(round_id, proposal.tokens, base, proposal.probs, parent, guess)  # type: ignore[call-arg]
+    except (FailedPrecondition, NotFound):
+        return None
+
+
+def _or_verify(planned: _Planned, session: Session, submit) -> Future:
+    """The chained verify's round, or, when it was refused, the same round verified on the new head."""
+    rnd = planned.verifying.result()
+    if rnd is not None:
+        done: Future = Future()
+        done.set_result(rnd)
+        return done
+    return submit(session.verify, planned.round_id, planned.proposal.tokens, planned.base, planned.proposal.probs)

@@ -1,0 +1,287 @@
+"""Pipelined rounds: round r+1 staged on top of round r before r is committed, on both sides, exactly.
+
+In process: the target's chain (kept, dropped, reverted, retried) leaves the same head as serial
+rounds, checked against a fresh prefill of the committed tokens; the pipelined loop gives the
+serial loop's tokens and target-only greedy tokens for several k, and sampling stays
+distribution-exact (the G-test of test_sampling_lossless). Over loopback gRPC (the random pair of
+test_rpc_support): both loops pipelined equal target-only greedy; nothing of r+1 shows in
+GetSession before Commit(r+1); refusals name the round and the field; retries are idempotent; the
+draft's speculative Propose equals the serial proposal when the guess holds.
+"""
+import grpc
+import pytest
+import torch
+
+from deltaspec.v1 import draft_service_pb2 as dpb
+from deltaspec.v1 import target_service_pb2 as pb
+from shared.decoding.draft_session import DraftSession, Outcome
+from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.decoding.pipelined import decode_pipelined
+from shared.decoding.sampling import SamplingParams
+from shared.decoding.speculative import Stats, decode, generate
+from shared.decoding.target import TargetSession
+from shared.errors import FailedPrecondition
+from shared.model.checkpoint import hf_config, random_model
+from shared.model.loader import load_model
+from shared.rpc.client import generate_client_driven, generate_on_server
+from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
+                              target_service, target_stub)
+from test_sampling_lossless import ALPHA, DRAFT, T1, TARGET, p_values
+
+CFG = hf_config(layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
+MODEL = random_model(CFG, seed=3)
+NOISY = random_model(CFG, seed=3)
+with torch.no_grad():
+    for p in NOISY.parameters():
+        p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.02 * p.abs().mean())
+START = [7, 3, 9, 12, 5, 40, 2]
+
+
+def greedy(n: int, prompt: list[int] = START) -> list[int]:
+    return generate(MODEL, prompt, n, None, 0).token_ids
+
+
+def assert_head_exact(session: TargetSession) -> None:
+    """The head's next-token logits equal those of a fresh session prefilled with the committed tokens."""
+    fresh = TargetSession(session.model, session.tokens)
+    mine = session.model(torch.tensor([session.tokens[-1]]), session.state)[0]
+    theirs = fresh.model(torch.tensor([fresh.tokens[-1]]), fresh.state)[0]
+    session.state.revert()
+    assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-4), (mine - theirs).abs().max()
+
+
+def chained_pair(k: int = 3) -> tuple[TargetSession, list[int], int]:
+    """A session with round r (k drafts the target accepts) pending and r+1 staged on it; r+1's drafts, r's bonus."""
+    ref = greedy(2 * k + 2)
+    session = TargetSession(MODEL, START)
+    r = session.verify("r", ref[:k], 0)
+    assert r.verdict.accepted == k and r.verdict.next_token == ref[k]
+    child = session.verify("r+1", ref[k + 1:2 * k + 1], 1, parent="r", guess=ref[k])
+    assert child.verdict.accepted == k and child.parent == "r"
+    return session, ref, k
+
+
+def test_chain_kept_is_the_serial_round():
+    session, ref, k = chained_pair()
+    assert session.version == 0 and session.tokens == START  # nothing of r (or r+1) in the head yet
+    assert session.commit("r", k) == 1
+    assert session.pending.round_id == "r+1" and session.chained is None
+    assert session.commit("r", k) == 1  # a retried commit of r, after r+1 took its place
+    assert session.verify("r+1", ref[k + 1:2 * k + 1], 1, parent="r", guess=ref[k]).verdict.accepted == k  # retry
+    assert session.commit("r+1", 1) == 2  # a partial commit of the chained round
+    assert session.generated == ref[:k + 2] + [ref[k + 2]]
+    assert_head_exact(session)
+
+
+@pytest.mark.parametrize("ending", ["fewer kept", "reverted"])
+def test_chain_dropped_when_the_parent_ends_otherwise(ending):
+    session, ref, k = chained_pair()
+    if ending == "fewer kept":
+        session.commit("r", 1)  # e.g. an accepted EOS: r+1 assumed all k
+    else:
+        session.revert("r")
+    with pytest.raises(FailedPrecondition, match="'r\\+1'"):
+        session.commit("r+1", 0)
+    with pytest.raises(FailedPrecondition, match="'r\\+1'"):
+        session.verify("r+1", ref[k + 1:2 * k + 1], 1, parent="r", guess=ref[k])
+    assert session.pending is None and session.chained is None
+    assert session.generated == ([*ref[:1], ref[1]] if ending == "fewer kept" else [])
+    session.verify("again", ref[len(session.generated):len(session.generated) + 2], session.version)
+    session.commit("again", 2)
+    assert session.generated == ref[:len(session.generated)]
+    assert_head_exact(session)
+
+
+def test_chained_round_reverted_alone():
+    session, ref, k = chained_pair()
+    session.revert("r+1")
+    assert session.pending.round_id == "r" and session.chained is None
+    session.commit("r", k)
+    session.verify("next", ref[k + 1:k + 3], 1)
+    session.commit("next", 2)
+    assert session.generated == ref[:k + 4]
+    assert_head_exact(session)
+
+
+def test_chain_refused_when_the_verdict_already_says_otherwise():
+    ref = greedy(8)
+    session = TargetSession(MODEL, START)
+    session.verify("r", ref[:3], 0)
+    wrong = (ref[3] + 1) % MODEL.config.vocab_size
+    with pytest.raises(FailedPrecondition, match="not .*assumed") as info:
+        session.verify("bad guess", ref[4:6], 1, parent="r", guess=wrong)
+    assert info.value.field == "parent_next_token"
+    partial = TargetSession(MODEL, START)
+    partial.verify("r", [ref[0], (ref[1] + 1) % MODEL.config.vocab_size], 0)  # accepts 1 of 2
+    with pytest.raises(FailedPrecondition, match="accepts 1 of 2"):
+        partial.verify("r+1", ref[3:5], 1, parent="r", guess=ref[2])
+    serial_only = TargetSession(MODEL, START, max_chain=0)
+    serial_only.verify("r", ref[:3], 0)
+    with pytest.raises(FailedPrecondition, match="pipeline depth 0"):
+        serial_only.verify("r+1", ref[4:6], 1, parent="r", guess=ref[3])
+    for s in (session, partial, serial_only):  # refusals changed nothing
+        assert s.chained is None and s.state.marked == 0 and s.pending.round_id == "r"
+
+
+def test_chained_verify_after_the_parent_commit_is_a_plain_round():
+    ref = greedy(8)
+    session = TargetSession(MODEL, START)
+    session.verify("r", ref[:2], 0)
+    session.commit("r", 2)
+    rnd = session.verify("r+1", ref[3:5], 1, parent="r", guess=ref[2])
+    assert rnd is session.pending and session.chained is None
+    session.commit("r+1", 2)
+    assert session.generated == ref[:6]
+
+
+class Counting(TargetSession):
+    """Counts the rounds staged on a parent (to show the loop did pipeline)."""
+
+    chained_rounds = 0
+
+    def verify(self, *args, **kwargs):
+        rnd = super().verify(*args, **kwargs)
+        Counting.chained_rounds += rnd.parent is not None
+        return rnd
+
+
+def run_pipelined(target, drafter, prompt, n: int, k: int, sampling: SamplingParams = SamplingParams(),
+                  pipelined: bool = True) -> tuple[list[int], Stats]:
+    session, stats = Counting(target, prompt, sampling), Stats()
+    drafter.start(list(prompt))
+    eos = set(target.config.eos_token_id or [])
+    for _ in (decode_pipelined if pipelined else decode)(session, drafter, n, k, eos, stats):
+        pass
+    return session.generated, stats
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_pipelined_loop_equals_serial_and_target_only(k):
+    n = 40
+    expected = greedy(n)
+    pipelined, stats = run_pipelined(MODEL, ModelDrafter(NOISY), START, n, k)
+    serial, serial_stats = run_pipelined(MODEL, ModelDrafter(NOISY), START, n, k, pipelined=False)
+    assert pipelined == serial == expected
+    assert (stats.rounds, stats.accepted) == (serial_stats.rounds, serial_stats.accepted)
+    assert 0 < stats.accepted < stats.drafted  # full, partial and zero acceptance all occur
+
+
+def test_pipelined_loop_pipelines():
+    Counting.chained_rounds = 0
+    out, stats = run_pipelined(MODEL, ModelDrafter(MODEL), START, 30, 3)  # the target drafts: every guess holds
+    assert out == greedy(30)
+    assert Counting.chained_rounds >= stats.rounds - 3
+
+
+def test_pipelined_sampling_matches_target():
+    """200 seeded runs of the pipelined loop (k = 1, 5 tokens, so round 2 is speculated on round 1): the first
+    three tokens are distributed as the target draws them."""
+    tokens, totals = [], Stats()
+    for seed in range(200):
+        s = SamplingParams(T1.temperature, T1.top_k, T1.top_p, seed)
+        out, stats = run_pipelined(TARGET, ModelDrafter(DRAFT, s), [1, 2, 3, 1, 2, 3, 1, 2], 5, 1, s)
+        tokens.append(out[:3])
+        totals.drafted += stats.drafted
+        totals.accepted += stats.accepted
+    assert 0 < totals.accepted < totals.drafted
+    p = p_values(torch.tensor(tokens), T1)
+    assert min(p) > ALPHA, p
+
+
+def test_draft_speculation_equals_the_serial_proposal():
+    history = [1, 2, 3, 4, 5]
+    serial, piped = DraftSession(NOISY, history), DraftSession(NOISY, history)
+    first = serial.propose("a", 3).proposal.tokens
+    assert piped.propose("a", 3).proposal.tokens == first
+    spec = piped.propose("b", 3, None, speculative=True)
+    assert piped.propose("b", 3, None, speculative=True) is spec  # a retry
+    expected = serial.propose("b", 3, Outcome("a", 3, spec.guess)).proposal.tokens
+    assert spec.proposal.tokens == expected
+    third = piped.propose("c", 2, Outcome("a", 3, spec.guess), speculative=True)  # confirms b, speculates on it
+    assert piped.round.round_id == "b" and piped.speculative is third
+    serial_c = serial.propose("c", 2, Outcome("b", 3, third.guess)).proposal.tokens
+    assert third.proposal.tokens == serial_c
+    # an outcome that does not match drops the speculation: the next proposal is the serial one
+    after = piped.propose("d", 2, Outcome("b", 1, 0)).proposal.tokens
+    reference = DraftSession(NOISY, history)
+    reference.propose("a", 3)
+    reference.propose("b", 3, Outcome("a", 3, spec.guess))
+    assert after == reference.propose("d", 2, Outcome("b", 1, 0)).proposal.tokens
+    with pytest.raises(FailedPrecondition, match="dropped"):
+        piped.commit(Outcome("c", 0, 1))
+
+
+# ---- over loopback gRPC ----
+
+
+@pytest.fixture(scope="module")
+def servers(pair):
+    target_dir, draft_dir = pair
+    with start(draft_service(draft_dir)) as d, \
+            start(target_service(target_dir, draft_address=d.address, draft_timeout_s=10.0)) as t:
+        yield t.address, d.address, load_model(target_dir)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_both_loops_pipelined_equal_target_only(servers, k):
+    t_addr, d_addr, target = servers
+    expected = generate(target, PROMPT, 32, None, 0).token_ids
+    piped, _ = generate_client_driven(t_addr, d_addr, PROMPT, "", 32, k, draft_timeout_s=10.0)
+    serial, _ = generate_client_driven(t_addr, d_addr, PROMPT, "", 32, k, draft_timeout_s=10.0, pipeline=False)
+    server, _ = generate_on_server(t_addr, PROMPT, "", 32, k)
+    assert piped.token_ids == serial.token_ids == server.token_ids == expected
+    assert piped.stats.rounds == serial.stats.rounds and 0 < piped.stats.accepted < piped.stats.drafted
+
+
+def test_chain_over_grpc(servers):
+    t_addr, _, target = servers
+    stub = target_stub(t_addr)
+    ref = generate(target, PROMPT, 10, None, 0).token_ids
+    sid = stub.CreateSession(pb.CreateSessionRequest(prompt_ids=PROMPT)).session_id
+    stub.Verify(pb.VerifyRequest(session_id=sid, round_id="r", base_version=0, draft_tokens=ref[:2]))
+    chained = pb.VerifyRequest(session_id=sid, round_id="r+1", base_version=1, draft_tokens=ref[3:5],
+                               parent_round_id="r", parent_next_token=ref[2])
+    first, again = stub.Verify(chained), stub.Verify(chained)
+    assert first == again and first.round.parent_round_id == "r" and first.accepted == 2
+    seen = stub.GetSession(pb.GetSessionRequest(session_id=sid))
+    assert (seen.length, list(seen.generated_ids), seen.head_version) == (len(PROMPT), [], 0)
+    assert seen.pending_round.round_id == "r" and seen.chained_round.round_id == "r+1"
+    commit = pb.CommitRequest(session_id=sid, round_id="r", accepted=2)
+    assert stub.Commit(commit) == stub.Commit(commit)  # a retry
+    seen = stub.GetSession(pb.GetSessionRequest(session_id=sid))
+    assert list(seen.generated_ids) == ref[:3] and seen.pending_round.round_id == "r+1"
+    assert not seen.HasField("chained_round")
+    assert list(stub.Commit(pb.CommitRequest(session_id=sid, round_id="r+1", accepted=2)).committed_tokens) == ref[3:6]
+    # refusals: the verdict of r already contradicts the assumption; no round to build on
+    stub.Verify(pb.VerifyRequest(session_id=sid, round_id="s", base_version=2, draft_tokens=ref[6:7]))
+    wrong = pb.VerifyRequest(session_id=sid, round_id="s+1", base_version=3, draft_tokens=[1],
+                             parent_round_id="s", parent_next_token=(ref[7] + 1) % target.config.vocab_size)
+    err = refused(lambda: stub.Verify(wrong), grpc.StatusCode.FAILED_PRECONDITION, "parent_next_token")
+    assert "'s+1'" in err.details()
+    unknown = pb.VerifyRequest(session_id=sid, round_id="t", base_version=3, draft_tokens=[1],
+                               parent_round_id="nope", parent_next_token=1)
+    refused(lambda: stub.Verify(unknown), grpc.StatusCode.NOT_FOUND, "parent_round_id")
+    no_guess = pb.VerifyRequest(session_id=sid, round_id="t", base_version=3, draft_tokens=[1], parent_round_id="s")
+    refused(lambda: stub.Verify(no_guess), grpc.StatusCode.INVALID_ARGUMENT, "parent_next_token")
+    # r dropped at its commit: later calls naming the chained round are refused, naming it
+    stub.Verify(pb.VerifyRequest(session_id=sid, round_id="s+1", base_version=3, draft_tokens=ref[8:9],
+                                 parent_round_id="s", parent_next_token=ref[7]))
+    stub.Commit(pb.CommitRequest(session_id=sid, round_id="s", accepted=0))
+    err = refused(lambda: stub.Commit(pb.CommitRequest(session_id=sid, round_id="s+1", accepted=0)),
+                  grpc.StatusCode.FAILED_PRECONDITION, "round_id")
+    assert "'s+1'" in err.details()
+    assert list(stub.GetSession(pb.GetSessionRequest(session_id=sid)).generated_ids) == ref[:7]
+
+
+def test_speculative_propose_over_grpc(servers):
+    _, d_addr, _ = servers
+    stub = draft_stub(d_addr)
+    sid = stub.CreateSession(dpb.DraftServiceCreateSessionRequest(token_ids=PROMPT)).session_id
+    stub.Propose(dpb.ProposeRequest(session_id=sid, round_id="a", k=2))
+    spec = stub.Propose(dpb.ProposeRequest(session_id=sid, round_id="b", k=2, speculative=True))
+    assert spec.HasField("assumed_next_token") and len(spec.draft_tokens) == 2
+    refused(lambda: stub.Propose(dpb.ProposeRequest(session_id=sid, round_id="c", k=2, speculative=True)),
+            grpc.StatusCode.FAILED_PRECONDITION, "speculative")  # one speculation at a time
+    stub.Revert(dpb.DraftServiceRevertRequest(session_id=sid, round_id="b"))
+    again = stub.Propose(dpb.ProposeRequest(session_id=sid, round_id="b2", k=2, speculative=True))
+    assert (again.assumed_next_token, list(again.draft_tokens)) == (spec.assumed_next_token, list(spec.draft_tokens))
