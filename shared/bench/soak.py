@@ -16,18 +16,14 @@ report's RSS over the first's, and the sessions each server still holds once eve
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
-           "for i in range(10):\n    ", "# Read a file and count its lines\n", "def parse(text):\n    \"\"\"",
-           "with open(path) as f:\n", "try:\n    import json\nexcept ImportError:\n"]
+from shared.bench.loopback import PROMPTS, check_greedy, percentile, start_pair, stop_all, target_only_outputs
+
 KINDS = [("server", False), ("client", False), ("server", True), ("client", True)]  # (loop, sampled)
 
 
@@ -52,59 +48,12 @@ class Totals:
             return len(times), sorted(times)
 
 
-class Server:
-    """`deltaspec serve-...` as a child process on a free loopback port; stderr read continuously."""
-
-    def __init__(self, *argv: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "shared.cli", *argv, "--port", "0", "--metrics-port", "0"],
-                                     stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                     cwd=Path(__file__).resolve().parents[2])
-        self.address, self.metrics, self.ready = "", "", threading.Event()
-        self.log: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self.ready.wait(300):
-            raise RuntimeError(f"{argv[0]} did not start serving:\n{''.join(self.log[-20:])}")
-
-    def rss_mib(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-
-    def sessions(self) -> int:
-        """Open sessions, from the server's own `deltaspec_sessions` gauge."""
-        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as reply:
-            return int(float(next(line.split()[1] for line in reply.read().decode().splitlines()
-                                  if line.startswith("deltaspec_sessions "))))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:  # type: ignore[union-attr]
-            self.log.append(line)
-            if line.startswith("listening on"):
-                self.address = line.split()[-1]
-            elif line.startswith("metrics on"):
-                self.metrics = line.split()[-1]
-            elif line.startswith("serving"):
-                self.ready.set()
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))] if sorted_values else float("nan")
-
-
 def run(target_dir: Path, draft_dir: Path, sessions: int = 64, seconds: float = 300.0, report_s: float = 30.0,
         max_new_tokens: int = 32, num_draft_tokens: int = 4, out=None) -> dict:
     """Soak, report as it goes, and return the summary (see the module docstring)."""
     import torch
 
     from shared.decoding.sampling import SamplingParams
-    from shared.decoding.speculative import generate
     from shared.model.loader import load_model
     from shared.model.tokenizer import load_tokenizer
     from shared.rpc.client import generate_client_driven, generate_on_server
@@ -115,13 +64,10 @@ def run(target_dir: Path, draft_dir: Path, sessions: int = 64, seconds: float = 
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     target = load_model(target_dir)
     vocab = target.config.vocab_size
-    expected = [generate(target, p, max_new_tokens).token_ids for p in prompts]  # target-only greedy
+    expected = target_only_outputs(target, prompts, max_new_tokens)
     eos = set(target.config.eos_token_id)
-    limits = ("--max-sessions", str(2 * sessions + 8))
-    draft_server = Server("serve-draft", "--model", str(draft_dir), *limits)
-    target_server = Server("serve-target", "--model", str(target_dir), "--draft-addr", draft_server.address,
-                           *limits)
-    servers = {"target": target_server, "draft": draft_server}
+    servers = start_pair(target_dir, draft_dir, "--max-sessions", str(2 * sessions + 8))
+    target_server, draft_server = servers["target"], servers["draft"]
     totals, counter = Totals(), itertools.count()
     deadline = time.monotonic() + seconds
 
@@ -139,8 +85,8 @@ def run(target_dir: Path, draft_dir: Path, sessions: int = 64, seconds: float = 
                                                max_new_tokens, num_draft_tokens, sampling, timeout_s=120,
                                                on_tokens=on_tokens)
         tokens = result.token_ids
-        if not sampled and tokens != expected[prompt]:
-            raise AssertionError(f"greedy output differs from target-only decoding (prompt {prompt})")
+        if not sampled:
+            check_greedy(tokens, expected[prompt], f"prompt {prompt}")
         if sampled and not (all(0 <= t < vocab for t in tokens)
                             and (len(tokens) == max_new_tokens or tokens and tokens[-1] in eos)):
             raise AssertionError(f"sampled output malformed: {len(tokens)} tokens (prompt {prompt})")
@@ -185,8 +131,7 @@ def run(target_dir: Path, draft_dir: Path, sessions: int = 64, seconds: float = 
         report()
         left = {name: s.sessions() for name, s in servers.items()}  # every generation is over: none should be open
     finally:
-        for s in servers.values():
-            s.stop()
+        stop_all(servers)
     drift = {name: reports[-1][f"{name}_rss_mib"] / reports[0][f"{name}_rss_mib"] - 1 for name in servers}
     summary = {"sessions": sessions, "seconds": round(time.monotonic() - started), "generations": totals.generations,
                "errors": len(totals.errors), "error_samples": totals.errors[:5], "rounds": totals.rounds,

@@ -1,0 +1,94 @@
+"""`serve-target` and `serve-draft` as child processes on loopback, and the checks load runs make of them.
+
+Used by `deltaspec soak` and the load section of `deltaspec bench`. The servers are real processes
+(so their resident memory is their own), started the way an operator would; every greedy output of a
+load run is compared with in-process target-only decoding of the same prompt.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
+           "for i in range(10):\n    ", "# Read a file and count its lines\n", "def parse(text):\n    \"\"\"",
+           "with open(path) as f:\n", "try:\n    import json\nexcept ImportError:\n"]
+
+
+class Server:
+    """`deltaspec serve-...` as a child process on a free loopback port; stderr read continuously."""
+
+    def __init__(self, *argv: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "shared.cli", *argv, "--port", "0", "--metrics-port", "0"],
+                                     stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                     cwd=Path(__file__).resolve().parents[2])
+        self.address, self.metrics, self.ready = "", "", threading.Event()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(300):
+            self.stop()
+            raise RuntimeError(f"{argv[0]} did not start serving:\n{''.join(self.log[-20:])}")
+
+    def rss_mib(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+    def sessions(self) -> int:
+        """Open sessions, from the server's own `deltaspec_sessions` gauge."""
+        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as reply:
+            return int(float(next(line.split()[1] for line in reply.read().decode().splitlines()
+                                  if line.startswith("deltaspec_sessions "))))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            self.log.append(line)
+            if line.startswith("listening on"):
+                self.address = line.split()[-1]
+            elif line.startswith("metrics on"):
+                self.metrics = line.split()[-1]
+            elif line.startswith("serving"):
+                self.ready.set()
+
+
+def start_pair(target_dir: Path, draft_dir: Path, *extra: str) -> dict[str, Server]:
+    """`serve-draft` and a `serve-target` speculating with it, both given `extra` flags; `stop_all` ends them."""
+    draft = Server("serve-draft", "--model", str(draft_dir), *extra)
+    try:
+        return {"target": Server("serve-target", "--model", str(target_dir), "--draft-addr", draft.address, *extra),
+                "draft": draft}
+    except BaseException:
+        draft.stop()
+        raise
+
+
+def stop_all(servers: dict[str, Server]) -> None:
+    for server in servers.values():
+        server.stop()
+
+
+def target_only_outputs(target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """What every greedy generation of these prompts must return: in-process target-only decoding (`target`: a
+    loaded `HybridLM`)."""
+    from shared.decoding.speculative import generate
+
+    return [generate(target, p, max_new_tokens).token_ids for p in prompts]
+
+
+def check_greedy(tokens: list[int], expected: list[int], what: str) -> None:
+    if tokens != expected:
+        raise AssertionError(f"greedy output differs from target-only decoding ({what})")
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))] if sorted_values else float("nan")
