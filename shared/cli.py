@@ -157,6 +157,15 @@ def _client_security(args: argparse.Namespace, prefix: str):
                           getattr(args, prefix + "tls_server_name"), args.insecure)
 
 
+def _torch_threads(args: argparse.Namespace) -> None:
+    """Intra-op threads for the model's ops; gRPC's worker threads and the other sessions share the same cores."""
+    import torch
+
+    if args.torch_threads < 1:
+        raise ValueError(f"--torch-threads must be at least 1, got {args.torch_threads}")
+    torch.set_num_threads(args.torch_threads)
+
+
 def cmd_serve_target(args: argparse.Namespace) -> int:
     from shared.model.loader import load_model
     from shared.model.tokenizer import load_tokenizer
@@ -166,6 +175,7 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.model or DEFAULT_TARGET)
     listen = _listen(args)
+    _torch_threads(args)
     draft = DraftPeer(args.draft_addr, args.draft_timeout, _client_security(args, "draft_")) if args.draft_addr \
         else None
     if draft:
@@ -186,6 +196,7 @@ def cmd_serve_draft(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.model or DEFAULT_DRAFT)
     listen = _listen(args)
+    _torch_threads(args)
     telemetry = Telemetry.from_env(DRAFT)
     return serve([service(lambda: load_model(model_dir), _limits(args), telemetry)], listen, args.grace, telemetry,
                  args.metrics_port)
@@ -201,6 +212,10 @@ def _add_server(p: argparse.ArgumentParser, model: str) -> None:
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 picks one, printed "
                                                     "on stderr; default: no metrics endpoint)")
+    p.add_argument("--torch-threads", type=int, default=int(os.environ.get("DELTASPEC_TORCH_THREADS", "1")),
+                   help="torch intra-op threads (default: $DELTASPEC_TORCH_THREADS, else 1: concurrent sessions "
+                        "already keep the cores busy, and more threads per op only contend; see `deltaspec bench "
+                        "--only load`)")
     p.add_argument("--max-sessions-per-caller", type=int, default=0,
                    help="sessions one caller (token name, client certificate, or 'anonymous') may hold open; "
                         "0: only --max-sessions bounds it")
