@@ -111,9 +111,12 @@ def check_trace(roles, loop: str, result) -> list:
         assert r.attributes[attr.NEW_VERSION] == r.attributes[attr.BASE_VERSION] + 1
         phases = sorted((s for s in spans if s.parent is not None and s.parent.span_id == r.context.span_id),
                         key=lambda s: s.start_time)
-        assert [s.name for s in phases] == ["propose", "verify", "commit"]
-        assert phases[1].attributes[attr.STAGED_BYTES] == r.attributes[attr.STAGED_BYTES]
-        assert phases[2].attributes[attr.NEW_VERSION] == r.attributes[attr.NEW_VERSION]
+        # pipelined rounds (the default) also propose after the verdict, while the commit is in flight
+        assert [s.name for s in phases if s.name != "propose"] == ["verify", "commit"]
+        assert "propose" in {s.name for s in phases}
+        verify, commit = (s for s in phases if s.name != "propose")
+        assert verify.attributes[attr.STAGED_BYTES] == r.attributes[attr.STAGED_BYTES]
+        assert commit.attributes[attr.NEW_VERSION] == r.attributes[attr.NEW_VERSION]
     return spans
 
 
@@ -135,8 +138,8 @@ def test_client_driven_loop_is_one_trace_across_three_services(servers, roles):
     rounds = [s for s in spans if s.name == "round"]
     assert {s.resource.attributes["service.name"] for s in rounds} == {CLIENT}
     verifies = [s for s in spans if s.name == "/deltaspec.v1.TargetService/Verify"
-                and s.resource.attributes["service.name"] == TARGET]
-    assert len(verifies) == result.stats.rounds
+                and s.resource.attributes["service.name"] == TARGET and attr.ROUND_ID in s.attributes]
+    assert len(verifies) == result.stats.rounds  # refused pipelined verifies carry no round
     commits = [s for s in spans if s.name == "/deltaspec.v1.TargetService/Commit"
                and s.resource.attributes["service.name"] == TARGET]
     assert sum(s.attributes[attr.ACCEPTED_TOKENS] for s in commits) == result.stats.accepted

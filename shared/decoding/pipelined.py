@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from opentelemetry.trace import Tracer
+from opentelemetry.trace import Span, Tracer, use_span
 
 from shared.decoding.drafters import Drafter, Proposal
 from shared.decoding.speculative import NO_TRACER, Session, Stats, _ids
@@ -56,8 +56,14 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
         return
     names = (f"p{n}" for n in range(1 << 62))
     with ThreadPoolExecutor(max_workers=3, thread_name_prefix="pipeline") as pool:
-        def submit(fn, *args) -> Future:
-            return pool.submit(contextvars.copy_context().run, fn, *args)
+        def submit(fn, *args, span: Span | None = None) -> Future:
+            """Run `fn` in the pool, in this context (under `span` when given: its RPC spans become its children)."""
+            def call():
+                if span is None:
+                    return fn(*args)
+                with use_span(span, end_on_exit=False):
+                    return fn(*args)
+            return pool.submit(contextvars.copy_context().run, call)
 
         def plan(proposal: Proposal) -> _Planned:
             name, base = next(names), session.version
@@ -78,7 +84,7 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                 ids = _ids(session, cur.round_id) if traced else {}
                 room = max_new_tokens - len(out)
                 t0 = time.perf_counter()
-                if ahead is None:
+                if ahead is None:  # speculate the next round while this one is verified
                     with tracer.start_as_current_span("propose"):
                         ahead = _speculate(drafter, cur, room, num_draft_tokens, chain)
                 t1 = time.perf_counter()
@@ -95,7 +101,8 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                 next_token = rnd.verdict.next_token if keep == rnd.verdict.accepted else drafts[keep]
                 kept = ahead is not None and keep == len(drafts) and next_token == ahead.guess
                 drafter.advance(keep, next_token)  # keeps the draft's speculation or drops it
-                committing = submit(session.commit, cur.round_id, keep)
+                commit_span = tracer.start_span("commit")  # open until the commit returns, around the next propose
+                committing = submit(session.commit, cur.round_id, keep, span=commit_span)
                 room_after = room - keep - 1
                 t3 = time.perf_counter()
                 with tracer.start_as_current_span("propose"):
@@ -104,11 +111,11 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                     elif room_after > 0 and next_token not in eos:
                         proposal = drafter.propose(min(num_draft_tokens, room_after - 1))
                 t4 = time.perf_counter()
-                with tracer.start_as_current_span("commit") as phase:
+                with use_span(commit_span, end_on_exit=True):
                     version = committing.result()
                     if traced:
-                        phase.set_attributes({**ids, attr.BASE_VERSION: cur.base, attr.NEW_VERSION: version,
-                                              attr.ACCEPTED_TOKENS: keep})
+                        commit_span.set_attributes({**ids, attr.BASE_VERSION: cur.base, attr.NEW_VERSION: version,
+                                                    attr.ACCEPTED_TOKENS: keep})
                 t5 = time.perf_counter()
                 phases = (propose_s + (t1 - t0) + (t4 - t3), t2 - t1, (t3 - t2) + (t5 - t4))
                 stats.add_round(len(drafts), keep, rnd.staged_bytes, phases)

@@ -102,12 +102,6 @@ class TargetSession:
                     raise FailedPrecondition(f"round {round_id!r} was dropped: round {known.parent!r} it was staged "
                                              "on ended otherwise; verify under a new round id", "round_id")
                 return known
-            if len(drafts) > MAX_DRAFT_TOKENS:
-                raise InvalidArgument(f"{len(drafts)} draft tokens, the limit is {MAX_DRAFT_TOKENS}", "draft_tokens")
-            check_tokens(drafts, self.model.config.vocab_size, "draft_tokens")
-            if draft_probs is not None and tuple(draft_probs.shape) != (len(drafts), self.model.config.vocab_size):
-                raise InvalidArgument(f"draft probabilities have shape {tuple(draft_probs.shape)}, expected "
-                                      f"({len(drafts)}, {self.model.config.vocab_size})", "draft_probs")
             if parent is not None:
                 if guess is None:
                     raise InvalidArgument(f"round {round_id!r} names parent round {parent!r} but no token assumed "
@@ -121,12 +115,21 @@ class TargetSession:
             if base_version is not None and base_version != self.version:
                 raise FailedPrecondition(f"base version {base_version} is stale: the head is at {self.version}",
                                          "base_version")
+            self._check_input(drafts, draft_probs)
             logits, hidden = self.model(torch.tensor([self.tokens[-1], *drafts]), self.state)
             verdict = self._verdict(logits, drafts_t, draft_probs, len(self.tokens))
             self.earlier = tuple(r for r in (self.round, *self.earlier[1:]) if r)
             self.round = Round(round_id, self.version, drafts_t, verdict, self.state.staged_bytes(), hidden, parent,
                                guess)
             return self.round
+
+    def _check_input(self, drafts: list[int] | tuple[int, ...], draft_probs: Tensor | None) -> None:
+        if len(drafts) > MAX_DRAFT_TOKENS:
+            raise InvalidArgument(f"{len(drafts)} draft tokens, the limit is {MAX_DRAFT_TOKENS}", "draft_tokens")
+        check_tokens(drafts, self.model.config.vocab_size, "draft_tokens")
+        if draft_probs is not None and tuple(draft_probs.shape) != (len(drafts), self.model.config.vocab_size):
+            raise InvalidArgument(f"draft probabilities have shape {tuple(draft_probs.shape)}, expected "
+                                  f"({len(drafts)}, {self.model.config.vocab_size})", "draft_probs")
 
     def _verdict(self, logits: Tensor, drafts: tuple[int, ...], draft_probs: Tensor | None, position: int) -> Verdict:
         probs = probabilities(logits, self.sampling)
@@ -164,6 +167,7 @@ class TargetSession:
         if base_version is not None and base_version != rnd.base_version + 1:
             raise FailedPrecondition(f"base version {base_version} is not the one after round {parent!r} "
                                      f"({rnd.base_version + 1})", "base_version")
+        self._check_input(drafts, draft_probs)
         if self.state.staged + len(drafts) + 1 > LOG_CAPACITY:
             raise FailedPrecondition(f"rounds {parent!r} and {round_id!r} together stage more than {LOG_CAPACITY} "
                                      "tokens", "draft_tokens")

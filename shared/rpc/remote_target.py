@@ -116,13 +116,15 @@ class RemoteTargetSession:
 
     def _open(self) -> None:
         """A new session on the committed history (the prompt text only the first time), then the round in flight."""
-        self.stub, self.pinned = self.entry_stub, None
-        self._created = self.stub.CreateSession(pb.CreateSessionRequest(
+        self.pinned = None
+        created = self.entry_stub.CreateSession(pb.CreateSessionRequest(
             prompt_ids=self.tokens, prompt_text="" if self.tokens else self.prompt_text,
             sampling=sampling_to_proto(self.sampling)), **self._opts())
-        self.session_id, self.version = self._created.session_id, self._created.head_version
-        if self._created.target_address and self.dial is not None:
-            self.stub, self.pinned = self.dial(self._created.target_address), self._created.target_address
+        pinned = created.target_address if created.target_address and self.dial is not None else None
+        # the stub before the session id: a pipelined verify on another thread must not reach the session
+        # through the load-balanced address
+        self.stub, self.pinned = (self.dial(pinned), pinned) if pinned else (self.entry_stub, None)
+        self._created, self.session_id, self.version = created, created.session_id, created.head_version
         self.tokens = self.tokens or list(self._created.prompt_ids)
         self.reopened += 1
         if self._in_flight is not None:
