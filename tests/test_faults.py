@@ -36,7 +36,7 @@ from shared.decoding.speculative import generate
 from shared.model.loader import load_model
 from shared.rpc.client import generate_client_driven, generate_on_server
 from shared.rpc.options import CHANNEL_OPTIONS
-from test_proxy_support import TcpProxy
+from shared.rpc.proxy import TcpProxy
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, start, target_service  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]

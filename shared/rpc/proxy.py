@@ -1,9 +1,10 @@
-"""A TCP proxy on loopback for the tests (no tests here): round robin over endpoints, faults on demand.
+"""A TCP proxy on loopback for the tests and the bench: round robin over endpoints, faults on demand.
 
 It stands in for a ClusterIP Service (each new connection goes to the next endpoint; an endpoint
-is removed when its pod goes) and for a bad network between two processes: it can add delay to
-every chunk it passes on, swallow everything (a black hole: connections look alive, nothing
-arrives), close every connection (drop) or abort them with a TCP reset.
+is removed when its pod goes) and for a bad network between two processes: it can delay every
+chunk it passes on (a propagation delay: each chunk leaves `delay_s` after it arrived, in order,
+so chunks in flight overlap as on a real link), swallow everything (a black hole: connections look
+alive, nothing arrives), close every connection (drop) or abort them with a TCP reset.
 """
 from __future__ import annotations
 
@@ -87,17 +88,28 @@ class TcpProxy:
         await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Read chunks as they come; a second task passes each one on `delay_s` after it arrived."""
+        chunks: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+        sender = asyncio.ensure_future(self._send(chunks, writer))
         try:
             while data := await reader.read(65536):
-                if self.delay_s:
-                    await asyncio.sleep(self.delay_s)
-                if not self.blackhole:
-                    writer.write(data)
-                    await writer.drain()
+                chunks.put_nowait((self.loop.time() + self.delay_s, data))
+            chunks.put_nowait(None)
+            await sender
         except (ConnectionError, OSError):
             pass
         finally:
+            sender.cancel()
             writer.close()
+
+    async def _send(self, chunks: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
+        while (chunk := await chunks.get()) is not None:
+            due, data = chunk
+            if due > self.loop.time():
+                await asyncio.sleep(due - self.loop.time())
+            if not self.blackhole:
+                writer.write(data)
+                await writer.drain()
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
