@@ -104,7 +104,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
                   security=security, telemetry=(telemetry := Telemetry.from_env(CLIENT)))
     try:
         if args.draft_addr:
-            result, text = generate_client_driven(args.target_addr, args.draft_addr, **prompt)
+            result, text = generate_client_driven(args.target_addr, args.draft_addr, **prompt,
+                                                  pipeline=not args.no_pipeline)
         else:
             result, text = generate_on_server(args.target_addr, **prompt)
     except grpc.RpcError as e:
@@ -183,8 +184,10 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     telemetry = Telemetry.from_env(TARGET)
     if draft and args.draft != "none":
         raise ValueError("serve-target takes --draft-addr or --draft, not both")
+    if args.pipeline_depth not in (0, 1):
+        raise ValueError(f"--pipeline-depth is 0 or 1, not {args.pipeline_depth}")
     svc = service(lambda: (load_model(model_dir), load_tokenizer(model_dir)), _limits(args), draft,
-                  args.advertise_address, telemetry, args.draft)
+                  args.advertise_address, telemetry, args.draft, args.pipeline_depth)
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
 
 
@@ -300,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-addr", help="HOST:PORT of a target service: generate there instead of in process")
     p.add_argument("--draft-addr", help="HOST:PORT of a draft service: drive the loop from here (with --target-addr)")
     p.add_argument("--timeout", type=float, help="deadline in seconds for the whole generation over gRPC")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="with --draft-addr: serial rounds (default: the draft proposes round r+1 while the target "
+                        "verifies round r)")
     _add_client_security(p, "", "services").add_argument(
         "--insecure", action="store_true", default=_env_flag("DELTASPEC_INSECURE"),
         help="allow plaintext to a non-loopback address (default: $DELTASPEC_INSECURE=1)")
@@ -310,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-addr", help="HOST:PORT of the draft service the Generate loop speculates with")
     p.add_argument("--draft", choices=["none", "ngram", "mtp"], default="none",
                    help="draft inside this process instead: n-gram lookup, or the checkpoint's own MTP head")
+    p.add_argument("--pipeline-depth", type=int, default=1,
+                   help="pipelined rounds a session may stage on top of its pending round (0 or 1; 0: serial "
+                        "rounds only, for Generate and for clients)")
     p.add_argument("--draft-timeout", type=float, default=1.0,
                    help="seconds one draft proposal may take before the round goes on without it")
     p.add_argument("--advertise-address", default=os.environ.get("DELTASPEC_ADVERTISE_ADDRESS", ""),
