@@ -350,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=_lengths, help="new tokens of the long generations (default 96,384,1024; quick 96,384)")
     p.add_argument("--prompts", type=int, help="held-out prompts per length (default 5; quick 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a shared 2-core machine)")
+    p.add_argument("--only", type=lambda text: tuple(x.strip() for x in text.split(",") if x.strip()),
+                   help="comma-separated sections to run: steps, acceptance, generations, grpc, tracing, rollback, "
+                        "memory, load, gpu (default: all; docs/bench.txt and bench.png are written by full runs only)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("study", help="no-GDN-rollback study: divergence and state error, plots under docs/ "

@@ -3,9 +3,10 @@
 Sections: the cost of one step (ATen calls and time, layer path vs fused path); acceptance and
 speed-up by drafter and k; long generations (96 to 1024 tokens: speculative, our target-only and
 HF transformers' generate(), alternated, with each round's phases); the gRPC path over in-process;
-tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over decode 1); and,
-only where CUDA is present, the same on the GPU. Plots go to docs/; a full run's tables also go to
-docs/bench.txt.
+tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over decode 1); load
+(1 to 32 concurrent sessions over loopback gRPC, `shared.bench.load`); and, only where CUDA is
+present, the same on the GPU. `--only` runs some sections. Plots go to docs/; a full run's tables
+also go to docs/bench.txt (all sections) and docs/load.txt (the load section, whenever it runs).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shared.bench import generation, steps as step_costs
+from shared.bench import generation, load, steps as step_costs
 from shared.bench.rollback import compare
 from shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
 from shared.decoding.drafters import make_drafter
@@ -30,6 +31,7 @@ from shared.telemetry.overhead import tracing_overhead
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
+SECTIONS = ("steps", "acceptance", "generations", "grpc", "tracing", "rollback", "memory", "load", "gpu")
 
 
 def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
@@ -58,59 +60,81 @@ def run(args: argparse.Namespace) -> dict:
     new_tokens = 48 if quick else 96
     lengths = args.lengths or ((96, 384) if quick else (96, 384, 1024))
     long_prompts = heldout_prompts(args.prompts or (2 if quick else 5))
-    steps = ["steps", "acceptance", "generations", "grpc", "tracing", "rollback", "memory"]
-    steps += ["gpu"] if torch.cuda.is_available() else []
+    everything = [s for s in SECTIONS if s != "load"]  # load joins the full run once its first figures are in
+    steps = [s for s in SECTIONS if s in (args.only or everything) and (s != "gpu" or torch.cuda.is_available())]
     result: dict = {}
     repeats = 1 if quick else 2
-    with tqdm(total=len(steps) - 1 + len(lengths) * len(long_prompts) * repeats, desc="bench") as bar:
-        result["steps"] = step_costs.step_costs({"embedded target": target, "embedded draft": draft},
-                                                blocks=3 if quick else 7)
-        bar.update()
-        result["acceptance"] = acceptance_and_speedup(target, drafters, ks, prompts, new_tokens)
-        bar.update()
-        best_k = max((r for r in result["acceptance"] if r["drafter"] == "draft model"), key=lambda r: r["speedup"])["k"]
-        result["generations"] = generation.long_generations(target, DEFAULT_TARGET, drafters["draft model"], best_k,
-                                                            long_prompts, lengths, repeats, bar.update)
-        from shared.rpc.overhead import measure
+    generations = len(lengths) * len(long_prompts) * repeats if "generations" in steps else 1
+    with tqdm(total=len(steps) - 1 + generations, desc="bench") as bar:
+        if "steps" in steps:
+            result["steps"] = step_costs.step_costs({"embedded target": target, "embedded draft": draft},
+                                                    blocks=3 if quick else 7)
+            bar.update()
+        if "acceptance" in steps:
+            result["acceptance"] = acceptance_and_speedup(target, drafters, ks, prompts, new_tokens)
+            bar.update()
+        if "generations" in steps:
+            best_k = max((r for r in result.get("acceptance", []) if r["drafter"] == "draft model"),
+                         key=lambda r: r["speedup"], default={"k": 4})["k"]
+            result["generations"] = generation.long_generations(target, DEFAULT_TARGET, drafters["draft model"],
+                                                                best_k, long_prompts, lengths, repeats, bar.update)
+        if "grpc" in steps:
+            from shared.rpc.overhead import measure
 
-        result["grpc"] = measure(max_new_tokens=new_tokens, repeats=2 if quick else 3)
-        bar.update()
-        result["tracing"] = tracing_overhead(target, ModelDrafter(draft), prompts[0], new_tokens,
-                                             repeats=3 if quick else 7)
-        bar.update()
-        result["rollback"] = rollback_rows(10 if quick else args.rounds, (4,) if quick else (2, 4, 8))
-        bar.update()
-        result["memory_bound"] = memory_bound_ratio(repeats=3 if quick else 7)
-        bar.update()
-        if torch.cuda.is_available():
+            result["grpc"] = measure(max_new_tokens=new_tokens, repeats=2 if quick else 3)
+            bar.update()
+        if "tracing" in steps:
+            result["tracing"] = tracing_overhead(target, ModelDrafter(draft), prompts[0], new_tokens,
+                                                 repeats=3 if quick else 7)
+            bar.update()
+        if "rollback" in steps:
+            result["rollback"] = rollback_rows(10 if quick else args.rounds, (4,) if quick else (2, 4, 8))
+            bar.update()
+        if "memory" in steps:
+            result["memory_bound"] = memory_bound_ratio(repeats=3 if quick else 7)
+            bar.update()
+        if "load" in steps:
+            result["load"] = load.load(DEFAULT_TARGET, DEFAULT_DRAFT, quick)
+            bar.update()
+        if "gpu" in steps:
             result["gpu"] = {"memory_bound": memory_bound_ratio(device="cuda")}
             bar.update()
     return result
 
 
 def print_tables(result: dict) -> None:
-    step_costs.print_rows(result["steps"])
-    print("\nAcceptance and speed-up (held-out text, greedy, warmed; speed-up = tokens/s over target-only)")
-    print(f"{'drafter':<14} {'k':>2} {'accept':>7} {'mean len':>9} {'speed-up':>9} identical")
-    for r in result["acceptance"]:
-        print(f"{r['drafter']:<14} {r['k']:>2} {r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>9.2f} "
-              f"{r['speedup']:>9.2f} {r['identical']}")
-    generation.print_rows(result["generations"])
-    g = result["grpc"]["ratio_to_in_process"]
-    print(f"\ngRPC loopback over in-process tokens/s: server loop {g['server_loop']:.2f}, "
-          f"client-driven {g['client_driven']:.2f}")
-    t = result["tracing"]
-    print(f"Tracing off vs compiled out: {t['off_tokens_per_s']:.1f} vs {t['compiled_out_tokens_per_s']:.1f} tok/s "
-          f"(cost {100 * t['off_cost']:.1f} %, from the loop's added time per round "
-          f"{100 * t['off_cost_from_added_time']:.2f} %)")
-    print("\nRollback strategies (medians; rollback share = commit/revert/copies/replay over round time)")
-    print(f"{'model':<18} {'k':>2} {'strategy':<18} {'round ms':>9} {'x ours':>7} {'rollback %':>10} {'staged KiB':>10}")
-    for r in result["rollback"]:
-        print(f"{r['model']:<18} {r['k']:>2} {r['strategy']:<18} {r['round_ms']:>9.2f} {r['round_vs_ours']:>7.2f} "
-              f"{100 * r['rollback_share']:>10.2f} {r['staged_kib_per_round']:>10.1f}")
-    m = result["memory_bound"]
-    print(f"\nMemory-bound regime ({m['params_m']:.0f}M-parameter random target): verify {m['k'] + 1} tokens "
-          f"{m['verify_k1_ms']:.1f} ms / decode 1 {m['decode_1_ms']:.1f} ms = {m['ratio']:.2f}")
+    if "steps" in result:
+        step_costs.print_rows(result["steps"])
+    if "acceptance" in result:
+        print("\nAcceptance and speed-up (held-out text, greedy, warmed; speed-up = tokens/s over target-only)")
+        print(f"{'drafter':<14} {'k':>2} {'accept':>7} {'mean len':>9} {'speed-up':>9} identical")
+        for r in result["acceptance"]:
+            print(f"{r['drafter']:<14} {r['k']:>2} {r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>9.2f} "
+                  f"{r['speedup']:>9.2f} {r['identical']}")
+    if "generations" in result:
+        generation.print_rows(result["generations"])
+    if "grpc" in result:
+        g = result["grpc"]["ratio_to_in_process"]
+        print(f"\ngRPC loopback over in-process tokens/s: server loop {g['server_loop']:.2f}, "
+              f"client-driven {g['client_driven']:.2f}")
+    if "tracing" in result:
+        t = result["tracing"]
+        print(f"Tracing off vs compiled out: {t['off_tokens_per_s']:.1f} vs {t['compiled_out_tokens_per_s']:.1f} "
+              f"tok/s (cost {100 * t['off_cost']:.1f} %, from the loop's added time per round "
+              f"{100 * t['off_cost_from_added_time']:.2f} %)")
+    if "rollback" in result:
+        print("\nRollback strategies (medians; rollback share = commit/revert/copies/replay over round time)")
+        print(f"{'model':<18} {'k':>2} {'strategy':<18} {'round ms':>9} {'x ours':>7} {'rollback %':>10} "
+              f"{'staged KiB':>10}")
+        for r in result["rollback"]:
+            print(f"{r['model']:<18} {r['k']:>2} {r['strategy']:<18} {r['round_ms']:>9.2f} "
+                  f"{r['round_vs_ours']:>7.2f} {100 * r['rollback_share']:>10.2f} {r['staged_kib_per_round']:>10.1f}")
+    if "memory_bound" in result:
+        m = result["memory_bound"]
+        print(f"\nMemory-bound regime ({m['params_m']:.0f}M-parameter random target): verify {m['k'] + 1} tokens "
+              f"{m['verify_k1_ms']:.1f} ms / decode 1 {m['decode_1_ms']:.1f} ms = {m['ratio']:.2f}")
+    if "load" in result:
+        load.print_rows(result["load"])
     if "gpu" in result:
         print(f"GPU: verify/decode ratio {result['gpu']['memory_bound']['ratio']:.2f}")
 
@@ -157,14 +181,19 @@ def plot(result: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    unknown = set(args.only or ()) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"--only: unknown section(s) {', '.join(sorted(unknown))} (sections: {', '.join(SECTIONS)})")
     torch.set_num_threads(args.threads)
     result = run(args)
     tables = io.StringIO()
     with contextlib.redirect_stdout(tables):
         print_tables(result)
     print(json.dumps(result) if args.json else tables.getvalue().rstrip("\n"))
-    if not args.quick:  # the figures in docs/ come from full runs only
+    if not args.quick and not args.only:  # the figures in docs/ come from full runs only
         DOCS.mkdir(exist_ok=True)
         (DOCS / "bench.txt").write_text(tables.getvalue())
         plot(result)
+    if not args.quick and "load" in result:
+        load.save(result["load"], DOCS)
     return 0

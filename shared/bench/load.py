@@ -128,12 +128,9 @@ def run_rows(servers: dict[str, Server], prompts: list[list[int]], expected: lis
 
 def load(target_dir: Path, draft_dir: Path, quick: bool = False, progress=lambda row: None) -> dict:
     """The load table (levels x loops x k, default torch threads) and the thread-policy rows."""
-    import torch
-
     from shared.model.loader import load_model
     from shared.model.tokenizer import load_tokenizer
 
-    torch.set_num_threads(1)
     max_new_tokens = 24 if quick else 96
     tokenizer = load_tokenizer(target_dir)
     prompts = [tokenizer.encode(p) for p in PROMPTS[:4 if quick else len(PROMPTS)]]
@@ -156,8 +153,8 @@ def goals(rows: list[dict]) -> dict:
     """Per loop and k, the issue's goals at 8 sessions (else the highest level run) against one session:
     aggregate >= 4x, p99 time per output token <= 3x; and each server's RSS, last row over first."""
     out = {}
-    for loop in {r["loop"] for r in rows}:
-        for k in {r["k"] for r in rows}:
+    for loop in dict.fromkeys(r["loop"] for r in rows):
+        for k in dict.fromkeys(r["k"] for r in rows):
             by_n = {r["concurrency"]: r for r in rows if r["loop"] == loop and r["k"] == k}
             n = 8 if 8 in by_n else max(by_n)
             one, many = by_n[min(by_n)], by_n[n]
@@ -230,3 +227,16 @@ def plot(result: dict, path: Path) -> None:
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def save(result: dict, docs: Path) -> None:
+    """docs/load.txt (the tables) and docs/load.png, from a full run."""
+    import contextlib
+    import io
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_rows(result)
+    docs.mkdir(exist_ok=True)
+    (docs / "load.txt").write_text(text.getvalue().lstrip("\n"))
+    plot(result, docs / "load.png")
