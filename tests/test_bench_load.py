@@ -42,9 +42,13 @@ def test_load_rows_exact_and_complete(pair, capsys):
         assert r["tokens"] == 2 * (len(expected[0]) + len(expected[1]))  # each thread ran prompts 0 and 1
         assert all(math.isfinite(r[f]) and r[f] > 0 for f in FIELDS[6:12])
         assert 0 <= r["acceptance"] <= 1 and 0 <= r["drafted_rounds"] <= 1
+        assert 0 < r["cpu_busy"] <= 1.05 and r["target_cpu_ms_per_token"] > 0  # clock ticks round up a little
         if r["k"] == 0:
             assert r["drafted_rounds"] == 0
     summary = goals(rows)
     assert set(summary) == {f"{loop} k={k}" for loop in LOOPS for k in KS} | {"rss_drift"}
     print_rows({"max_new_tokens": NEW_TOKENS, "rows": rows, "threads": rows[:2], "goals": summary})
-    assert "aggregate" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "aggregate" in table
+    with capsys.disabled():
+        print(table)

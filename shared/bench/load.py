@@ -12,7 +12,9 @@ delivery of m tokens that arrives g seconds after the previous one counts m toke
 first delivery, which carries the prefill and any queueing, is the time to first token instead),
 p50 and p99 over the row's tokens; acceptance and the share of rounds that carried drafts (a Propose
 slower than the target's `--draft-timeout` leaves its round target-only); each server's RSS before and
-after. The servers' RSS from the first row to the last says whether memory stays flat.
+after; where the CPU went: the share of all cores the three processes (target, draft, this client)
+kept busy, and the target's CPU milliseconds per output token (flat in N means every session pays the
+whole forward alone: nothing is shared, which is what batching would change). The servers' RSS from the first row to the last says whether memory stays flat.
 
 The thread policy: the server-side loop at concurrency 1 and 8, speculative and target-only, with the
 servers' torch intra-op threads at 1 and at 2 (`--torch-threads`), each setting on a fresh pair.
@@ -20,6 +22,8 @@ servers' torch intra-op threads at 1 and at 2 (`--torch-threads`), each setting 
 from __future__ import annotations
 
 import math
+import os
+import resource
 import threading
 import time
 from pathlib import Path
@@ -32,7 +36,8 @@ MIN_GENERATIONS = 4
 THREAD_LEVELS, THREAD_SETTINGS = (1, 8), (1, 2)
 FIELDS = ("loop", "k", "concurrency", "torch_threads", "generations", "tokens", "seconds", "tokens_per_s",
           "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "acceptance", "drafted_rounds",
-          "target_rss_before_mib", "target_rss_after_mib", "draft_rss_before_mib", "draft_rss_after_mib")
+          "target_rss_before_mib", "target_rss_after_mib", "draft_rss_before_mib", "draft_rss_after_mib",
+          "cpu_busy", "target_cpu_ms_per_token")
 
 
 def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list[list[int]], loop: str, k: int,
@@ -82,6 +87,7 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list
                                                      accepted + s.accepted)
 
     rss_before = {name: s.rss_mib() for name, s in servers.items()}
+    cpu_before = _cpu_s(servers)
     threads = [threading.Thread(target=session, args=(i,), daemon=True) for i in range(concurrency)]
     for t in threads:
         t.start()
@@ -90,6 +96,8 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list
     for t in threads:
         t.join()
     seconds = time.perf_counter() - began
+    cpu_after = _cpu_s(servers)
+    cpu = {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
     if errors:
         raise errors[0]
     tpot.sort()
@@ -101,7 +109,15 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list
             "ttft_p99_ms": 1e3 * percentile(ttft, 0.99), "acceptance": accepted / drafted if drafted else 0.0,
             "drafted_rounds": drafts / rounds if rounds else 0.0,
             **{f"{name}_rss_before_mib": v for name, v in rss_before.items()},
-            **{f"{name}_rss_after_mib": s.rss_mib() for name, s in servers.items()}}
+            **{f"{name}_rss_after_mib": s.rss_mib() for name, s in servers.items()},
+            "cpu_busy": sum(cpu.values()) / (seconds * (os.cpu_count() or 1)),
+            "target_cpu_ms_per_token": 1e3 * cpu["target"] / tokens}
+
+
+def _cpu_s(servers: dict[str, Server]) -> dict[str, float]:
+    """CPU seconds so far of each server and of this process (the client side: both loops' client threads)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return {**{name: s.cpu_s() for name, s in servers.items()}, "client": own.ru_utime + own.ru_stime}
 
 
 def start_servers(target_dir: Path, draft_dir: Path, max_concurrency: int, torch_threads: int) -> dict[str, Server]:
@@ -170,7 +186,8 @@ def print_rows(result: dict) -> None:
     print(f"\nLoad over loopback gRPC (serve-target + serve-draft processes, greedy, {result['max_new_tokens']} "
           "tokens a generation, every output equal to target-only; TPOT = time per output token)")
     header = (f"{'loop':<6} {'k':>1} {'N':>3} {'thr':>3} {'gens':>4} {'agg tok/s':>9} {'TPOT p50':>8} {'p99 ms':>7} "
-              f"{'TTFT p50':>8} {'p99 ms':>7} {'accept':>6} {'drafted':>7} {'RSS target':>14} {'RSS draft':>14}")
+              f"{'TTFT p50':>8} {'p99 ms':>7} {'accept':>6} {'drafted':>7} {'RSS target':>14} {'RSS draft':>14} "
+              f"{'CPU busy':>8} {'target CPU ms/tok':>17}")
     for title, rows in (("", result["rows"]), ("\nThread policy: servers' torch intra-op threads (--torch-threads)",
                                                 result["threads"])):
         print(title + ("\n" if title else "") + header)
@@ -179,7 +196,8 @@ def print_rows(result: dict) -> None:
                   f"{r['tokens_per_s']:>9.1f} {r['tpot_p50_ms']:>8.1f} {r['tpot_p99_ms']:>7.1f} "
                   f"{r['ttft_p50_ms']:>8.0f} {r['ttft_p99_ms']:>7.0f} {r['acceptance']:>6.2f} "
                   f"{r['drafted_rounds']:>7.2f} {r['target_rss_before_mib']:>6.0f}->{r['target_rss_after_mib']:<6.0f} "
-                  f"{r['draft_rss_before_mib']:>6.0f}->{r['draft_rss_after_mib']:<6.0f}")
+                  f"{r['draft_rss_before_mib']:>6.0f}->{r['draft_rss_after_mib']:<6.0f} "
+                  f"{100 * r['cpu_busy']:>7.0f}% {r['target_cpu_ms_per_token']:>17.1f}")
     g = result["goals"]
     for name, v in g.items():
         if name != "rss_drift":
@@ -210,6 +228,8 @@ def plot(result: dict, path: Path) -> None:
     levels = sorted({r["concurrency"] for r in rows})
     for name in ("target", "draft"):
         right.plot(range(len(rows)), [r[f"{name}_rss_after_mib"] for r in rows], marker=".", label=f"serve-{name}")
+    firsts = {r["concurrency"]: i for i, r in reversed(list(enumerate(rows)))}  # each level's first row
+    right.set_xticks(list(firsts.values()), [f"N={n}" for n in firsts])
     for ax in (left, middle):
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [str(n) for n in levels])
@@ -221,7 +241,7 @@ def plot(result: dict, path: Path) -> None:
     middle.set_ylabel("ms per output token")
     middle.set_title("Time per output token, p50 and p99")
     middle.legend(fontsize=6, ncol=2)
-    right.set_xlabel("row of the run (in order)")
+    right.set_xlabel("rows of the run, in order (loops and k within each N)")
     right.set_ylabel("RSS after the row, MiB")
     right.set_title("Server memory over the run")
     right.legend()

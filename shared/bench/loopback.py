@@ -36,6 +36,12 @@ class Server:
         with open(f"/proc/{self.proc.pid}/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system, all threads) the server has used so far."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def sessions(self) -> int:
         """Open sessions, from the server's own `deltaspec_sessions` gauge."""
         with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as reply:
