@@ -12,9 +12,10 @@ delivery of m tokens that arrives g seconds after the previous one counts m toke
 first delivery, which carries the prefill and any queueing, is the time to first token instead),
 p50 and p99 over the row's tokens; acceptance and the share of rounds that carried drafts (a Propose
 slower than the target's `--draft-timeout` leaves its round target-only); each server's RSS before and
-after; where the CPU went: the share of all cores the three processes (target, draft, this client)
-kept busy, and the target's CPU milliseconds per output token (flat in N means every session pays the
-whole forward alone: nothing is shared, which is what batching would change). The servers' RSS from the first row to the last says whether memory stays flat.
+after; where the CPU went: the share of the cores this process may use that the three processes
+(target, draft, this client) kept busy, and the target's CPU milliseconds per output token (flat in N
+means every session pays its whole forward alone: nothing is shared, which is what batching would
+change). The servers' RSS from the first row to the last says whether memory stays flat.
 
 The thread policy: the server-side loop at concurrency 1 and 8, speculative and target-only, with the
 servers' torch intra-op threads at 1 and at 2 (`--torch-threads`), each setting on a fresh pair.
@@ -110,7 +111,7 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list
             "drafted_rounds": drafts / rounds if rounds else 0.0,
             **{f"{name}_rss_before_mib": v for name, v in rss_before.items()},
             **{f"{name}_rss_after_mib": s.rss_mib() for name, s in servers.items()},
-            "cpu_busy": sum(cpu.values()) / (seconds * (os.cpu_count() or 1)),
+            "cpu_busy": sum(cpu.values()) / (seconds * len(os.sched_getaffinity(0))),
             "target_cpu_ms_per_token": 1e3 * cpu["target"] / tokens}
 
 
