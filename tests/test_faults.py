@@ -159,8 +159,12 @@ def test_target_killed_mid_round_and_restarted_20_times(pair, reference):
         zygote.close()
 
 
-def test_draft_killed_and_stalled_costs_speculation_not_tokens(pair):
-    """Client-driven, the draft a process: SIGKILL then a restart; SIGSTOP past the deadline then SIGCONT."""
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_draft_killed_and_stalled_costs_speculation_not_tokens(pair, pipeline):
+    """Client-driven, the draft a process: SIGKILL then a restart; SIGSTOP past the deadline then SIGCONT.
+
+    Pipelined, the two rounds after an event may already hold their proposals: only the serial loop's
+    rounds are checked one by one."""
     n = 128
     expected = generate(load_model(pair[0]), PROMPT, n).token_ids
     port = free_port()
@@ -184,10 +188,14 @@ def test_draft_killed_and_stalled_costs_speculation_not_tokens(pair):
                     os.kill(pid, signal.SIGSTOP if event == "stop" else signal.SIGCONT)
 
             result, _ = generate_client_driven(target.address, f"127.0.0.1:{port}", PROMPT, "", n,
-                                               num_draft_tokens=4, draft_timeout_s=0.2, on_tokens=on_tokens)
+                                               num_draft_tokens=4, draft_timeout_s=0.2, on_tokens=on_tokens,
+                                               pipeline=pipeline)
     finally:
         zygote.close()
     assert result.token_ids == expected
+    if pipeline:
+        assert max(chunks[:3]) > 1 and chunks[5] == 1 and max(chunks[19:]) > 1
+        return
     assert max(chunks[:3]) > 1 and chunks[3:6] == [1, 1, 1]  # speculating, then the draft is dead
     assert max(chunks[6:16]) > 1 and max(chunks[19:]) > 1  # speculation resumed after each recovery
     assert 1 in chunks[16:19]  # the stalled draft missed its deadline
