@@ -3,7 +3,8 @@
 Sections: the cost of one step (ATen calls and time, layer path vs fused path); acceptance and
 speed-up by drafter and k; long generations (96 to 1024 tokens: speculative, our target-only and
 HF transformers' generate(), alternated, with each round's phases); the gRPC path over in-process;
-tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over decode 1); load
+tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over decode 1);
+pipelined vs serial rounds over gRPC with 0, 1 and 5 ms of network delay (`shared.bench.pipeline`); load
 (1 to 32 concurrent sessions over loopback gRPC, `shared.bench.load`); and, only where CUDA is
 present, the same on the GPU. `--only` runs some sections. Plots go to docs/; a full run's tables
 also go to docs/bench.txt (all sections) and docs/load.txt (the load section, whenever it runs).
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shared.bench import generation, load, steps as step_costs
+from shared.bench import generation, load, pipeline, steps as step_costs
 from shared.bench.rollback import compare
 from shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
 from shared.decoding.drafters import make_drafter
@@ -31,7 +32,7 @@ from shared.telemetry.overhead import tracing_overhead
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
-SECTIONS = ("steps", "acceptance", "generations", "grpc", "tracing", "rollback", "memory", "load", "gpu")
+SECTIONS = ("steps", "acceptance", "generations", "grpc", "tracing", "rollback", "memory", "pipeline", "load", "gpu")
 
 
 def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
@@ -93,6 +94,10 @@ def run(args: argparse.Namespace) -> dict:
         if "memory" in steps:
             result["memory_bound"] = memory_bound_ratio(repeats=3 if quick else 7)
             bar.update()
+        if "pipeline" in steps:
+            result["pipeline"] = pipeline.compare(prompts=pipeline.PROMPTS[:2] if quick else pipeline.PROMPTS,
+                                                  max_new_tokens=32 if quick else 48, repeats=1 if quick else 2)
+            bar.update()
         if "load" in steps:
             result["load"] = load.load(DEFAULT_TARGET, DEFAULT_DRAFT, quick)
             bar.update()
@@ -133,6 +138,8 @@ def print_tables(result: dict) -> None:
         m = result["memory_bound"]
         print(f"\nMemory-bound regime ({m['params_m']:.0f}M-parameter random target): verify {m['k'] + 1} tokens "
               f"{m['verify_k1_ms']:.1f} ms / decode 1 {m['decode_1_ms']:.1f} ms = {m['ratio']:.2f}")
+    if "pipeline" in result:
+        pipeline.print_rows(result["pipeline"])
     if "load" in result:
         load.print_rows(result["load"])
     if "gpu" in result:

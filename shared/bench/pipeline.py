@@ -1,0 +1,153 @@
+"""Pipelined vs serial rounds over loopback gRPC with a network delay: tokens/s and bytes staged per round.
+
+Each service runs in its own process, as on its own host (the draft's work overlaps the target's
+only across processes), and every link passes a `TcpProxy` adding the same delay each way: client
+to target, client to draft, and target to draft. Two target processes share the draft: one stages
+pipelined rounds (`pipeline_depth` 1), one does not (0), so `Generate` (the server-side loop)
+runs both ways; the client-driven loop runs `pipeline=True` and `False` against them. Configurations
+alternate, and every output is checked against in-process target-only greedy decoding.
+Run: `python -m shared.bench.pipeline [--quick]`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from shared.rpc.proxy import TcpProxy
+
+PROMPTS = [list(b"def fibonacci(n):\n"), list(b"import os\nimport sys\n\n"), list(b"class Stack:\n    def __init__")]
+LOOPS = ("client", "server")
+
+
+def _serve(kind: str, model_dir: Path, draft_address: str, pipeline_depth: int, conn) -> None:
+    """A child process: one service on a free loopback port; its address goes up `conn`, and it stops when told."""
+    from draft_service.servicer import service as draft_service
+    from shared.model.loader import load_model
+    from shared.model.tokenizer import load_tokenizer
+    from shared.rpc.server import BackgroundServer
+    from target_service.servicer import DraftPeer, service as target_service
+
+    torch.set_num_threads(1)
+    if kind == "draft":
+        svc = draft_service(lambda: load_model(model_dir))
+    else:
+        svc = target_service(lambda: (load_model(model_dir), load_tokenizer(model_dir)), draft=DraftPeer(
+            draft_address, 30.0), pipeline_depth=pipeline_depth)
+    with BackgroundServer([svc]) as server:
+        server.wait_loaded(300)
+        conn.send(server.address)
+        try:
+            conn.recv()
+        except EOFError:  # the parent is gone
+            pass
+
+
+def _start(stack: ExitStack, kind: str, model_dir: Path, draft_address: str = "", pipeline_depth: int = 0) -> str:
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(kind, model_dir, draft_address, pipeline_depth, child), daemon=True)
+    proc.start()
+    if not parent.poll(300):
+        proc.kill()
+        raise RuntimeError(f"the {kind} service did not start")
+    address = parent.recv()
+
+    def stop() -> None:
+        parent.send("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    stack.callback(stop)
+    return address
+
+
+def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, prompts: list[list[int]] | None = None,
+            max_new_tokens: int = 48, num_draft_tokens: int = 4, delays_ms: tuple[float, ...] = (0, 1, 5),
+            repeats: int = 1) -> list[dict]:
+    """One row per (delay, loop): tokens/s serial and pipelined, their ratio, bytes staged per round."""
+    from shared.decoding.speculative import generate
+    from shared.model.loader import load_model
+    from shared.rpc.client import generate_client_driven, generate_on_server
+
+    prompts = prompts or PROMPTS
+    target = load_model(target_dir)
+    expected = [generate(target, p, max_new_tokens).token_ids for p in prompts]
+    rows = []
+    with ExitStack() as stack:
+        draft = _start(stack, "draft", draft_dir)
+        to_draft = TcpProxy([draft])
+        stack.callback(to_draft.close)
+        targets = {depth: _start(stack, "target", target_dir, to_draft.address, depth) for depth in (0, 1)}
+        client_draft = TcpProxy([draft])
+        client_target = {depth: TcpProxy([address]) for depth, address in targets.items()}
+        for proxy in (client_draft, *client_target.values()):
+            stack.callback(proxy.close)
+
+        def run(loop: str, pipelined: bool, prompt: list[int]):
+            address = client_target[int(pipelined)].address
+            if loop == "client":
+                return generate_client_driven(address, client_draft.address, prompt, "", max_new_tokens,
+                                              num_draft_tokens, draft_timeout_s=30.0, pipeline=pipelined)[0]
+            return generate_on_server(address, prompt, "", max_new_tokens, num_draft_tokens)[0]
+
+        for delay in delays_ms:
+            for proxy in (to_draft, client_draft, *client_target.values()):
+                proxy.delay_s = delay / 1000
+            for loop in LOOPS:
+                totals = {mode: {"tokens": 0, "seconds": 0.0, "rounds": 0, "staged": 0} for mode in (False, True)}
+                run(loop, False, prompts[0]), run(loop, True, prompts[0])  # warm: connections, sessions, caches
+                for _ in range(repeats):
+                    for prompt, want in zip(prompts, expected):
+                        for pipelined in (False, True):
+                            gen = run(loop, pipelined, prompt)
+                            if gen.token_ids != want:
+                                raise AssertionError(f"{loop} loop, pipelined={pipelined}, {delay} ms: output differs "
+                                                     "from target-only greedy decoding")
+                            t = totals[pipelined]
+                            t["tokens"] += len(gen.token_ids)
+                            t["seconds"] += gen.stats.seconds
+                            t["rounds"] += gen.stats.rounds
+                            t["staged"] += gen.stats.staged_bytes
+                serial, piped = (totals[m]["tokens"] / totals[m]["seconds"] for m in (False, True))
+                rows.append({"delay_ms": delay, "loop": loop, "serial_tokens_per_s": serial,
+                             "pipelined_tokens_per_s": piped, "speedup": piped / serial,
+                             "serial_staged_bytes_per_round": totals[False]["staged"] / totals[False]["rounds"],
+                             "pipelined_staged_bytes_per_round": totals[True]["staged"] / totals[True]["rounds"],
+                             "rounds": (totals[False]["rounds"], totals[True]["rounds"]), "identical_tokens": True})
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print("\nPipelined vs serial rounds over loopback gRPC, services in their own processes, delay each way on "
+          "every link (greedy; every output equal to target-only decoding)")
+    print(f"{'delay ms':>8} {'loop':>6} {'serial tok/s':>12} {'pipelined':>9} {'x serial':>8} "
+          f"{'staged B/round serial':>21} {'pipelined':>9}")
+    for r in rows:
+        print(f"{r['delay_ms']:>8g} {r['loop']:>6} {r['serial_tokens_per_s']:>12.1f} {r['pipelined_tokens_per_s']:>9.1f} "
+              f"{r['speedup']:>8.2f} {r['serial_staged_bytes_per_round']:>21.0f} "
+              f"{r['pipelined_staged_bytes_per_round']:>9.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="two prompts, 32 tokens")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = compare(prompts=PROMPTS[:2] if args.quick else PROMPTS,
+                   max_new_tokens=32 if args.quick else args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+                   repeats=1 if args.quick else args.repeats)
+    print(json.dumps(rows)) if args.json else print_rows(rows)
+
+
+if __name__ == "__main__":
+    main()
