@@ -129,8 +129,8 @@ def print_rows(rows: list[dict]) -> None:
     print(f"{'delay ms':>8} {'loop':>6} {'serial tok/s':>12} {'pipelined':>9} {'x serial':>8} "
           f"{'staged B/round serial':>21} {'pipelined':>9}")
     for r in rows:
-        print(f"{r['delay_ms']:>8g} {r['loop']:>6} {r['serial_tokens_per_s']:>12.1f} {r['pipelined_tokens_per_s']:>9.1f} "
-              f"{r['speedup']:>8.2f} {r['serial_staged_bytes_per_round']:>21.0f} "
+        print(f"{r['delay_ms']:>8g} {r['loop']:>6} {r['serial_tokens_per_s']:>12.1f} "
+              f"{r['pipelined_tokens_per_s']:>9.1f} {r['speedup']:>8.2f} {r['serial_staged_bytes_per_round']:>21.0f} "
               f"{r['pipelined_staged_bytes_per_round']:>9.0f}")
 
 
