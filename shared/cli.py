@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft inside this process instead: n-gram lookup, or the checkpoint's own MTP head")
     p.add_argument("--pipeline-depth", type=int, default=1,
                    help="pipelined rounds a session may stage on top of its pending round (0 or 1; 0: serial "
-                        "rounds only, for Generate and for clients)")
+                        "rounds only: Generate's own loop and clients)")
     p.add_argument("--draft-timeout", type=float, default=1.0,
                    help="seconds one draft proposal may take before the round goes on without it")
     p.add_argument("--advertise-address", default=os.environ.get("DELTASPEC_ADVERTISE_ADDRESS", ""),

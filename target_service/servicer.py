@@ -53,7 +53,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                  draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None,
                  local_draft: str = "none", pipeline_depth: int = 1) -> None:
         self._load, self.limits, self.draft = load, limits, draft
-        self.pipeline_depth = pipeline_depth  # pipelined rounds staged at once per session (0: serial only)
+        self.pipeline_depth = pipeline_depth  # pipelined rounds staged at once per session; Generate pipelines if > 0
         self.local_draft = local_draft  # 'ngram' or 'mtp': drafted in this process when no draft peer is set
         self.advertise_address = advertise_address  # this replica's stable HOST:PORT, returned with each session
         self.sessions: SessionTable[TargetSession] = SessionTable(limits)

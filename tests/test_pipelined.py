@@ -23,9 +23,11 @@ from shared.decoding.target import TargetSession
 from shared.errors import FailedPrecondition
 from shared.model.checkpoint import hf_config, random_model
 from shared.model.loader import load_model
+from shared.model.tokenizer import load_tokenizer
 from shared.rpc.client import generate_client_driven, generate_on_server
+from target_service import servicer as target_servicer
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
-                              target_service, target_stub)
+                              target_stub)
 from test_sampling_lossless import ALPHA, DRAFT, T1, TARGET, p_values
 
 CFG = hf_config(layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
@@ -217,18 +219,24 @@ def test_draft_speculation_equals_the_serial_proposal():
 @pytest.fixture(scope="module")
 def servers(pair):
     target_dir, draft_dir = pair
-    with start(draft_service(draft_dir)) as d, \
-            start(target_service(target_dir, draft_address=d.address, draft_timeout_s=10.0)) as t:
+    load = (lambda: (load_model(target_dir), load_tokenizer(target_dir)))
+    with start(draft_service(draft_dir)) as d, start(target_servicer.service(
+            load, draft=target_servicer.DraftPeer(d.address, 10.0))) as t:
         yield t.address, d.address, load_model(target_dir)
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_both_loops_pipelined_equal_target_only(servers, k):
+def test_both_loops_pipelined_equal_target_only(servers, k, monkeypatch):
     t_addr, d_addr, target = servers
+    monkeypatch.setattr(target_servicer, "TargetSession", Counting)
     expected = generate(target, PROMPT, 32, None, 0).token_ids
+    Counting.chained_rounds = 0
     piped, _ = generate_client_driven(t_addr, d_addr, PROMPT, "", 32, k, draft_timeout_s=10.0)
+    assert Counting.chained_rounds > 0
     serial, _ = generate_client_driven(t_addr, d_addr, PROMPT, "", 32, k, draft_timeout_s=10.0, pipeline=False)
+    Counting.chained_rounds = 0
     server, _ = generate_on_server(t_addr, PROMPT, "", 32, k)
+    assert Counting.chained_rounds > 0
     assert piped.token_ids == serial.token_ids == server.token_ids == expected
     assert piped.stats.rounds == serial.stats.rounds and 0 < piped.stats.accepted < piped.stats.drafted
 
@@ -263,6 +271,9 @@ def test_chain_over_grpc(servers):
     refused(lambda: stub.Verify(unknown), grpc.StatusCode.NOT_FOUND, "parent_round_id")
     no_guess = pb.VerifyRequest(session_id=sid, round_id="t", base_version=3, draft_tokens=[1], parent_round_id="s")
     refused(lambda: stub.Verify(no_guess), grpc.StatusCode.INVALID_ARGUMENT, "parent_next_token")
+    outside = pb.VerifyRequest(session_id=sid, round_id="t", base_version=3, draft_tokens=[1], parent_round_id="s",
+                               parent_next_token=target.config.vocab_size)
+    refused(lambda: stub.Verify(outside), grpc.StatusCode.INVALID_ARGUMENT, "parent_next_token")
     # r dropped at its commit: later calls naming the chained round are refused, naming it
     stub.Verify(pb.VerifyRequest(session_id=sid, round_id="s+1", base_version=3, draft_tokens=ref[8:9],
                                  parent_round_id="s", parent_next_token=ref[7]))

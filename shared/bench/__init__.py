@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
             bar.update()
         if "pipeline" in steps:
             result["pipeline"] = pipeline.compare(prompts=pipeline.PROMPTS[:2] if quick else pipeline.PROMPTS,
-                                                  max_new_tokens=32 if quick else 48, repeats=1 if quick else 2)
+                                                  max_new_tokens=64 if quick else 96, repeats=1 if quick else 2)
             bar.update()
         if "load" in steps:
             result["load"] = load.load(DEFAULT_TARGET, DEFAULT_DRAFT, quick)

@@ -3,8 +3,8 @@
 Each service runs in its own process, as on its own host (the draft's work overlaps the target's
 only across processes), and every link passes a `TcpProxy` adding the same delay each way: client
 to target, client to draft, and target to draft. Two target processes share the draft: one stages
-pipelined rounds (`pipeline_depth` 1), one does not (0), so `Generate` (the server-side loop)
-runs both ways; the client-driven loop runs `pipeline=True` and `False` against them. Configurations
+pipelined rounds and pipelines its own `Generate` loop (`pipeline_depth` 1), one does neither (0),
+so the server-side loop runs both ways; the client-driven loop runs `pipeline=True` and `False` against them. Configurations
 alternate, and every output is checked against in-process target-only greedy decoding.
 Run: `python -m shared.bench.pipeline [--quick]`.
 """
@@ -68,7 +68,7 @@ def _start(stack: ExitStack, kind: str, model_dir: Path, draft_address: str = ""
 
 
 def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, prompts: list[list[int]] | None = None,
-            max_new_tokens: int = 48, num_draft_tokens: int = 4, delays_ms: tuple[float, ...] = (0, 1, 5),
+            max_new_tokens: int = 96, num_draft_tokens: int = 4, delays_ms: tuple[float, ...] = (0, 1, 5),
             repeats: int = 1) -> list[dict]:
     """One row per (delay, loop): tokens/s serial and pipelined, their ratio, bytes staged per round."""
     from shared.decoding.speculative import generate
@@ -136,15 +136,15 @@ def print_rows(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="two prompts, 32 tokens")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--quick", action="store_true", help="two prompts, 64 tokens, no repeat")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = compare(prompts=PROMPTS[:2] if args.quick else PROMPTS,
-                   max_new_tokens=32 if args.quick else args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+                   max_new_tokens=64 if args.quick else args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                    repeats=1 if args.quick else args.repeats)
     print(json.dumps(rows)) if args.json else print_rows(rows)
 
