@@ -15,6 +15,7 @@ import torch
 from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import target_service_pb2 as pb
 from shared.decoding.draft_session import DraftSession, Outcome
+from shared.decoding.drafters import make_drafter
 from shared.decoding.drafters.model_drafter import ModelDrafter
 from shared.decoding.pipelined import decode_pipelined
 from shared.decoding.sampling import SamplingParams
@@ -166,6 +167,13 @@ def test_pipelined_loop_equals_serial_and_target_only(k):
     assert pipelined == serial == expected
     assert (stats.rounds, stats.accepted) == (serial_stats.rounds, serial_stats.accepted)
     assert 0 < stats.accepted < stats.drafted  # full, partial and zero acceptance all occur
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_pipelined_loop_without_speculation_equals_target_only(drafter):
+    """Drafters without `speculate` (here: none, n-gram; the MTP head likewise) run the pipelined loop unpipelined."""
+    prompt = START * 3  # repeats, so the n-gram drafter proposes
+    assert run_pipelined(MODEL, make_drafter(drafter, MODEL), prompt, 24, 4)[0] == greedy(24, prompt)
 
 
 def test_pipelined_loop_pipelines():
