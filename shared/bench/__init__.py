@@ -201,6 +201,8 @@ def main(args: argparse.Namespace) -> int:
         DOCS.mkdir(exist_ok=True)
         (DOCS / "bench.txt").write_text(tables.getvalue())
         plot(result)
+    if not args.quick and "pipeline" in result:
+        pipeline.save(result["pipeline"], DOCS)
     if not args.quick and "load" in result:
         load.save(result["load"], DOCS)
     return 0

@@ -134,6 +134,38 @@ def print_rows(rows: list[dict]) -> None:
               f"{r['pipelined_staged_bytes_per_round']:>9.0f}")
 
 
+def save(rows: list[dict], docs: Path) -> None:
+    """docs/pipeline.txt (the table) and docs/pipeline.png (tokens/s by delay, serial vs pipelined, both loops)."""
+    import contextlib
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_rows(rows)
+    docs.mkdir(exist_ok=True)
+    (docs / "pipeline.txt").write_text(text.getvalue().lstrip("\n"))
+    fig, axes = plt.subplots(1, len(LOOPS), figsize=(10, 3.8), sharey=True)
+    for ax, loop in zip(axes, LOOPS):
+        series = [r for r in rows if r["loop"] == loop]
+        x = range(len(series))
+        ax.bar([i - 0.2 for i in x], [r["serial_tokens_per_s"] for r in series], 0.4, label="serial")
+        bars = ax.bar([i + 0.2 for i in x], [r["pipelined_tokens_per_s"] for r in series], 0.4, label="pipelined")
+        ax.bar_label(bars, [f"{r['speedup']:.2f}x" for r in series], fontsize=8)
+        ax.set_xticks(list(x), [f"{r['delay_ms']:g} ms" for r in series])
+        ax.set_xlabel("delay each way, every link")
+        ax.set_title(f"{'client-driven' if loop == 'client' else 'server-side (Generate)'} loop")
+    axes[0].set_ylabel("tokens/s")
+    axes[0].legend()
+    fig.suptitle("Pipelined vs serial rounds over loopback gRPC (embedded pair, k = 4, greedy)")
+    fig.tight_layout()
+    fig.savefig(docs / "pipeline.png", dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="two prompts, 64 tokens, no repeat")
@@ -141,12 +173,15 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--save", type=Path, help="write pipeline.txt and pipeline.png to this folder (e.g. docs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = compare(prompts=PROMPTS[:2] if args.quick else PROMPTS,
                    max_new_tokens=64 if args.quick else args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                    repeats=1 if args.quick else args.repeats)
     print(json.dumps(rows)) if args.json else print_rows(rows)
+    if args.save:
+        save(rows, args.save)
 
 
 if __name__ == "__main__":
