@@ -3,10 +3,11 @@
 In process: the target's chain (kept, dropped, reverted, retried) leaves the same head as serial
 rounds, checked against a fresh prefill of the committed tokens; the pipelined loop gives the
 serial loop's tokens and target-only greedy tokens for several k, and sampling stays
-distribution-exact (the G-test of test_sampling_lossless). Over loopback gRPC (the random pair of
-test_rpc_support): both loops pipelined equal target-only greedy; nothing of r+1 shows in
-GetSession before Commit(r+1); refusals name the round and the field; retries are idempotent; the
-draft's speculative Propose equals the serial proposal when the guess holds.
+distribution-exact (the G-test of test_sampling_lossless) and draws, seed for seed, what the serial
+loop draws. Over loopback gRPC (the random pair of test_rpc_support): both loops pipelined equal
+target-only greedy; nothing of r+1 shows in GetSession before Commit(r+1); refusals name the round
+and the field; retries are idempotent; the draft's speculative Propose equals the serial proposal
+when the guess holds.
 """
 import grpc
 import pytest
@@ -181,6 +182,19 @@ def test_pipelined_loop_pipelines():
     out, stats = run_pipelined(MODEL, ModelDrafter(MODEL), START, 30, 3)  # the target drafts: every guess holds
     assert out == greedy(30)
     assert Counting.chained_rounds >= stats.rounds - 3
+
+
+def test_pipelined_sampling_draws_what_the_serial_loop_draws():
+    """Random draws are keyed by position, and a kept speculative round is the serial loop's round: same seed,
+    same tokens."""
+    drafted = accepted = 0
+    for seed in range(4):
+        s = SamplingParams(0.9, 0, 0.95, seed)
+        piped, stats = run_pipelined(MODEL, ModelDrafter(NOISY, s), START, 32, 4, s)
+        serial, _ = run_pipelined(MODEL, ModelDrafter(NOISY, s), START, 32, 4, s, pipelined=False)
+        assert piped == serial, seed
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted
 
 
 def test_pipelined_sampling_matches_target():
