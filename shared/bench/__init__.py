@@ -7,7 +7,7 @@ tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over 
 pipelined vs serial rounds over gRPC with 0, 1 and 5 ms of network delay (`shared.bench.pipeline`); load
 (1 to 32 concurrent sessions over loopback gRPC, `shared.bench.load`); and, only where CUDA is
 present, the same on the GPU. `--only` runs some sections. Plots go to docs/; a full run's tables
-also go to docs/bench.txt (all sections) and docs/load.txt (the load section, whenever it runs).
+also go to docs/bench.txt (all sections) and docs/load.txt (the load section, whenever it runs in full).
 """
 from __future__ import annotations
 
@@ -61,8 +61,7 @@ def run(args: argparse.Namespace) -> dict:
     new_tokens = 48 if quick else 96
     lengths = args.lengths or ((96, 384) if quick else (96, 384, 1024))
     long_prompts = heldout_prompts(args.prompts or (2 if quick else 5))
-    everything = [s for s in SECTIONS if s != "load"]  # load joins the full run once its first figures are in
-    steps = [s for s in SECTIONS if s in (args.only or everything) and (s != "gpu" or torch.cuda.is_available())]
+    steps = [s for s in SECTIONS if s in (args.only or SECTIONS) and (s != "gpu" or torch.cuda.is_available())]
     result: dict = {}
     repeats = 1 if quick else 2
     generations = len(lengths) * len(long_prompts) * repeats if "generations" in steps else 1
