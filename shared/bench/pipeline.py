@@ -1,7 +1,7 @@
 """Pipelined vs serial rounds over loopback gRPC with a network delay: tokens/s and bytes staged per round.
 
-Each service runs in its own process, as on its own host (the draft's work overlaps the target's
-only across processes), and every link passes a `TcpProxy` adding the same delay each way: client
+Each service runs as its own `serve-draft` / `serve-target` process (`shared.bench.loopback`), as on
+its own host (the draft's work overlaps the target's only across processes), and every link passes a `TcpProxy` adding the same delay each way: client
 to target, client to draft, and target to draft. Two target processes share the draft: one stages
 pipelined rounds and pipelines its own `Generate` loop (`pipeline_depth` 1), one does neither (0),
 so the server-side loop runs both ways; the client-driven loop runs `pipeline=True` and `False`
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
+from shared.bench.loopback import Server, check_greedy, target_only_outputs
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.rpc.proxy import TcpProxy
 
@@ -25,65 +25,28 @@ PROMPTS = [list(b"def fibonacci(n):\n"), list(b"import os\nimport sys\n\n"), lis
 LOOPS = ("client", "server")
 
 
-def _serve(kind: str, model_dir: Path, draft_address: str, pipeline_depth: int, conn) -> None:
-    """A child process: one service on a free loopback port; its address goes up `conn`, and it stops when told."""
-    from draft_service.servicer import service as draft_service
-    from shared.model.loader import load_model
-    from shared.model.tokenizer import load_tokenizer
-    from shared.rpc.server import BackgroundServer
-    from target_service.servicer import DraftPeer, service as target_service
-
-    torch.set_num_threads(1)
-    if kind == "draft":
-        svc = draft_service(lambda: load_model(model_dir))
-    else:
-        svc = target_service(lambda: (load_model(model_dir), load_tokenizer(model_dir)), draft=DraftPeer(
-            draft_address, 30.0), pipeline_depth=pipeline_depth)
-    with BackgroundServer([svc]) as server:
-        server.wait_loaded(300)
-        conn.send(server.address)
-        try:
-            conn.recv()
-        except EOFError:  # the parent is gone
-            pass
-
-
-def _start(stack: ExitStack, kind: str, model_dir: Path, draft_address: str = "", pipeline_depth: int = 0) -> str:
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(kind, model_dir, draft_address, pipeline_depth, child), daemon=True)
-    proc.start()
-    if not parent.poll(300):
-        proc.kill()
-        raise RuntimeError(f"the {kind} service did not start")
-    address = parent.recv()
-
-    def stop() -> None:
-        parent.send("stop")
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-    stack.callback(stop)
-    return address
-
-
 def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, prompts: list[list[int]] | None = None,
             max_new_tokens: int = 96, num_draft_tokens: int = 4, delays_ms: tuple[float, ...] = (0, 1, 5),
             repeats: int = 1) -> list[dict]:
     """One row per (delay, loop): tokens/s serial and pipelined, their ratio, bytes staged per round."""
-    from shared.decoding.speculative import generate
     from shared.model.loader import load_model
     from shared.rpc.client import generate_client_driven, generate_on_server
 
     prompts = prompts or PROMPTS
-    target = load_model(target_dir)
-    expected = [generate(target, p, max_new_tokens).token_ids for p in prompts]
+    expected = target_only_outputs(load_model(target_dir), prompts, max_new_tokens)
     rows = []
     with ExitStack() as stack:
-        draft = _start(stack, "draft", draft_dir)
+        draft_server = Server("serve-draft", "--model", str(draft_dir))
+        stack.callback(draft_server.stop)
+        draft = draft_server.address
         to_draft = TcpProxy([draft])
         stack.callback(to_draft.close)
-        targets = {depth: _start(stack, "target", target_dir, to_draft.address, depth) for depth in (0, 1)}
+        targets = {}
+        for depth in (0, 1):
+            server = Server("serve-target", "--model", str(target_dir), "--draft-addr", to_draft.address,
+                            "--draft-timeout", "30", "--pipeline-depth", str(depth))
+            stack.callback(server.stop)
+            targets[depth] = server.address
         client_draft = TcpProxy([draft])
         client_target = {depth: TcpProxy([address]) for depth, address in targets.items()}
         for proxy in (client_draft, *client_target.values()):
@@ -106,9 +69,7 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                     for prompt, want in zip(prompts, expected):
                         for pipelined in (False, True):
                             gen = run(loop, pipelined, prompt)
-                            if gen.token_ids != want:
-                                raise AssertionError(f"{loop} loop, pipelined={pipelined}, {delay} ms: output differs "
-                                                     "from target-only greedy decoding")
+                            check_greedy(gen.token_ids, want, f"{loop} loop, pipelined={pipelined}, {delay} ms")
                             t = totals[pipelined]
                             t["tokens"] += len(gen.token_ids)
                             t["seconds"] += gen.stats.seconds
