@@ -4,9 +4,10 @@ Each service runs as its own `serve-draft` / `serve-target` process (`shared.ben
 its own host (the draft's work overlaps the target's only across processes), and every link passes
 a `TcpProxy` adding the same delay each way: client to target, client to draft, and target to draft.
 Two target processes share the draft: one stages pipelined rounds and pipelines its own `Generate`
-loop (`--pipeline-depth 1`), one does neither (0), so the server-side loop runs both ways; the client-driven loop runs `pipeline=True` and `False`
-against them. Configurations alternate, and every output is checked against in-process target-only
-greedy decoding. Run: `python -m shared.bench.pipeline [--quick] [--save docs]`.
+loop (`--pipeline-depth 1`), one does neither (0), so the server-side loop runs both ways; the
+client-driven loop runs `pipeline=True` and `False` against them. Configurations alternate, and every
+output is checked against in-process target-only greedy decoding.
+Run: `python -m shared.bench.pipeline [--quick] [--save docs]`.
 """
 from __future__ import annotations
 
