@@ -120,22 +120,41 @@ def _rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     return rot if dim == x.shape[-1] else torch.cat([rot, x[..., dim:]], dim=-1)
 
 
-def _gdn(m: GatedDeltaNet, f: FusedGDN, h: Tensor, residual: Tensor, st: GDNSlot) -> Tensor:
-    T = h.shape[0]
-    mixed, z, b, a = F.linear(h, f.w_in).split(f.splits, dim=-1)  # (T, conv_dim), (T, Hv Dv), (T, Hv), (T, Hv)
-    full = torch.cat([st.conv_window(), mixed], dim=0)  # (K-1+T, conv_dim)
-    conv = F.silu((full.unfold(0, f.conv_taps.shape[1], 1) * f.conv_taps).sum(-1))  # windows (T, conv_dim, K)
+def gdn_inputs(f: FusedGDN, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One matmul for the four input projections: pre-conv x `(T, conv_dim)`, z `(T, Hv Dv)`, b and a `(T, Hv)`."""
+    return F.linear(h, f.w_in).split(f.splits, dim=-1)  # type: ignore[return-value]
+
+
+def gdn_gates(m: GatedDeltaNet, f: FusedGDN, full: Tensor, b: Tensor,
+              a: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Conv, l2-normed q and k, v, beta and log decay g from `full = [window; x]` `(..., K-1+T, conv_dim)` and b, a
+    `(..., T, Hv)`; any leading axes (a batch of sequences). q, k `(..., T, Hv, Dk)`, v `(..., T, Hv, Dv)`, float32."""
+    conv = F.silu((full.unfold(-2, f.conv_taps.shape[1], 1) * f.conv_taps).sum(-1))  # windows (..., T, conv_dim, K)
     if conv.dtype != torch.float32:  # the delta rule runs in float32 (no cast, no dispatch, for float32 models)
         conv, b, a = conv.float(), b.float(), a.float()
-    key_dim = m.n_k * m.d_k
+    lead, key_dim = conv.shape[:-1], m.n_k * m.d_k
     qk, v = conv.split([2 * key_dim, m.n_v * m.d_v], dim=-1)
-    qk = F.rms_norm(qk.view(T, 2 * m.n_k, m.d_k), (m.d_k,), eps=L2NORM_EPS / m.d_k) * f.qk_scale
+    qk = F.rms_norm(qk.view(*lead, 2 * m.n_k, m.d_k), (m.d_k,), eps=L2NORM_EPS / m.d_k) * f.qk_scale
     if m.n_v != m.n_k:
-        qk = qk.repeat_interleave(m.n_v // m.n_k, dim=1)
-    q, k = qk.split(m.n_v, dim=1)  # (T, Hv, Dk) each
-    v = v.view(T, m.n_v, m.d_v)
-    beta = b.sigmoid()  # (T, Hv)
-    g = f.neg_a * F.softplus(a + f.dt_bias)
+        qk = qk.repeat_interleave(m.n_v // m.n_k, dim=-2)
+    q, k = qk.split(m.n_v, dim=-2)
+    return q, k, v.view(*lead, m.n_v, m.d_v), b.sigmoid(), f.neg_a * F.softplus(a + f.dt_bias)
+
+
+def gdn_output(m: GatedDeltaNet, f: FusedGDN, out: Tensor, z: Tensor, residual: Tensor) -> Tensor:
+    """Gated norm of the delta rule's output `(T, Hv, Dv)` and the output projection, added to the residual."""
+    T = out.shape[0]
+    if out.dtype != residual.dtype:
+        out = out.to(residual.dtype)
+    out = F.rms_norm(out, (m.d_v,), m.norm.weight, m.norm.eps) * F.silu(z.view(T, m.n_v, m.d_v))
+    return torch.addmm(residual, out.view(T, -1), f.out_t)
+
+
+def _gdn(m: GatedDeltaNet, f: FusedGDN, h: Tensor, residual: Tensor, st: GDNSlot) -> Tensor:
+    T = h.shape[0]
+    mixed, z, b, a = gdn_inputs(f, h)
+    full = torch.cat([st.conv_window(), mixed], dim=0)  # (K-1+T, conv_dim)
+    q, k, v, beta, g = gdn_gates(m, f, full, b, a)  # (T, Hv, D) and (T, Hv)
     if T == 1 and m.kernel_name in ("auto", "recurrent") and not h.is_cuda:
         # one recurrent step, the new state written straight into the staging buffer
         H, Dk, Dv = m.n_v, m.d_k, m.d_v
@@ -155,31 +174,52 @@ def _gdn(m: GatedDeltaNet, f: FusedGDN, h: Tensor, residual: Tensor, st: GDNSlot
         out, delta, final = kernel(q[None], k[None], v[None], g[None], beta[None], st.initial_state()[None])
         out = out[0]
         st.stage(mixed, k, delta[0], g, final[0], full)
-    if out.dtype != h.dtype:
-        out = out.to(h.dtype)
-    out = F.rms_norm(out, (m.d_v,), m.norm.weight, m.norm.eps) * F.silu(z.view(T, m.n_v, m.d_v))
-    return torch.addmm(residual, out.view(T, -1), f.out_t)
+    return gdn_output(m, f, out, z, residual)
 
 
-def _attention(m: Attention, f: FusedAttention, h: Tensor, residual: Tensor, st: AttnLayerState, start: int,
-               rope: tuple[Tensor, Tensor]) -> Tensor:
+def attention_inputs(m: Attention, f: FusedAttention, h: Tensor,
+                     rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q_gate `(T, H, 2D)`, normed and rotated q `(T, H, D)` and k `(T, Hkv, D)`, v `(T, Hkv, D)`."""
     T, H, Hkv, D = h.shape[0], m.n_heads, m.n_kv, m.head_dim
     q_gate, k, v = F.linear(h, f.w_qkv).split(f.splits, dim=-1)
     q_gate = q_gate.view(T, H, 2 * D)
     q = F.rms_norm(q_gate[..., :D], (D,), f.q_norm, m.q_norm.eps)
     k = F.rms_norm(k.view(T, Hkv, D), (D,), f.k_norm, m.k_norm.eps)
-    q, k = _rotary(torch.cat([q, k], dim=1), *rope).split([H, Hkv], dim=1)  # (T, H, D), (T, Hkv, D)
+    q, k = _rotary(torch.cat([q, k], dim=1), *rope).split([H, Hkv], dim=1)
+    return q_gate, q, k, v.view(T, Hkv, D)
+
+
+def attend(m: Attention, st: AttnLayerState, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+    """One sequence: write its k, v at positions start.. into the cache and attend causally; `(T, H, D)`."""
+    T = q.shape[0]
     end = start + T
     st.ensure_capacity(end)
     st.k[:, start:end] = k.transpose(0, 1)
-    st.v[:, start:end] = v.view(T, Hkv, D).transpose(0, 1)
+    st.v[:, start:end] = v.transpose(0, 1)
     mask = None
     if T > 1:  # query i sits at position start + i and sees keys up to it
-        mask = torch.ones(T, end, dtype=torch.bool, device=h.device).tril(start)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], st.k[None, :, :end], st.v[None, :, :end],
-                                         attn_mask=mask, enable_gqa=H != Hkv)[0].transpose(0, 1)  # (T, H, D)
-    out = out * torch.sigmoid(q_gate[..., D:])
-    return torch.addmm(residual, out.reshape(T, -1), f.out_t)
+        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(start)
+    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], st.k[None, :, :end], st.v[None, :, :end],
+                                          attn_mask=mask, enable_gqa=m.n_heads != m.n_kv)[0].transpose(0, 1)
+
+
+def attention_output(f: FusedAttention, out: Tensor, q_gate: Tensor, residual: Tensor) -> Tensor:
+    """Sigmoid-gated attention output `(T, H, D)`, projected and added to the residual."""
+    out = out * torch.sigmoid(q_gate[..., out.shape[-1]:])
+    return torch.addmm(residual, out.reshape(out.shape[0], -1), f.out_t)
+
+
+def _attention(m: Attention, f: FusedAttention, h: Tensor, residual: Tensor, st: AttnLayerState, start: int,
+               rope: tuple[Tensor, Tensor]) -> Tensor:
+    q_gate, q, k, v = attention_inputs(m, f, h, rope)
+    return attention_output(f, attend(m, st, q, k, v, start), q_gate, residual)
+
+
+def mlp(layer: DecoderLayer, f: FusedLayer, x: Tensor) -> Tensor:
+    """The post-mixer norm and MLP, added to the residual."""
+    gate, up = F.linear(F.rms_norm(x, x.shape[-1:], f.post_norm, layer.post_attention_layernorm.eps),
+                        f.w_gate_up).chunk(2, dim=-1)
+    return torch.addmm(x, F.silu(gate) * up, f.down_t)
 
 
 def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, st: GDNSlot | AttnLayerState, start: int,
@@ -190,6 +230,4 @@ def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, st: GDNSlot | A
         x = _gdn(layer.linear_attn, f.mixer, h, x, st)  # type: ignore[arg-type]
     else:
         x = _attention(layer.self_attn, f.mixer, h, x, st, start, rope)  # type: ignore[arg-type]
-    gate, up = F.linear(F.rms_norm(x, x.shape[-1:], f.post_norm, layer.post_attention_layernorm.eps),
-                        f.w_gate_up).chunk(2, dim=-1)
-    return torch.addmm(x, F.silu(gate) * up, f.down_t)
+    return mlp(layer, f, x)

@@ -156,6 +156,15 @@ class GDNSlot:
         """Where the state after this pass goes, `(H, Dk, Dv)`: a kernel may write it here directly."""
         return self.states.layers["spare"][self.i]
 
+    def log_targets(self, T: int) -> tuple[Tensor, ...]:
+        """Where this pass's T tokens are logged: x `(T, C)`, k `(H, Dk, T)`, delta `(H, T, Dv)`, g `(H, T)`; none
+        (and the staging no longer logged) when they do not fit."""
+        s, end = self.states, self.offset + T
+        if s.logged and end <= LOG_CAPACITY:
+            return s.log_views(self.i, self.offset, end)
+        s.logged = False
+        return ()
+
     def stage(self, x: Tensor, k: Tensor, delta: Tensor, g: Tensor, final_state: Tensor | None,
               window_and_x: Tensor | None = None) -> None:
         """Log this pass's T tokens and keep the window and state after them.
@@ -163,16 +172,14 @@ class GDNSlot:
         `final_state` None: it is already in `state_out()`. `window_and_x`: `[conv_window(); x]`
         when the caller has it (saves a concatenation).
         """
-        s, T = self.states, x.shape[0]
-        end = self.offset + T
-        if s.logged and end <= LOG_CAPACITY:
-            log_x, log_k, log_delta, log_g = s.log_views(self.i, self.offset, end)
+        s = self.states
+        logs = self.log_targets(x.shape[0])
+        if logs:
+            log_x, log_k, log_delta, log_g = logs
             log_x.copy_(x)
             log_k.copy_(k.permute(1, 2, 0))
             log_delta.copy_(delta.transpose(0, 1))
             log_g.copy_(g.t())
-        else:
-            s.logged = False
         if window_and_x is None:
             window_and_x = torch.cat([self.conv_window(), x.to(s.window.dtype)], dim=0)
         s.layers["window"][self.i].copy_(window_and_x[-s.conv.shape[1]:])
