@@ -13,6 +13,7 @@ from opentelemetry import trace
 
 from deltaspec.v1 import draft_service_pb2 as pb
 from deltaspec.v1 import draft_service_pb2_grpc
+from shared.decoding.batcher import BatchConfig, BatchedModel
 from shared.decoding.draft_session import DraftSession, Outcome
 from shared.decoding.session_table import Limits, SessionTable
 from shared.decoding.target import MAX_DRAFT_TOKENS
@@ -27,14 +28,17 @@ NAME = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
 class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
-    def __init__(self, load: Callable[[], HybridLM], limits: Limits = Limits(), telemetry: Telemetry | None = None) -> None:
-        self._load, self.limits = load, limits
+    def __init__(self, load: Callable[[], HybridLM], limits: Limits = Limits(), telemetry: Telemetry | None = None,
+                 batching: BatchConfig | None = BatchConfig()) -> None:
+        self._load, self.limits, self.batching = load, limits, batching
         self.sessions: SessionTable[DraftSession] = SessionTable(limits)
         self.telemetry = telemetry or Telemetry()
         self.telemetry.metrics.watch_sessions([self.sessions])
 
     def load(self) -> None:
         self.model = self._load()
+        if self.batching is not None and self.batching.max_batch > 1:  # concurrent proposals' steps run together
+            self.model = BatchedModel(self.model, self.batching)  # type: ignore[assignment]
 
     async def CreateSession(self, request: pb.DraftServiceCreateSessionRequest,
                             context) -> pb.DraftServiceCreateSessionResponse:
@@ -79,7 +83,8 @@ def _outcome(msg: pb.RoundOutcome) -> Outcome:
     return Outcome(msg.round_id, msg.accepted, msg.next_token)
 
 
-def service(load: Callable[[], HybridLM], limits: Limits = Limits(), telemetry: Telemetry | None = None) -> Service:
-    servicer = DraftServicer(load, limits, telemetry)
+def service(load: Callable[[], HybridLM], limits: Limits = Limits(), telemetry: Telemetry | None = None,
+            batching: BatchConfig | None = BatchConfig()) -> Service:
+    servicer = DraftServicer(load, limits, telemetry, batching)
     return Service(NAME, lambda server: draft_service_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
                    servicer.load)

@@ -158,6 +158,12 @@ def _client_security(args: argparse.Namespace, prefix: str):
                           getattr(args, prefix + "tls_server_name"), args.insecure)
 
 
+def _batching(args: argparse.Namespace):
+    from shared.decoding.batcher import BatchConfig
+
+    return BatchConfig(args.max_batch, args.batch_wait_ms, args.prefill_chunk)
+
+
 def _torch_threads(args: argparse.Namespace) -> None:
     """Intra-op threads for the model's ops; gRPC's worker threads and the other sessions share the same cores."""
     import torch
@@ -187,7 +193,7 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     if args.pipeline_depth not in (0, 1):
         raise ValueError(f"--pipeline-depth is 0 or 1, not {args.pipeline_depth}")
     svc = service(lambda: (load_model(model_dir), load_tokenizer(model_dir)), _limits(args), draft,
-                  args.advertise_address, telemetry, args.draft, args.pipeline_depth)
+                  args.advertise_address, telemetry, args.draft, args.pipeline_depth, _batching(args))
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
 
 
@@ -201,8 +207,8 @@ def cmd_serve_draft(args: argparse.Namespace) -> int:
     listen = _listen(args)
     _torch_threads(args)
     telemetry = Telemetry.from_env(DRAFT)
-    return serve([service(lambda: load_model(model_dir), _limits(args), telemetry)], listen, args.grace, telemetry,
-                 args.metrics_port)
+    return serve([service(lambda: load_model(model_dir), _limits(args), telemetry, _batching(args))], listen,
+                 args.grace, telemetry, args.metrics_port)
 
 
 def _add_server(p: argparse.ArgumentParser, model: str) -> None:
@@ -219,6 +225,15 @@ def _add_server(p: argparse.ArgumentParser, model: str) -> None:
                    help="torch intra-op threads (default: $DELTASPEC_TORCH_THREADS, else 1: concurrent sessions "
                         "already keep the cores busy, and more threads per op only contend; see `deltaspec bench "
                         "--only load`)")
+    batch = p.add_argument_group("batching", "Forward passes of concurrent sessions run as one batch on a "
+                                 "scheduler thread; each session's rounds, versions and outputs are unchanged.")
+    batch.add_argument("--max-batch", type=int, default=8, help="most sessions in one forward pass (1: no batching)")
+    batch.add_argument("--batch-wait-ms", type=float, default=2.0,
+                       help="longest a pass waits for others to join; it starts at once when every open session "
+                            "is waiting")
+    batch.add_argument("--prefill-chunk", type=int, default=64,
+                       help="prompt tokens per batch: a long prompt is prefilled in pieces between other sessions' "
+                            "rounds")
     p.add_argument("--max-sessions-per-caller", type=int, default=0,
                    help="sessions one caller (token name, client certificate, or 'anonymous') may hold open; "
                         "0: only --max-sessions bounds it")

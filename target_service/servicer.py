@@ -19,6 +19,7 @@ from opentelemetry import trace
 
 from deltaspec.v1 import draft_service_pb2_grpc, sampling_pb2, target_service_pb2_grpc
 from deltaspec.v1 import target_service_pb2 as pb
+from shared.decoding.batcher import BatchConfig, BatchedModel
 from shared.decoding.drafters import attach, make_drafter
 from shared.decoding.pipelined import decode_pipelined
 from shared.decoding.sampling import SamplingParams
@@ -51,8 +52,8 @@ class DraftPeer:
 class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
     def __init__(self, load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
                  draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None,
-                 local_draft: str = "none", pipeline_depth: int = 1) -> None:
-        self._load, self.limits, self.draft = load, limits, draft
+                 local_draft: str = "none", pipeline_depth: int = 1, batching: BatchConfig | None = BatchConfig()) -> None:
+        self._load, self.limits, self.draft, self.batching = load, limits, draft, batching
         self.pipeline_depth = pipeline_depth  # pipelined rounds staged at once per session; Generate pipelines if > 0
         self.local_draft = local_draft  # 'ngram' or 'mtp': drafted in this process when no draft peer is set
         self.advertise_address = advertise_address  # this replica's stable HOST:PORT, returned with each session
@@ -63,6 +64,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
 
     def load(self) -> None:
         self.model, self.tokenizer = self._load()
+        if self.batching is not None and self.batching.max_batch > 1:  # concurrent sessions' passes run together
+            self.model = BatchedModel(self.model, self.batching)  # type: ignore[assignment]
         self.vocab_size = self.model.config.vocab_size
         self.eos = set(self.model.config.eos_token_id)
         self.draft_stub = (draft_service_pb2_grpc.DraftServiceStub(
@@ -241,7 +244,7 @@ def _staged(rnd: Round) -> pb.StagedRound:
 
 def service(load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
             draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None,
-            local_draft: str = "none", pipeline_depth: int = 1) -> Service:
-    servicer = TargetServicer(load, limits, draft, advertise_address, telemetry, local_draft, pipeline_depth)
+            local_draft: str = "none", pipeline_depth: int = 1, batching: BatchConfig | None = BatchConfig()) -> Service:
+    servicer = TargetServicer(load, limits, draft, advertise_address, telemetry, local_draft, pipeline_depth, batching)
     return Service(NAME, lambda server: target_service_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
                    servicer.load)

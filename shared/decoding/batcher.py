@@ -1,0 +1,159 @@
+"""The scheduler: forward passes of concurrent sessions, gathered into batches on one thread.
+
+`BatchedModel` stands in for the model wherever the engine calls `model(ids, state)`: target
+sessions' verify and prefill passes, the draft's propose steps. Each call blocks its thread until
+its pass has run in a batch (`shared.model.batched.forward_batch`), so sessions keep their own
+locks, versions, verdicts and commits exactly as before: only the forward pass is shared.
+
+Policy:
+- A batch starts when `max_batch` calls wait, or when every live sequence state has a call
+  waiting (nobody else can join: a single session never waits), or `max_wait_ms` after its first
+  call arrived, whichever comes first.
+- Calls are served first come, first served; a batch takes at most `max_batch` of them, so a call
+  waits at most (calls ahead of it) / max_batch batches: no session starves.
+- A long input (a prompt) runs `prefill_chunk` tokens per batch and goes to the back of the queue
+  between pieces, so decoding sessions keep making rounds while it prefills.
+- A call that fails fails alone: the batch is run again one call at a time (the batched pass
+  checks its input before staging anything, so the retry starts from unchanged states).
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from shared.model.batched import forward_batch
+from shared.model.hybrid import HybridLM
+from shared.state.rollback import ModelState
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    max_batch: int = 8
+    max_wait_ms: float = 2.0
+    prefill_chunk: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_wait_ms < 0 or self.prefill_chunk < 1:
+            raise ValueError(f"batching needs max_batch >= 1, max_wait_ms >= 0 and prefill_chunk >= 1, got {self}")
+
+
+@dataclass(eq=False)
+class _Call:
+    ids: Tensor
+    state: ModelState
+    done: threading.Event = field(default_factory=threading.Event)
+    fed: int = 0  # tokens already run (prefill pieces)
+    logits: list[Tensor] = field(default_factory=list)
+    hidden: list[Tensor] = field(default_factory=list)
+    error: BaseException | None = None
+
+    def piece(self, chunk: int) -> Tensor:
+        return self.ids[self.fed:self.fed + chunk]
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    items: int = 0  # calls (or prefill pieces) run
+    largest: int = 0
+
+    @property
+    def mean_batch(self) -> float:
+        return self.items / self.batches if self.batches else 0.0
+
+
+class BatchedModel:
+    """A `HybridLM` whose forward passes from many threads run in shared batches; everything else is the model's."""
+
+    def __init__(self, model: HybridLM, config: BatchConfig = BatchConfig()) -> None:
+        self.inner, self.batching = model, config
+        self.stats = BatchStats()
+        self._queue: deque[_Call] = deque()
+        self._cv = threading.Condition()
+        self._states: weakref.WeakSet[ModelState] = weakref.WeakSet()  # sequences that may call
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="deltaspec-batcher", daemon=True)
+        self._thread.start()
+
+    def __getattr__(self, name: str) -> Any:  # config, device, dtype, mtp, model, lm_head, ...
+        return getattr(self.inner, name)
+
+    def new_state(self, capacity: int = 256) -> ModelState:
+        state = self.inner.new_state(capacity=capacity)
+        self._states.add(state)
+        return state
+
+    def __call__(self, ids: Tensor, state: ModelState) -> tuple[Tensor, Tensor]:
+        if ids.ndim != 1 or ids.numel() == 0:
+            raise ValueError("forward takes a non-empty 1-D tensor of token ids")
+        call = _Call(ids, state)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the batcher is closed")
+            self._queue.append(call)
+            self._cv.notify()
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        if len(call.logits) == 1:
+            return call.logits[0], call.hidden[0]
+        return torch.cat(call.logits), torch.cat(call.hidden)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        cfg = self.batching
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                deadline = time.monotonic() + cfg.max_wait_ms / 1e3
+                while len(self._queue) < min(cfg.max_batch, len(self._states)) and not self._closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
+                batch = [self._queue.popleft() for _ in range(min(cfg.max_batch, len(self._queue)))]
+            self._step(batch)
+
+    def _step(self, batch: list[_Call]) -> None:
+        chunk = self.batching.prefill_chunk
+        try:
+            results = forward_batch(self.inner, [(c.piece(chunk), c.state) for c in batch])
+        except Exception:  # noqa: BLE001 - find the call that failed; the others run alone
+            results = []
+            for c in batch:
+                try:
+                    results += forward_batch(self.inner, [(c.piece(chunk), c.state)])
+                except Exception as e:  # noqa: BLE001 - handed to the caller's thread
+                    c.error, c.fed = e, c.ids.numel()
+                    results.append((torch.empty(0), torch.empty(0)))
+        self.stats.batches += 1
+        self.stats.items += len(batch)
+        self.stats.largest = max(self.stats.largest, len(batch))
+        unfinished = []
+        for c, (logits, hidden) in zip(batch, results):
+            if c.error is None:
+                c.logits.append(logits)
+                c.hidden.append(hidden)
+                c.fed += logits.shape[0]
+            if c.fed < c.ids.numel():
+                unfinished.append(c)
+            else:
+                c.done.set()
+        if unfinished:
+            with self._cv:
+                self._queue.extend(unfinished)

@@ -1,0 +1,191 @@
+"""One forward pass over several sequences: the rounds of many sessions at the price of about one.
+
+At these sizes a pass costs per-op dispatch, so a batch shares every op it can. The sequences'
+tokens are packed into one `(sum T_i, hidden)` matrix: embeddings, norms, every projection and
+the MLP run once for all of them. What is per sequence stays per sequence:
+- Gated DeltaNet: the sequences' conv windows and recurrent states are gathered (`stack`) into a
+  padded `(B, T_max)` layout and run through one batched step (all T = 1) or one chunk of the
+  chunked form. Padding sits after each sequence's last token with beta = 0 and g = 0, so it
+  adds exactly nothing to the state (delta = 0, decay 1) and touches no real output (causal).
+  The staged state, window and logs go back to each sequence's own buffers in one `_foreach_copy_`.
+- Attention: each sequence writes its K/V at its own positions and attends over its own cache.
+The result for each sequence, and what it leaves staged, is what `HybridLM.forward` gives it alone
+(the same fused pieces, `shared.model.fused`); `tests/test_batching.py` checks that on random models.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from shared.kernels import pick_kernel
+from shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
+from shared.model import fused
+from shared.model.hybrid import HybridLM
+from shared.model.layers import Attention, GatedDeltaNet, rotary_cos_sin
+from shared.state.rollback import AttnLayerState, GDNSlot, ModelState
+
+
+@dataclass
+class _Group:
+    """Sequences whose GDN core runs together, padded to `T` tokens each."""
+
+    members: list[int]  # item indices
+    lengths: list[int]
+    T: int
+    rows: slice | Tensor  # rows of the packed tokens in (member, t) order; padding repeats a member's last row
+    valid: Tensor | None  # (G, T, 1) 1 for real tokens, 0 for padding; None when nothing is padded
+
+
+@dataclass
+class _Plan:
+    lengths: list[int]
+    starts: list[int]  # position of each sequence's first token
+    offsets: list[int]  # each sequence's first row in the packed tokens
+    groups: list[_Group]
+    unpad: Tensor | None  # packed row -> row of the groups' concatenated (G T) outputs; None when they coincide
+
+
+def _plan(lengths: list[int], starts: list[int], device: torch.device) -> _Plan:
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    short = [i for i, T in enumerate(lengths) if T <= CHUNK_SIZE]
+    groups = [_group(short, lengths, offsets, device)] if short else []
+    groups += [_group([i], lengths, offsets, device) for i, T in enumerate(lengths) if T > CHUNK_SIZE]
+    order = [i for g in groups for i in g.members]
+    unpad = None
+    if order != list(range(len(lengths))) or any(g.valid is not None for g in groups):
+        flat, base = [0] * sum(lengths), 0
+        for g in groups:
+            for slot, (i, T) in enumerate(zip(g.members, g.lengths)):
+                for t in range(T):
+                    flat[offsets[i] + t] = base + slot * g.T + t
+            base += len(g.members) * g.T
+        unpad = torch.tensor(flat, device=device)
+    return _Plan(lengths, starts, offsets, groups, unpad)
+
+
+def _group(members: list[int], lengths: list[int], offsets: list[int], device: torch.device) -> _Group:
+    lens = [lengths[i] for i in members]
+    T = max(lens)
+    contiguous = members == list(range(members[0], members[0] + len(members)))
+    if min(lens) == T and contiguous:
+        return _Group(members, lens, T, slice(offsets[members[0]], offsets[members[-1]] + T), None)
+    rows = torch.tensor([offsets[i] + min(t, n - 1) for i, n in zip(members, lens) for t in range(T)], device=device)
+    valid = torch.tensor([[float(t < n)] for n in lens for t in range(T)], device=device).view(len(members), T, 1)
+    return _Group(members, lens, T, rows, valid if min(lens) < T else None)
+
+
+def _take(x: Tensor, g: _Group) -> Tensor:
+    """Rows of the packed `x` for group g as `(G, T, ...)`."""
+    rows = x[g.rows] if isinstance(g.rows, slice) else x.index_select(0, g.rows)
+    return rows.view(len(g.members), g.T, *x.shape[1:])
+
+
+def _gdn_core(m: GatedDeltaNet, f: fused.FusedGDN, g: _Group, mixed: Tensor, b: Tensor, a: Tensor,
+              slots: list[GDNSlot]) -> Tensor:
+    """The delta rule for one group; stages each member into its own buffers; outputs `(G T, Hv, Dv)`."""
+    G, T, H, Dk, Dv = len(g.members), g.T, m.n_v, m.d_k, m.d_v
+    xs = _take(mixed, g)
+    full = torch.cat([torch.stack([s.conv_window() for s in slots]), xs], dim=1)  # (G, K-1+T, conv_dim)
+    q, k, v, beta, decay = fused.gdn_gates(m, f, full, _take(b, g), _take(a, g))  # (G, T, Hv, D), (G, T, Hv)
+    if g.valid is not None:  # padding neither decays nor writes the state
+        beta, decay = beta * g.valid, decay * g.valid
+    initial = torch.stack([s.initial_state() for s in slots])  # (G, H, Dk, Dv)
+    on_cpu = not mixed.is_cuda
+    if T == 1 and m.kernel_name in ("auto", "recurrent") and on_cpu:
+        state = initial * decay.view(G, H, 1, 1).exp()
+        delta = (v.view(G, H, 1, Dv) - k.view(G, H, 1, Dk) @ state) * beta.view(G, H, 1, 1)  # (G, H, 1, Dv)
+        final = state.add_(k.view(G, H, Dk, 1) @ delta)
+        out, delta_hf = (q.view(G, H, 1, Dk) @ final).view(G, 1, H, Dv), delta
+    elif T <= CHUNK_SIZE and m.kernel_name in ("auto", "chunk") and on_cpu:
+        out, delta_hf, final = one_chunk_gated_delta_rule(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                          decay.transpose(1, 2), beta.transpose(1, 2), initial)
+        out = out.transpose(1, 2)  # (G, T, Hv, Dv)
+    else:
+        out, delta, final = pick_kernel(m.kernel_name, T, mixed.is_cuda)(q, k, v, decay, beta, initial)
+        delta_hf = delta.transpose(1, 2)
+    _stage(g, slots, xs, full, k.permute(0, 2, 3, 1), delta_hf, decay.transpose(1, 2), final)
+    return out.reshape(G * T, H, Dv)
+
+
+def _stage(g: _Group, slots: list[GDNSlot], xs: Tensor, full: Tensor, k_log: Tensor, delta_log: Tensor,
+           g_log: Tensor, final: Tensor) -> None:
+    """Each member's logs, window and state after its tokens, into its own buffers, in one foreach copy.
+
+    Layouts as the logs keep them: xs `(G, T, C)`, k_log `(G, H, Dk, T)`, delta_log `(G, H, T, Dv)`, g_log `(G, H, T)`.
+    """
+    width = full.shape[1] - g.T
+    dsts: list[Tensor] = []
+    srcs: list[Tensor] = []
+    per_member = zip(slots, g.lengths, xs.unbind(0), k_log.unbind(0), delta_log.unbind(0), g_log.unbind(0),
+                     full.unbind(0), final.unbind(0))
+    for slot, n, x, k, delta, decay, window_and_x, state in per_member:
+        logs = slot.log_targets(n)
+        if logs:
+            dsts += logs
+            srcs += (x, k, delta, decay) if n == g.T else (x[:n], k[..., :n], delta[:, :n], decay[:, :n])
+        dsts += (slot.states.layers["window"][slot.i], slot.state_out())
+        srcs += (window_and_x[n:n + width], state)
+    torch._foreach_copy_(dsts, srcs)
+
+
+def _gdn(m: GatedDeltaNet, f: fused.FusedGDN, h: Tensor, residual: Tensor, slots: list[GDNSlot],
+         plan: _Plan) -> Tensor:
+    mixed, z, b, a = fused.gdn_inputs(f, h)
+    outs = [_gdn_core(m, f, g, mixed, b, a, [slots[i] for i in g.members]) for g in plan.groups]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if plan.unpad is not None:
+        out = out.index_select(0, plan.unpad)
+    return fused.gdn_output(m, f, out, z, residual)
+
+
+def _attention(m: Attention, f: fused.FusedAttention, h: Tensor, residual: Tensor, states: list[AttnLayerState],
+               plan: _Plan, rope: tuple[Tensor, Tensor]) -> Tensor:
+    q_gate, q, k, v = fused.attention_inputs(m, f, h, rope)
+    outs = [fused.attend(m, st, q[o:o + T], k[o:o + T], v[o:o + T], start)
+            for st, o, T, start in zip(states, plan.offsets, plan.lengths, plan.starts)]
+    return fused.attention_output(f, torch.cat(outs), q_gate, residual)
+
+
+@torch.inference_mode()
+def forward_batch(model: HybridLM, items: Sequence[tuple[Tensor, ModelState]]) -> list[tuple[Tensor, Tensor]]:
+    """`[model(ids, state) for ids, state in items]` in one pass; every state distinct.
+
+    Everything is checked before anything is staged: a refused batch changes no state.
+    """
+    if len({id(st) for _, st in items}) != len(items):
+        raise ValueError("a batch names the same sequence state twice")
+    for ids, _ in items:
+        if ids.ndim != 1 or ids.numel() == 0:
+            raise ValueError("forward takes a non-empty 1-D tensor of token ids")
+    if model.fused is None or len(items) == 1:
+        return [model(ids, st) for ids, st in items]
+    cfg, device = model.config, model.device
+    ids = torch.cat([ids for ids, _ in items]).to(device)
+    if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+        raise ValueError(f"token ids outside the vocabulary [0, {cfg.vocab_size})")
+    lengths = [t.numel() for t, _ in items]
+    starts = [st.length + st.staged for _, st in items]
+    for (_, st), start, T in zip(items, starts, lengths):
+        for attn in st.attn:
+            attn.ensure_capacity(start + T)
+    plan = _plan(lengths, starts, device)
+    positions = torch.tensor([p for s, T in zip(starts, lengths) for p in range(s, s + T)], device=device)
+    x = model.model.embed_tokens(ids)
+    rope = fused.rotary_signed(*rotary_cos_sin(cfg, positions, x.dtype))
+    views = [st.layer_views() for _, st in items]
+    for n, (layer, f) in enumerate(zip(model.model.layers, model.fused.layers)):
+        h = F.rms_norm(x, x.shape[-1:], f.input_norm, layer.input_layernorm.eps)
+        per_seq = [v[n] for v in views]
+        if layer.kind == "linear_attention":
+            x = _gdn(layer.linear_attn, f.mixer, h, x, per_seq, plan)  # type: ignore[arg-type]
+        else:
+            x = _attention(layer.self_attn, f.mixer, h, x, per_seq, plan, rope)  # type: ignore[arg-type]
+        x = fused.mlp(layer, f, x)
+    for (_, st), T in zip(items, lengths):
+        st.staged += T
+    logits = model.lm_head(F.rms_norm(x, x.shape[-1:], model.fused.final_norm, model.model.norm.eps)).float()
+    return list(zip(logits.split(lengths), x.split(lengths)))
