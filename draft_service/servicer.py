@@ -38,7 +38,7 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
     def load(self) -> None:
         self.model = self._load()
         if self.batching is not None and self.batching.max_batch > 1:  # concurrent proposals' steps run together
-            self.model = BatchedModel(self.model, self.batching)  # type: ignore[assignment]
+            self.model = BatchedModel(self.model, self.batching, self.telemetry.metrics.batch)  # type: ignore[assignment]
 
     async def CreateSession(self, request: pb.DraftServiceCreateSessionRequest,
                             context) -> pb.DraftServiceCreateSessionResponse:

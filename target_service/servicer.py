@@ -65,7 +65,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
     def load(self) -> None:
         self.model, self.tokenizer = self._load()
         if self.batching is not None and self.batching.max_batch > 1:  # concurrent sessions' passes run together
-            self.model = BatchedModel(self.model, self.batching)  # type: ignore[assignment]
+            self.model = BatchedModel(self.model, self.batching, self.metrics.batch)  # type: ignore[assignment]
         self.vocab_size = self.model.config.vocab_size
         self.eos = set(self.model.config.eos_token_id)
         self.draft_stub = (draft_service_pb2_grpc.DraftServiceStub(

@@ -23,7 +23,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -48,6 +48,7 @@ class BatchConfig:
 class _Call:
     ids: Tensor
     state: ModelState
+    queued_at: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     fed: int = 0  # tokens already run (prefill pieces)
     logits: list[Tensor] = field(default_factory=list)
@@ -72,8 +73,10 @@ class BatchStats:
 class BatchedModel:
     """A `HybridLM` whose forward passes from many threads run in shared batches; everything else is the model's."""
 
-    def __init__(self, model: HybridLM, config: BatchConfig = BatchConfig()) -> None:
-        self.inner, self.batching = model, config
+    def __init__(self, model: HybridLM, config: BatchConfig = BatchConfig(),
+                 observe: Callable[[int, int, float, float], None] | None = None) -> None:
+        """`observe(size, tokens, wait_s, pass_s)` is told of every batch (e.g. `Metrics.batch`)."""
+        self.inner, self.batching, self.observe = model, config, observe
         self.stats = BatchStats()
         self._queue: deque[_Call] = deque()
         self._cv = threading.Condition()
@@ -131,8 +134,10 @@ class BatchedModel:
 
     def _step(self, batch: list[_Call]) -> None:
         chunk = self.batching.prefill_chunk
+        started = time.monotonic()
+        pieces = [(c.piece(chunk), c.state) for c in batch]
         try:
-            results = forward_batch(self.inner, [(c.piece(chunk), c.state) for c in batch])
+            results = forward_batch(self.inner, pieces)
         except Exception:  # noqa: BLE001 - find the call that failed; the others run alone
             results = []
             for c in batch:
@@ -144,6 +149,9 @@ class BatchedModel:
         self.stats.batches += 1
         self.stats.items += len(batch)
         self.stats.largest = max(self.stats.largest, len(batch))
+        if self.observe is not None:
+            self.observe(len(batch), sum(ids.numel() for ids, _ in pieces), started - min(c.queued_at for c in batch),
+                         time.monotonic() - started)
         unfinished = []
         for c, (logits, hidden) in zip(batch, results):
             if c.error is None:
@@ -156,4 +164,6 @@ class BatchedModel:
                 c.done.set()
         if unfinished:
             with self._cv:
+                for c in unfinished:
+                    c.queued_at = time.monotonic()
                 self._queue.extend(unfinished)

@@ -8,7 +8,9 @@ Speculative-decoding counters are named as vLLM's (`vllm:spec_decode_num_drafts`
 Rounds: `deltaspec_round_{propose,verify,commit}_seconds` histograms, `deltaspec_commits_total`,
 `deltaspec_reverts_total`, `deltaspec_staged_bytes_total`. Generations (the server-side loop):
 `deltaspec_time_to_first_token_seconds`, `deltaspec_time_per_output_token_seconds`. Sessions:
-`deltaspec_sessions` (live) and `deltaspec_sessions_expired_total`.
+`deltaspec_sessions` (live) and `deltaspec_sessions_expired_total`. Batching (`shared.decoding.batcher`):
+`deltaspec_batch_size` (sequences per forward pass), `deltaspec_batch_tokens`, `deltaspec_batch_wait_seconds`
+(how long a pass's first call waited for others) and `deltaspec_batch_pass_seconds`.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -46,6 +49,20 @@ class Metrics:
                               buckets=TOKEN_BUCKETS, registry=r)
         self.tpot = Histogram("deltaspec_time_per_output_token_seconds", "Mean time per token after the first",
                               buckets=TOKEN_BUCKETS, registry=r)
+        self.batch_size = Histogram("deltaspec_batch_size", "Sequences in one forward pass", buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.batch_tokens = Histogram("deltaspec_batch_tokens", "Tokens in one forward pass",
+                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
+        self.batch_wait = Histogram("deltaspec_batch_wait_seconds", "Time a pass's first call waited for others",
+                                    buckets=PHASE_BUCKETS, registry=r)
+        self.batch_pass = Histogram("deltaspec_batch_pass_seconds", "Time of one batched forward pass",
+                                    buckets=PHASE_BUCKETS, registry=r)
+
+    def batch(self, size: int, tokens: int, wait_s: float, pass_s: float) -> None:
+        self.batch_size.observe(size)
+        self.batch_tokens.observe(tokens)
+        self.batch_wait.observe(wait_s)
+        self.batch_pass.observe(pass_s)
 
     def round(self, drafted: int, accepted: int, staged_bytes: int, propose_s: float | None = None,
               verify_s: float | None = None, commit_s: float | None = None) -> None:
