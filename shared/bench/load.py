@@ -13,9 +13,10 @@ first delivery, which carries the prefill and any queueing, is the time to first
 p50 and p99 over the row's tokens; acceptance and the share of rounds that carried drafts (a Propose
 slower than the target's `--draft-timeout` leaves its round target-only); each server's RSS before and
 after; where the CPU went: the share of the cores this process may use that the three processes
-(target, draft, this client) kept busy, and the target's CPU milliseconds per output token (flat in N
-means every session pays its whole forward alone: nothing is shared, which is what batching would
-change). The servers' RSS from the first row to the last says whether memory stays flat.
+(target, draft, this client) kept busy, and the target's CPU milliseconds per output token (falling with
+N: sessions share forward passes); the mean number of sequences per forward pass on each server
+(`deltaspec_batch_size`, `shared.decoding.batcher`). The servers' RSS from the first row to the last
+says whether memory stays flat.
 
 The thread policy: the server-side loop at concurrency 1 and 8, speculative and target-only, with the
 servers' torch intra-op threads at 1 and at 2 (`--torch-threads`), each setting on a fresh pair.
@@ -38,7 +39,7 @@ THREAD_LEVELS, THREAD_SETTINGS = (1, 8), (1, 2)
 FIELDS = ("loop", "k", "concurrency", "torch_threads", "generations", "tokens", "seconds", "tokens_per_s",
           "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "acceptance", "drafted_rounds",
           "target_rss_before_mib", "target_rss_after_mib", "draft_rss_before_mib", "draft_rss_after_mib",
-          "cpu_busy", "target_cpu_ms_per_token")
+          "cpu_busy", "target_cpu_ms_per_token", "target_batch", "draft_batch")
 
 
 def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list[list[int]], loop: str, k: int,
@@ -88,6 +89,7 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list
                                                      accepted + s.accepted)
 
     rss_before = {name: s.rss_mib() for name, s in servers.items()}
+    batches_before = _batches(servers)
     cpu_before = _cpu_s(servers)
     threads = [threading.Thread(target=session, args=(i,), daemon=True) for i in range(concurrency)]
     for t in threads:
@@ -99,6 +101,7 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list
     seconds = time.perf_counter() - began
     cpu_after = _cpu_s(servers)
     cpu = {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
+    batches = {name: [a - b for a, b in zip(after, batches_before[name])] for name, after in _batches(servers).items()}
     if errors:
         raise errors[0]
     tpot.sort()
@@ -112,7 +115,14 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list
             **{f"{name}_rss_before_mib": v for name, v in rss_before.items()},
             **{f"{name}_rss_after_mib": s.rss_mib() for name, s in servers.items()},
             "cpu_busy": sum(cpu.values()) / (seconds * len(os.sched_getaffinity(0))),
-            "target_cpu_ms_per_token": 1e3 * cpu["target"] / tokens}
+            "target_cpu_ms_per_token": 1e3 * cpu["target"] / tokens,
+            **{f"{name}_batch": total / n if n else 0.0 for name, (total, n) in batches.items()}}
+
+
+def _batches(servers: dict[str, Server]) -> dict[str, tuple[float, float]]:
+    """Each server's (sequences, forward passes) so far."""
+    return {name: (s.metric("deltaspec_batch_size_sum"), s.metric("deltaspec_batch_size_count"))
+            for name, s in servers.items()}
 
 
 def _cpu_s(servers: dict[str, Server]) -> dict[str, float]:
@@ -190,7 +200,7 @@ def print_rows(result: dict) -> None:
           "tokens a generation, every output equal to target-only; TPOT = time per output token)")
     header = (f"{'loop':<6} {'k':>1} {'N':>3} {'thr':>3} {'gens':>4} {'agg tok/s':>9} {'TPOT p50':>8} {'p99 ms':>7} "
               f"{'TTFT p50':>8} {'p99 ms':>7} {'accept':>6} {'drafted':>7} {'RSS target':>14} {'RSS draft':>14} "
-              f"{'CPU busy':>8} {'target CPU ms/tok':>17}")
+              f"{'CPU busy':>8} {'target CPU ms/tok':>17} {'batch T':>7} {'batch D':>7}")
     for title, rows in (("", result["rows"]), ("\nThread policy: servers' torch intra-op threads (--torch-threads)",
                                                 result["threads"])):
         print(title + ("\n" if title else "") + header)
@@ -200,7 +210,8 @@ def print_rows(result: dict) -> None:
                   f"{r['ttft_p50_ms']:>8.0f} {r['ttft_p99_ms']:>7.0f} {r['acceptance']:>6.2f} "
                   f"{r['drafted_rounds']:>7.2f} {r['target_rss_before_mib']:>6.0f}->{r['target_rss_after_mib']:<6.0f} "
                   f"{r['draft_rss_before_mib']:>6.0f}->{r['draft_rss_after_mib']:<6.0f} "
-                  f"{100 * r['cpu_busy']:>7.0f}% {r['target_cpu_ms_per_token']:>17.1f}")
+                  f"{100 * r['cpu_busy']:>7.0f}% {r['target_cpu_ms_per_token']:>17.1f} {r['target_batch']:>7.2f} "
+                  f"{r['draft_batch']:>7.2f}")
     g = result["goals"]
     for name, v in g.items():
         if name != "rss_drift":

@@ -44,9 +44,13 @@ class Server:
 
     def sessions(self) -> int:
         """Open sessions, from the server's own `deltaspec_sessions` gauge."""
+        return int(self.metric("deltaspec_sessions"))
+
+    def metric(self, name: str) -> float:
+        """One unlabelled sample of the server's /metrics (`deltaspec_batch_size_sum`, ...)."""
         with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as reply:
-            return int(float(next(line.split()[1] for line in reply.read().decode().splitlines()
-                                  if line.startswith("deltaspec_sessions "))))
+            return float(next(line.split()[1] for line in reply.read().decode().splitlines()
+                              if line.startswith(name + " ")))
 
     def stop(self) -> None:
         self.proc.terminate()
