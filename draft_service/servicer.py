@@ -21,6 +21,7 @@ from shared.model.hybrid import HybridLM
 from shared.rpc.convert import probs_to_proto, sampling_from_proto
 from shared.rpc.security import caller
 from shared.rpc.server import Service
+from shared.state.pool import attach as attach_pool, server_pool
 from shared.telemetry import Telemetry
 from shared.telemetry import attributes as attr
 
@@ -37,6 +38,7 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
 
     def load(self) -> None:
         self.model = self._load()
+        attach_pool(self.model, server_pool(self.model, self.limits))  # session states in slots, within the budget
         if self.batching is not None and self.batching.max_batch > 1:  # concurrent proposals' steps run together
             self.model = BatchedModel(self.model, self.batching, self.telemetry.metrics.batch)  # type: ignore[assignment]
 

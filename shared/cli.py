@@ -120,7 +120,10 @@ def _generate_remote(args: argparse.Namespace) -> int:
 def _limits(args: argparse.Namespace):
     from shared.decoding.session_table import Limits
 
-    return Limits(args.max_sessions, args.session_ttl, args.max_prompt_tokens, args.max_sessions_per_caller)
+    if args.state_memory_mib < 0:
+        raise ValueError(f"--state-memory-mib is 0 (sized for --max-sessions) or more, not {args.state_memory_mib}")
+    return Limits(args.max_sessions, args.session_ttl, args.max_prompt_tokens, args.max_sessions_per_caller,
+                  int(args.state_memory_mib * 2**20))
 
 
 PLAINTEXT_RULE = ("Plaintext is allowed without a flag only on loopback (127.0.0.1, ::1, localhost: development); "
@@ -237,6 +240,13 @@ def _add_server(p: argparse.ArgumentParser, model: str) -> None:
     p.add_argument("--max-sessions-per-caller", type=int, default=0,
                    help="sessions one caller (token name, client certificate, or 'anonymous') may hold open; "
                         "0: only --max-sessions bounds it")
+    p.add_argument("--state-memory-mib", type=float, default=0,
+                   help="memory for session state: every session's GDN state (preallocated slots: state, spare, "
+                        "mark snapshot, conv windows, round logs; constant per session) and attention K/V (grows "
+                        "with context, paid at admission for the prompt plus headroom and on growth). A new session "
+                        "or a growth it cannot cover is refused RESOURCE_EXHAUSTED, never an out-of-memory; 0 "
+                        "(default): room for --max-sessions sessions of max(4096, 2 x --max-prompt-tokens) positions "
+                        "each (`deltaspec bench --only sessions` shows MiB per session by context)")
     env = os.environ.get
     tls = p.add_argument_group("TLS and authentication", PLAINTEXT_RULE + " Each caller sees only its own sessions.")
     tls.add_argument("--tls-cert", default=env("DELTASPEC_TLS_CERT"),

@@ -33,6 +33,7 @@ from shared.rpc.convert import probs_from_proto, sampling_from_proto, stats_to_p
 from shared.rpc.remote_drafter import RemoteDrafter
 from shared.rpc.security import ClientSecurity, caller
 from shared.rpc.server import Service
+from shared.state.pool import attach as attach_pool, server_pool
 from shared.telemetry import Telemetry
 from shared.telemetry import attributes as attr
 
@@ -64,6 +65,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
 
     def load(self) -> None:
         self.model, self.tokenizer = self._load()
+        attach_pool(self.model, server_pool(self.model, self.limits))  # session states in slots, within the budget
         if self.batching is not None and self.batching.max_batch > 1:  # concurrent sessions' passes run together
             self.model = BatchedModel(self.model, self.batching, self.metrics.batch)  # type: ignore[assignment]
         self.vocab_size = self.model.config.vocab_size

@@ -30,6 +30,7 @@ class Limits:
     ttl_s: float = 600.0
     max_prompt_tokens: int = 8192
     max_sessions_per_caller: int = 0  # 0: only `max_sessions` bounds a caller
+    state_memory_bytes: int = 0  # GDN slots + attention K/V (shared.state.pool); 0: sized for max_sessions
 
     def check_prompt(self, n_tokens: int, field_name: str) -> None:
         if n_tokens > self.max_prompt_tokens:

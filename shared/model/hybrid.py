@@ -41,6 +41,10 @@ class HybridLM(nn.Module):
         return self.lm_head.weight.dtype
 
     def new_state(self, capacity: int = 256) -> ModelState:
+        """A fresh sequence state; in a slot of the model's state pool when one is attached (`shared.state.pool`)."""
+        pool = getattr(self, "state_pool", None)
+        if pool is not None:
+            return pool.new_state(capacity)
         return ModelState(self.config, device=self.device, dtype=self.dtype, capacity=capacity)
 
     def fuse(self, enable: bool = True) -> HybridLM:

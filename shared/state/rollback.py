@@ -30,11 +30,15 @@ numbers per GDN layer and round; no forward pass is ever re-run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from shared.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from shared.state.pool import Lease
 
 LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one on top) of k <= 16 drafts plus inputs
 
@@ -42,22 +46,44 @@ LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one o
 class GDNStates:
     """The GDN state of every linear-attention layer of one sequence, stacked on a leading layer axis."""
 
-    def __init__(self, cfg: ModelConfig, n_layers: int, device: torch.device | str, dtype: torch.dtype) -> None:
+    @staticmethod
+    def buffers(cfg: ModelConfig, n_layers: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of every buffer one sequence's GDN state holds, the mark snapshot included."""
         H, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        width = cfg.linear_conv_kernel_dim - 1
-        f32 = dict(device=device, dtype=torch.float32)
-        self.conv = torch.zeros(n_layers, width, cfg.conv_dim, device=device, dtype=dtype)  # committed window
-        self.window = torch.zeros_like(self.conv)  # window after everything staged
-        self.recurrent = torch.zeros(n_layers, H, Dk, Dv, **f32)  # committed S
-        self.spare = torch.zeros_like(self.recurrent)  # S after everything staged
-        self.x = torch.zeros(n_layers, LOG_CAPACITY, cfg.conv_dim, device=device, dtype=dtype)
-        # logs laid out so the commit matmul reads them as they are: (L, H, Dk, T) and (L, H, T, Dv)
-        self.k = torch.zeros(n_layers, H, Dk, LOG_CAPACITY, **f32)
-        self.delta = torch.zeros(n_layers, H, LOG_CAPACITY, Dv, **f32)
-        self.g = torch.zeros(n_layers, H, LOG_CAPACITY, **f32)
+        window = ((n_layers, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype)
+        state = ((n_layers, H, Dk, Dv), torch.float32)
+        return {"conv": window, "window": window, "marked_window": window,
+                "recurrent": state, "spare": state, "marked_state": state,
+                "x": ((n_layers, LOG_CAPACITY, cfg.conv_dim), dtype),
+                # logs laid out so the commit matmul reads them as they are: (L, H, Dk, T) and (L, H, T, Dv)
+                "k": ((n_layers, H, Dk, LOG_CAPACITY), torch.float32),
+                "delta": ((n_layers, H, LOG_CAPACITY, Dv), torch.float32),
+                "g": ((n_layers, H, LOG_CAPACITY), torch.float32)}
+
+    def __init__(self, cfg: ModelConfig, n_layers: int, device: torch.device | str, dtype: torch.dtype,
+                 slot: dict[str, Tensor] | None = None) -> None:
+        """`slot`: preallocated buffers, one per name of `buffers` (a `shared.state.pool.StatePool` slot), zeroed
+        and used in place of fresh tensors, the mark snapshot's too; without one `mark` allocates that snapshot."""
+        shapes = self.buffers(cfg, n_layers, dtype)
+
+        def buffer(name: str) -> Tensor:
+            if slot is not None:
+                return slot[name].zero_()
+            shape, kind = shapes[name]
+            return torch.zeros(shape, device=device, dtype=kind)
+
+        self.conv = buffer("conv")  # committed window
+        self.window = buffer("window")  # window after everything staged
+        self.recurrent = buffer("recurrent")  # committed S
+        self.spare = buffer("spare")  # S after everything staged
+        self.x, self.k, self.delta, self.g = buffer("x"), buffer("k"), buffer("delta"), buffer("g")
         self.logged = True  # the logs cover every staged token
         # per-layer views, made once: indexing costs a dispatch per index in every layer of every step
         self.layers = {name: list(getattr(self, name).unbind(0)) for name in ("conv", "window", "recurrent", "spare")}
+        if slot is not None:
+            self.marked_window, self.marked_state = buffer("marked_window"), buffer("marked_state")
+            self.layers["marked_window"] = list(self.marked_window.unbind(0))
+            self.layers["marked_state"] = list(self.marked_state.unbind(0))
         self._log_views: dict[tuple[int, int, int], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         self._prefixes: dict[int, tuple[Tensor, Tensor, Tensor, Tensor, Tensor]] = {}
 
@@ -189,16 +215,23 @@ class GDNSlot:
 
 @dataclass
 class AttnLayerState:
-    """K/V buffers `(H_kv, capacity, D)` addressed by position; only positions < committed length are the head."""
+    """K/V buffers `(H_kv, capacity, D)` addressed by position; only positions < committed length are the head.
+
+    `lease`: a pooled sequence's; its growth is paid from the pool's memory budget or refused (`ResourceExhausted`)
+    before anything changes.
+    """
 
     k: Tensor
     v: Tensor
+    lease: Lease | None = None
 
     def ensure_capacity(self, needed: int) -> None:
         capacity = self.k.shape[1]
         if needed <= capacity:
             return
         new_capacity = max(needed, 2 * capacity)
+        if self.lease is not None:
+            new_capacity = self.lease.grow(needed, new_capacity)
         for name in ("k", "v"):
             old = getattr(self, name)
             grown = old.new_empty(old.shape[0], new_capacity, old.shape[2])
@@ -210,15 +243,17 @@ class ModelState:
     """One sequence's state for a whole hybrid stack: the committed head and at most one staged round."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 capacity: int = 256) -> None:
+                 capacity: int = 256, lease: Lease | None = None) -> None:
+        """`lease`: a slot of a `shared.state.pool.StatePool` (GDN buffers, K/V paid for `capacity` positions)."""
         self.length = 0  # tokens in the committed head
         self.staged = 0  # tokens staged on top of it
         self.marked = 0  # with `mark`: staged tokens the snapshot covers (a chained round stages after them)
         self.kinds = config.layer_types
-        self.gdn = GDNStates(config, self.kinds.count("linear_attention"), device, dtype)
+        self.gdn = GDNStates(config, self.kinds.count("linear_attention"), device, dtype,
+                             lease.buffers if lease is not None else None)
         shape = (config.num_key_value_heads, capacity, config.head_dim)
         self.attn = [AttnLayerState(torch.zeros(shape, device=device, dtype=dtype),
-                                    torch.zeros(shape, device=device, dtype=dtype))
+                                    torch.zeros(shape, device=device, dtype=dtype), lease)
                      for kind in self.kinds if kind == "full_attention"]
 
     def layer_views(self) -> list[GDNSlot | AttnLayerState]:

@@ -19,6 +19,7 @@ import torch
 from shared.decoding.drafters import Proposal
 from shared.decoding.sampling import SamplingParams, draw, probabilities
 from shared.model.hybrid import HybridLM
+from shared.state.rollback import ModelState
 
 
 class ModelDrafter:
@@ -28,7 +29,7 @@ class ModelDrafter:
         self.proposed: list[int] = []
         self.speculation: tuple[int, list[int]] | None = None  # (guess, proposal) of the next round, unsettled
         self.guess = 0  # the most likely token after the open round (once it is fed)
-        self.state = model.new_state()
+        self.state: ModelState  # made by `start`: on a server each state takes a pool slot, none before it is needed
 
     def start(self, prompt_ids: list[int]) -> None:
         self.state = self.model.new_state(capacity=max(256, 2 * len(prompt_ids)))

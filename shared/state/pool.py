@@ -1,0 +1,182 @@
+"""State slots: the GDN states of up to N sequences preallocated as a few large tensors, under one memory
+budget that also pays for every sequence's attention K/V.
+
+A sequence's GDN state does not grow with its context: committed state, spare, mark snapshot, conv
+windows and round logs (`GDNStates.buffers`) are `gdn_bytes` whatever its length. Attention K/V grows
+by `kv_bytes_per_position` a token. So the pool preallocates its slots, one tensor per buffer with a
+leading slot axis, and leaves the rest of the budget to K/V:
+
+- admission (`new_state(capacity)`) takes a free slot and pays K/V for `capacity` positions (a target
+  session asks for twice its prompt, at least 256), or raises `ResourceExhausted` naming the budget,
+  the slots in use and what a session takes; nothing is allocated then;
+- growth (`AttnLayerState.ensure_capacity`) pays for all the sequence's attention layers at once:
+  doubling when the budget allows, else what is left, else `ResourceExhausted`. A forward reserves its
+  positions before its first layer runs (`ensure_positions`, a forward pre-hook set by `attach`), so a
+  refused pass changes nothing and the session goes on once other sessions free memory;
+- a slot and its K/V come back when the `ModelState` holding them is garbage (`weakref.finalize`):
+  closing, expiring or finishing a session drops its last reference, and only then can no late call
+  still write the slot. Admission that finds the pool full collects reference cycles once first.
+"""
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from shared.errors import ResourceExhausted
+from shared.model.config import ModelConfig
+from shared.state.rollback import GDNStates, ModelState
+
+if TYPE_CHECKING:
+    from shared.decoding.session_table import Limits
+    from shared.model.hybrid import HybridLM
+
+MIN_CONTEXT = 256  # the smallest K/V capacity a session asks for (TargetSession, ModelDrafter: max(256, 2 x prompt))
+FIELD = "state_memory"  # what a refusal names (QuotaFailure subject)
+
+
+def gdn_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one sequence's GDN state: constant, whatever the context length."""
+    shapes = GDNStates.buffers(cfg, cfg.layer_types.count("linear_attention"), dtype).values()
+    return sum(torch.Size(shape).numel() * kind.itemsize for shape, kind in shapes)
+
+
+def kv_bytes_per_position(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of attention K/V one more position costs a sequence, all attention layers together."""
+    return cfg.layer_types.count("full_attention") * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 / 10 else f"{n / 2**10:.1f} KiB"
+
+
+class Lease:
+    """One pooled sequence's slot, and the K/V capacity it has paid for (the same for all its attention layers).
+
+    Holds no reference to the state, so the state's finalizer can return it."""
+
+    def __init__(self, pool: StatePool, index: int, capacity: int) -> None:
+        self.pool, self.index, self.capacity = pool, index, capacity
+        self.buffers = {name: t[index] for name, t in pool.tensors.items()}
+
+    def grow(self, needed: int, preferred: int) -> int:
+        """The capacity an attention layer of this sequence grows to (>= needed), paid for every layer."""
+        return self.pool.grow(self, needed, preferred)
+
+
+class StatePool:
+    """Slots for up to `max_slots` sequences of one model shape within `budget` bytes (GDN slots + K/V)."""
+
+    def __init__(self, config: ModelConfig, budget: int, max_slots: int | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.config, self.device, self.dtype, self.budget = config, device, dtype, budget
+        self.gdn_bytes, self.kv_per_position = gdn_bytes(config, dtype), kv_bytes_per_position(config, dtype)
+        session = self.gdn_bytes + MIN_CONTEXT * self.kv_per_position
+        self.slots = budget // session if max_slots is None else min(max_slots, budget // session)
+        if self.slots < 1:
+            raise ValueError(f"a state memory budget of {mib(budget)} holds no session: one takes {mib(session)} "
+                             f"({mib(self.gdn_bytes)} of GDN state + K/V for {MIN_CONTEXT} positions)")
+        self.kv_budget = budget - self.slots * self.gdn_bytes
+        self.kv_used = 0
+        shapes = GDNStates.buffers(config, config.layer_types.count("linear_attention"), dtype)
+        with torch.inference_mode(False):  # normal tensors: a slot is zeroed outside inference mode
+            self.tensors = {name: torch.empty(self.slots, *shape, device=device, dtype=kind)
+                            for name, (shape, kind) in shapes.items()}
+        self._free = list(range(self.slots - 1, -1, -1))  # popped from the end: lowest index first
+        self._lock = threading.RLock()  # re-entrant: a finalizer may run inside, on a collection
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - len(self._free)
+
+    def session_bytes(self, positions: int) -> int:
+        return self.gdn_bytes + positions * self.kv_per_position
+
+    def new_state(self, capacity: int = MIN_CONTEXT) -> ModelState:
+        """A fresh sequence state in a free slot, K/V paid for `capacity` positions; `ResourceExhausted` if none."""
+        lease = self._admit(capacity)
+        try:
+            state = ModelState(self.config, self.device, self.dtype, capacity, lease)
+        except BaseException:
+            self._release(lease)
+            raise
+        weakref.finalize(state, self._release, lease).atexit = False
+        return state
+
+    def _admit(self, capacity: int) -> Lease:
+        cost = capacity * self.kv_per_position
+        with self._lock:
+            if not self._room(cost):
+                gc.collect()  # states dropped inside reference cycles (an exception's traceback) return now
+            if not self._room(cost):
+                raise ResourceExhausted(
+                    f"the state memory budget ({mib(self.budget)}) is taken: {self.in_use} of {self.slots} session "
+                    f"slots in use, {mib(self.kv_used)} of {mib(self.kv_budget)} of attention K/V; a session takes "
+                    f"{mib(self.gdn_bytes)} of GDN state + {self.kv_per_position} B of K/V per position "
+                    f"({mib(self.session_bytes(capacity))} at the {capacity} positions asked)", FIELD)
+            self.kv_used += cost
+            return Lease(self, self._free.pop(), capacity)
+
+    def _room(self, cost: int) -> bool:
+        return bool(self._free) and self.kv_used + cost <= self.kv_budget
+
+    def grow(self, lease: Lease, needed: int, preferred: int) -> int:
+        with self._lock:
+            if needed <= lease.capacity:  # another attention layer of the sequence has paid already
+                return lease.capacity
+            free = self.kv_budget - self.kv_used
+            target = min(preferred, lease.capacity + free // self.kv_per_position)
+            if target < needed:
+                raise ResourceExhausted(
+                    f"attention K/V for {needed} positions needs "
+                    f"{mib((needed - lease.capacity) * self.kv_per_position)} more, and the state memory budget "
+                    f"({mib(self.budget)}, {self.in_use} of {self.slots} session slots in use) has {mib(free)} of "
+                    f"K/V left: retry when other sessions end", FIELD)
+            self.kv_used += (target - lease.capacity) * self.kv_per_position
+            lease.capacity = target
+            return target
+
+    def _release(self, lease: Lease) -> None:
+        with self._lock:
+            self.kv_used -= lease.capacity * self.kv_per_position
+            self._free.append(lease.index)
+
+
+def ensure_positions(state: ModelState, needed: int) -> None:
+    """Grow every attention layer's K/V to `needed` positions before a forward stages anything: a pooled
+    state's growth is paid in full by the first layer, or refused (`ResourceExhausted`) with the state unchanged."""
+    with torch.inference_mode():
+        for layer in state.attn:
+            layer.ensure_capacity(needed)
+
+
+def _reserve_positions(model: HybridLM, args: tuple, kwargs: dict) -> None:
+    ids = args[0] if args else kwargs["ids"]
+    state = args[1] if len(args) > 1 else kwargs["state"]
+    ensure_positions(state, state.length + state.staged + ids.numel())
+
+
+def attach(model: HybridLM, pool: StatePool) -> None:
+    """From now on `model.new_state` takes slots from `pool`, and each forward reserves its positions first."""
+    if getattr(model, "state_pool", None) is not None:
+        raise ValueError("the model has a state pool already")
+    model.state_pool = pool
+    model.register_forward_pre_hook(_reserve_positions, with_kwargs=True)
+
+
+def server_pool(model: HybridLM, limits: Limits) -> StatePool:
+    """The pool a server attaches: `limits.state_memory_bytes` for at most `limits.max_sessions` sessions, or
+    (0) room for `max_sessions` sessions of `auto_context(max_prompt_tokens)` positions each."""
+    budget, cfg, dtype = limits.state_memory_bytes, model.config, model.dtype
+    if budget == 0:
+        positions = auto_context(limits.max_prompt_tokens)
+        budget = limits.max_sessions * (gdn_bytes(cfg, dtype) + positions * kv_bytes_per_position(cfg, dtype))
+    return StatePool(cfg, budget, limits.max_sessions, model.device, dtype)
+
+
+def auto_context(max_prompt_tokens: int) -> int:
+    """Positions per session the default budget pays for: a whole prompt and as many generated tokens, 4096 at least."""
+    return max(4096, 2 * max_prompt_tokens)
