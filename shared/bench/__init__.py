@@ -5,8 +5,9 @@ speed-up by drafter and k; long generations (96 to 1024 tokens: speculative, our
 HF transformers' generate(), alternated, with each round's phases); the gRPC path over in-process;
 tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over decode 1);
 pipelined vs serial rounds over gRPC with 0, 1 and 5 ms of network delay (`shared.bench.pipeline`); load
-(1 to 32 concurrent sessions over loopback gRPC, `shared.bench.load`); and, only where CUDA is
-present, the same on the GPU. `--only` runs some sections. Plots go to docs/; a full run's tables
+(1 to 32 concurrent sessions over loopback gRPC, `shared.bench.load`); memory per session against
+context and sessions per GiB (`shared.bench.session_memory`, computed from the configs); and, only where
+CUDA is present, the same on the GPU. `--only` runs some sections. Plots go to docs/; a full run's tables
 also go to docs/bench.txt (all sections) and docs/load.txt (the load section, whenever it runs in full).
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shared.bench import generation, load, pipeline, steps as step_costs
+from shared.bench import generation, load, pipeline, session_memory, steps as step_costs
 from shared.bench.rollback import compare
 from shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
 from shared.decoding.drafters import make_drafter
@@ -32,7 +33,8 @@ from shared.telemetry.overhead import tracing_overhead
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
-SECTIONS = ("steps", "acceptance", "generations", "grpc", "tracing", "rollback", "memory", "pipeline", "load", "gpu")
+SECTIONS = ("steps", "acceptance", "generations", "grpc", "tracing", "rollback", "memory", "pipeline", "load",
+            "sessions", "gpu")
 
 
 def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
@@ -100,6 +102,9 @@ def run(args: argparse.Namespace) -> dict:
         if "load" in steps:
             result["load"] = load.load(DEFAULT_TARGET, DEFAULT_DRAFT, quick)
             bar.update()
+        if "sessions" in steps:
+            result["sessions"] = session_memory.rows()
+            bar.update()
         if "gpu" in steps:
             result["gpu"] = {"memory_bound": memory_bound_ratio(device="cuda")}
             bar.update()
@@ -141,6 +146,8 @@ def print_tables(result: dict) -> None:
         pipeline.print_rows(result["pipeline"])
     if "load" in result:
         load.print_rows(result["load"])
+    if "sessions" in result:
+        session_memory.print_rows(result["sessions"])
     if "gpu" in result:
         print(f"GPU: verify/decode ratio {result['gpu']['memory_bound']['ratio']:.2f}")
 
@@ -204,4 +211,6 @@ def main(args: argparse.Namespace) -> int:
         pipeline.save(result["pipeline"], DOCS)
     if not args.quick and "load" in result:
         load.save(result["load"], DOCS)
+    if "sessions" in result:  # computed, not timed: the same in quick runs
+        session_memory.save(result["sessions"], DOCS)
     return 0

@@ -1,0 +1,105 @@
+"""Memory per session against context length, and sessions per GiB (`deltaspec bench --only sessions`).
+
+A session's GDN state (committed state, spare, mark snapshot, conv windows, round logs) is the same
+size at any context; its attention K/V grows by a fixed amount per token. The figures come from
+the configs (`shared.state.pool.gdn_bytes`, `kv_bytes_per_position`: what a `StatePool` charges),
+for the embedded target and draft and for a Qwen3.5-0.8B-shaped config (no weights needed), and are
+checked against the bytes a real pooled session holds.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from shared.model.checkpoint import hf_config
+from shared.model.config import ModelConfig
+from shared.state.pool import MIN_CONTEXT, StatePool, gdn_bytes, kv_bytes_per_position
+
+CONTEXTS = (256, 1024, 4096, 16384, 32768, 131072)
+GIB = 2**30
+# Qwen/Qwen3.5-0.8B's text config (HF config.json): 24 layers, every fourth attention, bf16
+QWEN35_08B = hf_config(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                       linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                       layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6)
+
+
+def models() -> dict[str, tuple[ModelConfig, torch.dtype]]:
+    return {"embedded target": (ModelConfig.from_file(DEFAULT_TARGET / "config.json"), torch.float32),
+            "embedded draft": (ModelConfig.from_file(DEFAULT_DRAFT / "config.json"), torch.float32),
+            "Qwen3.5-0.8B shape": (ModelConfig.from_dict(QWEN35_08B), torch.bfloat16)}
+
+
+def measured_bytes(cfg: ModelConfig, dtype: torch.dtype, positions: int) -> int:
+    """Bytes one real pooled session holds at `positions` of K/V capacity: its slot's share of the pool and its K/V."""
+    pool = StatePool(cfg, gdn_bytes(cfg, dtype) + positions * kv_bytes_per_position(cfg, dtype), 1, dtype=dtype)
+    state = pool.new_state(capacity=positions)
+    slot = sum(t.nbytes for t in pool.tensors.values()) // pool.slots
+    return slot + sum(t.nbytes for layer in state.attn for t in (layer.k, layer.v))
+
+
+def rows() -> list[dict]:
+    out = []
+    for name, (cfg, dtype) in models().items():
+        gdn, per_token = gdn_bytes(cfg, dtype), kv_bytes_per_position(cfg, dtype)
+        out.append({"model": name, "dtype": str(dtype).removeprefix("torch."),
+                    "measured_mib": measured_bytes(cfg, dtype, MIN_CONTEXT) / 2**20,  # equals session_mib[256]
+                    "gdn_layers": cfg.layer_types.count("linear_attention"),
+                    "attention_layers": cfg.layer_types.count("full_attention"),
+                    "gdn_mib": gdn / 2**20, "kv_kib_per_token": per_token / 2**10,
+                    "session_mib": {n: (gdn + n * per_token) / 2**20 for n in CONTEXTS},
+                    "sessions_per_gib": {n: GIB / (gdn + n * per_token) for n in CONTEXTS}})
+    return out
+
+
+def print_rows(result: list[dict]) -> None:
+    contexts = "".join(f"{n:>9}" for n in CONTEXTS)
+    print("\nMemory per session by context (GDN state constant, attention K/V per token; a pooled session measured "
+          "at 256 positions holds exactly what the pool charges)")
+    print(f"{'model':<20} {'dtype':<9} {'GDN MiB':>8} {'K/V KiB/token':>13} {'K/V = GDN at':>12} | MiB at{contexts}")
+    for r in result:
+        even = r["gdn_mib"] * 1024 / r["kv_kib_per_token"]
+        print(f"{r['model']:<20} {r['dtype']:<9} {r['gdn_mib']:>8.2f} {r['kv_kib_per_token']:>13.2f} {even:>12.0f} | "
+              f"{'':<6}" + "".join(f"{r['session_mib'][n]:>9.1f}" for n in CONTEXTS))
+    print(f"{'sessions per GiB':<66} | at    {contexts}")
+    for r in result:
+        print(f"{r['model']:<66} | {'':<6}" + "".join(f"{r['sessions_per_gib'][n]:>9.1f}" for n in CONTEXTS))
+
+
+def plot(result: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in result:
+        line, = left.plot(CONTEXTS, [r["session_mib"][n] for n in CONTEXTS], marker="o", label=r["model"])
+        left.axhline(r["gdn_mib"], color=line.get_color(), ls=":", lw=1)
+        right.plot(CONTEXTS, [r["sessions_per_gib"][n] for n in CONTEXTS], marker="o", label=r["model"])
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.legend()
+    left.set_ylabel("MiB per session")
+    left.set_title("Memory per session (dotted: GDN state, constant)")
+    right.set_ylabel("sessions per GiB")
+    right.set_title("Sessions per GiB of state memory")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def save(result: list[dict], docs: Path) -> None:
+    """docs/memory_per_session.txt (the table) and docs/memory_per_session.png."""
+    import contextlib
+    import io
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_rows(result)
+    docs.mkdir(exist_ok=True)
+    (docs / "memory_per_session.txt").write_text(text.getvalue().lstrip("\n"))
+    plot(result, docs / "memory_per_session.png")
