@@ -7,7 +7,8 @@ speculative decoding (serial and pipelined) is token-identical with and without 
 growth past the budget is refused before anything changes, then succeeds once another session
 ends. Over real loopback gRPC: a full pool refuses CreateSession and Generate with
 RESOURCE_EXHAUSTED naming the budget, on the target and the draft; closing, expiry, a finished
-Generate and a cancelled one give the slot back.
+Generate and a cancelled one give the slot back; a Verify whose K/V growth the budget cannot cover is
+refused the same way, leaves the session as it was, and succeeds on retry once another session closes.
 """
 from __future__ import annotations
 
@@ -241,3 +242,38 @@ def test_full_draft_pool_refuses_and_a_closed_session_frees_its_slot(pair):
         stub.CloseSession(dpb.DraftServiceCloseSessionRequest(session_id=sid))
         assert stub.Propose(dpb.ProposeRequest(session_id=stub.CreateSession(request).session_id, round_id="r1",
                                                k=2)).draft_tokens
+
+
+def test_kv_growth_refused_over_grpc_leaves_the_session_usable(pair):
+    want = generate(load_model(pair[0]), PROMPT, 330, None, 0).token_ids
+    cfg = load_model(pair[0]).config
+    limits = Limits(state_memory_bytes=session_budget(pair[0], 2) + 40 * kv_bytes_per_position(cfg, torch.float32))
+    with start(target_service(pair[0], limits)) as server:
+        stub = target_stub(server.address)
+        sid, other = open_session(stub), open_session(stub)
+
+        def verify(round_id: str, generated: list[int], version: int) -> pb.VerifyResponse:
+            return stub.Verify(pb.VerifyRequest(session_id=sid, round_id=round_id, base_version=version,
+                                                draft_tokens=want[len(generated):][:8]))
+
+        generated, version = [], 0
+        while True:  # the target's own tokens as drafts: every round keeps all 8
+            try:
+                reply = verify(f"r{version}", generated, version)
+            except grpc.RpcError as e:
+                refusal = e
+                break
+            committed = stub.Commit(pb.CommitRequest(session_id=sid, round_id=f"r{version}", accepted=reply.accepted))
+            generated += committed.committed_tokens
+            version = committed.head_version
+        assert refusal.code() == Code.RESOURCE_EXHAUSTED and "state memory budget" in refusal.details()
+        before = stub.GetSession(pb.GetSessionRequest(session_id=sid))
+        assert list(before.generated_ids) == generated == want[:len(generated)] and not before.HasField("pending_round")
+        assert len(PROMPT) + len(generated) - 1 <= MIN_CONTEXT + 40 < len(PROMPT) + len(generated) + 8
+        stub.CloseSession(pb.CloseSessionRequest(session_id=other))
+        for _ in range(3):  # the same round, retried, now fits; and the next ones
+            reply = verify(f"r{version}", generated, version)
+            committed = stub.Commit(pb.CommitRequest(session_id=sid, round_id=f"r{version}", accepted=reply.accepted))
+            generated += committed.committed_tokens
+            version = committed.head_version
+        assert generated == want[:len(generated)] and len(generated) > MIN_CONTEXT
