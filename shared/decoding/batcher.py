@@ -131,6 +131,7 @@ class BatchedModel:
                     self._cv.wait(left)
                 batch = [self._queue.popleft() for _ in range(min(cfg.max_batch, len(self._queue)))]
             self._step(batch)
+            del batch  # while waiting, finished calls must not keep their states (and pool slots) alive
 
     def _step(self, batch: list[_Call]) -> None:
         chunk = self.batching.prefill_chunk
