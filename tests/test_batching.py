@@ -19,6 +19,7 @@ Every test also checks that batches of more than one item really ran (`BatchedMo
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from shared.decoding.drafters.model_drafter import ModelDrafter
 from shared.decoding.sampling import SamplingParams
 from shared.decoding.speculative import Stats, decode, generate
 from shared.decoding.target import TargetSession
+from shared.errors import ResourceExhausted
 from shared.model import fused
 from shared.model.batched import forward_batch
 from shared.model.checkpoint import hf_config, random_model, save_checkpoint
@@ -49,6 +51,7 @@ from shared.model.hybrid import HybridLM
 from shared.model.loader import load_model
 from shared.model.tokenizer import load_tokenizer
 from shared.rpc.client import generate_client_driven, generate_on_server
+from shared.state.pool import StatePool, attach, gdn_bytes, kv_bytes_per_position
 from shared.state.rollback import ModelState
 from target_service import servicer as target_servicer
 from test_model_vs_hf import hf_model
@@ -62,10 +65,11 @@ CFG = hf_config(vocab_size=113, hidden_size=48, intermediate_size=96, num_attent
                 layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
 TARGET = random_model(CFG, seed=21).fuse()  # what load_model returns for the saved checkpoint
 LAYERS = random_model(CFG, seed=21)  # the same weights on the layer path (the reference forward)
-DRAFT = random_model(CFG, seed=21).fuse()
+DRAFT = random_model(CFG, seed=21)
 with torch.no_grad():  # the draft: the target with 3% noise, so rounds see full, partial and zero acceptance
     for p in DRAFT.parameters():
         p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.03 * p.abs().mean())
+DRAFT.fuse()  # after the noise: fusing copies some weights (norms, decays)
 # float32 rounding: packed matmuls of other shapes, a T = 1 step padded into the chunked form (measured up to 2e-5
 # per token over random batches; a pass alone is not closer to a float64 run than the batched one)
 REL = 1e-4
@@ -347,6 +351,33 @@ def test_failing_item_fails_alone(monkeypatch):
             assert_same_state(got, expected)
 
 
+def test_state_over_its_memory_budget_fails_alone(monkeypatch):
+    """In a pooled model whose budget is all taken, a pass that would grow its sequence's K/V is refused
+    (RESOURCE_EXHAUSTED) in its own caller, its state unchanged, while its batch neighbours run; once another
+    session ends, the same call goes through with the single call's result."""
+    pooled = random_model(CFG, seed=21).fuse()  # TARGET's weights, with a pool of its own
+    good = [Item(5, 3), Item(12, 1)]
+    cfg = pooled.config
+    attach(pooled, StatePool(cfg, 3 * (gdn_bytes(cfg, pooled.dtype) + 256 * kv_bytes_per_position(cfg, pooled.dtype))))
+    singles = [prepared(TARGET, item, seed) for seed, item in enumerate(good)] + [prepared(TARGET, Item(250, 10), 7)]
+    want = [TARGET(ids, state) for ids, state in singles]
+    with closing(BatchedModel(pooled, BatchConfig(max_batch=8, max_wait_ms=5.0))) as model:
+        calls = [prepared(pooled, item, seed, model) for seed, item in enumerate(good)]
+        calls.append(prepared(pooled, Item(250, 10), 7, model))  # 260 positions, paid for 256, nothing left
+        with pytest.raises(ResourceExhausted):
+            model.new_state()
+        results = in_one_batch(model, calls, monkeypatch)
+        assert model.stats.largest >= len(calls), model.stats
+        assert_same_outputs(results[:-1], want[:-1])
+        assert isinstance(results[-1], ResourceExhausted) and results[-1].field == "state_memory", results[-1]
+        untouched = prepared(TARGET, Item(250, 10), 7)[1]
+        assert_same_state(calls[-1][1], untouched)
+        del calls[0], results  # a session ends: its slot and K/V return (once the refusal's traceback is collected)
+        gc.collect()
+        assert_same_outputs([model(*calls[-1])], want[-1:])
+        assert_same_state(calls[-1][1], singles[-1][1])
+
+
 @pytest.mark.xfail(strict=True, reason="BatchedModel checks a long input piece by piece: the pieces before the bad "
                    "one stay staged when the call fails (reported to the lead)")
 def test_long_input_failing_in_a_later_piece_changes_nothing():
@@ -363,8 +394,9 @@ def test_long_input_failing_in_a_later_piece_changes_nothing():
         assert_same_state(state, untouched)
 
 
-@pytest.mark.xfail(strict=True, reason="BatchedModel retries a failed batch one call at a time from the states the failed "
-                   "pass left: an item with tokens already staged gets wrong logits, no error (reported to the lead)")
+@pytest.mark.xfail(strict=True, reason="BatchedModel retries a failed batch one call at a time from the states the "
+                   "failed pass left: an item with tokens already staged gets wrong logits, no error (reported to the "
+                   "lead)")
 def test_pass_failing_midway_gives_no_wrong_result(monkeypatch):
     """A batched pass that fails inside a layer (as an out-of-memory error would) after its first layers wrote
     their staging: every caller gets either an error or exactly its single-call result, never a result computed
@@ -519,21 +551,30 @@ def test_client_driven_rounds_batched_over_grpc(checkpoints):
 
 
 def test_concurrent_generate_streams_over_grpc(checkpoints):
-    """Eight streams at once through batched servers: server-side loops with the draft peer and target-only
-    (k = 0), and two client-driven loops; each equals target-only."""
-    streams = [(4, 0, 20), (7, 2, 24), (15, 4, 16), (2, 0, 28), (30, 6, 20), (9, 3, 24)]
-    driven = [(6, 4, 20), (13, 2, 16)]
-    prompts = [tokens(90 + i, length) for i, (length, _, _) in enumerate(streams + driven)]
+    """Ten streams at once through batched servers: server-side loops with the draft peer and target-only
+    (k = 0) and client-driven loops, greedy ones equal to target-only, sampled ones (one of each loop) to
+    unbatched in-process speculation with the same seed."""
+    # (prompt length, k, new tokens, seed or None for greedy); the first six on the server, the rest client-driven
+    streams = [(4, 0, 20, None), (7, 2, 24, None), (15, 4, 16, None), (2, 0, 28, None), (30, 6, 20, None),
+               (9, 3, 24, 5), (6, 4, 20, None), (13, 2, 16, None), (5, 0, 12, None), (8, 3, 20, 6)]
+    on_server = 6
+    prompts = [tokens(90 + i, length) for i, (length, *_) in enumerate(streams)]
     d, t, target, draft = batching_servers(checkpoints, BatchConfig(max_batch=8, max_wait_ms=10.0))
     with d, t:
         def run(i: int) -> list[int]:
-            _, k, n = (streams + driven)[i]
-            if i < len(streams):
-                return generate_on_server(t.address, prompts[i], "", n, k)[0].token_ids
-            return generate_client_driven(t.address, d.address, prompts[i], "", n, k, draft_timeout_s=10.0)[0].token_ids
+            _, k, n, seed = streams[i]
+            sampling = SamplingParams() if seed is None else SamplingParams(0.9, 0, 0.95, seed)
+            if i < on_server:
+                return generate_on_server(t.address, prompts[i], "", n, k, sampling)[0].token_ids
+            return generate_client_driven(t.address, d.address if k else None, prompts[i], "", n, k, sampling,
+                                          draft_timeout_s=10.0)[0].token_ids
 
         results = run_threads(run, list(range(len(prompts))))
         assert_batched(target.model)
         assert_batched(draft.model)
-    for prompt, (_, _, n), out in zip(prompts, streams + driven, results):
-        assert out == target_only(tuple(prompt), n)
+    for prompt, (_, k, n, seed), out in zip(prompts, streams, results):
+        if seed is None:
+            assert out == target_only(tuple(prompt), n)
+        else:
+            sampling = SamplingParams(0.9, 0, 0.95, seed)
+            assert out == generate(TARGET, prompt, n, ModelDrafter(DRAFT, sampling), k, sampling).token_ids
