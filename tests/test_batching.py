@@ -7,14 +7,17 @@ the key heads, d_k != d_v, one KV head, untied embeddings) saved in HF layout:
   round already staged, a chained (marked) round, KV buffers that grow inside the batch; then
   through different commits, a revert and a second pass (also hypothesis-driven).
 - `BatchedModel` from threads: target sessions with mixed k and prompt lengths, joining and
-  leaving mid-run, give each its own target-only greedy tokens and HF `generate()`'s; a failing
-  item fails alone; a long prompt is prefilled in pieces between the rounds of decoding sessions,
-  with the unbatched prefill's result; sampling stays distribution-exact (the G-test of
+  leaving mid-run, give each its own target-only greedy tokens and HF `generate()`'s; an item with
+  ids outside the vocabulary, or whose state the memory budget refuses, fails alone and its session
+  goes on; a long prompt is prefilled in pieces between the rounds of decoding sessions, with the
+  unbatched prefill's result; sampling stays distribution-exact (the G-test of
   test_sampling_lossless) and draws seed for seed what the unbatched loop draws.
 - Over loopback gRPC with batching on: client-driven rounds of several sessions verified in one
   batch, one reverted while its neighbours commit, retries idempotent, stale versions refused; many
-  concurrent `Generate` streams (with a batched draft peer, and target-only) equal target-only.
-Every test also checks that batches of more than one item really ran (`BatchedModel.stats`).
+  concurrent `Generate` and client-driven streams (with a batched draft peer, and target-only)
+  equal target-only, or in-process speculation seed for seed when sampling.
+Each `BatchedModel` test also checks that batches of more than one item really ran (`stats.largest`).
+Outputs and states are compared per token (per layer, per position) to a relative 1e-4: see REL.
 """
 from __future__ import annotations
 
