@@ -8,7 +8,8 @@ the MLP run once for all of them. What is per sequence stays per sequence:
   chunked form. Padding sits after each sequence's last token with beta = 0 and g = 0, so it
   adds exactly nothing to the state (delta = 0, decay 1) and touches no real output (causal).
   The staged state, window and logs go back to each sequence's own buffers in one `_foreach_copy_`.
-- Attention: each sequence writes its K/V at its own positions and attends over its own cache.
+- Attention: each sequence writes its K/V at its own positions in its own cache; the caches are
+  gathered into one zero-padded batch and one masked attention call serves every sequence.
 The result for each sequence, and what it leaves staged, is what `HybridLM.forward` gives it alone
 (the same fused pieces, `shared.model.fused`); `tests/test_batching.py` checks that on random models.
 """
@@ -142,12 +143,45 @@ def _gdn(m: GatedDeltaNet, f: fused.FusedGDN, h: Tensor, residual: Tensor, slots
     return fused.gdn_output(m, f, out, z, residual)
 
 
+def _attend_group(m: Attention, g: _Group, q: Tensor, k: Tensor, v: Tensor, states: list[AttnLayerState],
+                  starts: list[int]) -> Tensor:
+    """Masked attention for one group: each member writes its K/V at its positions, then all attend at once over
+    their caches gathered into a zero-padded `(G, Hkv, L, D)` (a member's query t sees keys up to start + t)."""
+    G, T, Hkv, D = len(g.members), g.T, m.n_kv, m.head_dim
+    ends = [start + n for start, n in zip(starts, g.lengths)]
+    L = max(ends)
+    new_k, new_v = (_take(x, g).transpose(1, 2).unbind(0) for x in (k, v))  # G x (Hkv, T, D)
+    cache_k, cache_v = (q.new_zeros(G, Hkv, L, D).unbind(0) for _ in range(2))
+    dsts: list[Tensor] = []
+    srcs: list[Tensor] = []
+    for st, start, end, n, nk, nv in zip(states, starts, ends, g.lengths, new_k, new_v):
+        dsts += (st.k[:, start:end], st.v[:, start:end])
+        srcs += (nk, nv) if n == T else (nk[:, :n], nv[:, :n])
+    torch._foreach_copy_(dsts, srcs)
+    torch._foreach_copy_([c[:, :end] for c, end in zip(cache_k + cache_v, ends + ends)],
+                         [st.k[:, :end] for st, end in zip(states, ends)] + [st.v[:, :end] for st, end in zip(states, ends)])
+    query_at = torch.tensor(starts, device=q.device)[:, None] + torch.arange(T, device=q.device)  # (G, T)
+    mask = torch.arange(L, device=q.device) <= query_at[..., None]  # (G, T, L)
+    out = F.scaled_dot_product_attention(_take(q, g).transpose(1, 2), torch.stack(cache_k), torch.stack(cache_v),
+                                         attn_mask=mask[:, None], enable_gqa=m.n_heads != m.n_kv)  # (G, H, T, D)
+    return out.transpose(1, 2).reshape(G * T, m.n_heads, D)
+
+
 def _attention(m: Attention, f: fused.FusedAttention, h: Tensor, residual: Tensor, states: list[AttnLayerState],
                plan: _Plan, rope: tuple[Tensor, Tensor]) -> Tensor:
     q_gate, q, k, v = fused.attention_inputs(m, f, h, rope)
-    outs = [fused.attend(m, st, q[o:o + T], k[o:o + T], v[o:o + T], start)
-            for st, o, T, start in zip(states, plan.offsets, plan.lengths, plan.starts)]
-    return fused.attention_output(f, torch.cat(outs), q_gate, residual)
+    outs = []
+    for g in plan.groups:
+        members = [states[i] for i in g.members]
+        if len(g.members) == 1:  # a long prefill piece, or a group of one: the single-sequence form
+            o, T, start = plan.offsets[g.members[0]], g.T, plan.starts[g.members[0]]
+            outs.append(fused.attend(m, members[0], q[o:o + T], k[o:o + T], v[o:o + T], start))
+        else:
+            outs.append(_attend_group(m, g, q, k, v, members, [plan.starts[i] for i in g.members]))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if plan.unpad is not None:
+        out = out.index_select(0, plan.unpad)
+    return fused.attention_output(f, out, q_gate, residual)
 
 
 @torch.inference_mode()
