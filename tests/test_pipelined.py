@@ -22,11 +22,13 @@ from shared.decoding.pipelined import decode_pipelined
 from shared.decoding.sampling import SamplingParams
 from shared.decoding.speculative import Stats, decode, generate
 from shared.decoding.target import TargetSession
-from shared.errors import FailedPrecondition
+from shared.errors import FailedPrecondition, NotFound
 from shared.model.checkpoint import hf_config, random_model
 from shared.model.loader import load_model
 from shared.model.tokenizer import load_tokenizer
 from shared.rpc.client import generate_client_driven, generate_on_server
+from shared.rpc.proxy import TcpProxy
+from shared.rpc.remote_drafter import RemoteDrafter
 from target_service import servicer as target_servicer
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
                               target_stub)
@@ -318,3 +320,81 @@ def test_speculative_propose_over_grpc(servers):
     stub.Revert(dpb.DraftServiceRevertRequest(session_id=sid, round_id="b"))
     again = stub.Propose(dpb.ProposeRequest(session_id=sid, round_id="b2", k=2, speculative=True))
     assert (again.assumed_next_token, list(again.draft_tokens)) == (spec.assumed_next_token, list(spec.draft_tokens))
+
+
+def test_draft_two_rounds_ahead_and_late_speculations():
+    """A speculation on top of a speculation (the open round's outcome confirming the first) equals the serial
+    proposal; one whose outcome does not confirm, or that comes before the first, or late on a newer round, is
+    refused and changes nothing."""
+    history = [1, 2, 3, 4, 5]
+    serial, piped = DraftSession(NOISY, history), DraftSession(NOISY, history)
+    serial.propose("a", 3)
+    piped.propose("a", 3)
+    early = DraftSession(NOISY, history)
+    early.propose("a", 3)
+    with pytest.raises(FailedPrecondition, match="no open round"):  # before the first speculation: refused
+        early.propose("c", 3, Outcome("a", 3, 0), speculative=True)
+    assert early.round.round_id == "a" and early.round.state == "proposed" and early.speculative is None
+    b = piped.propose("b", 3, None, speculative=True)
+    wrong = Outcome("a", 3, (b.guess + 1) % NOISY.config.vocab_size)
+    with pytest.raises(FailedPrecondition, match="no open round"):  # the outcome does not confirm b
+        piped.propose("c", 3, wrong, speculative=True)
+    with pytest.raises(FailedPrecondition, match="no open round"):  # nor does a partial accept
+        piped.propose("c", 3, Outcome("a", 2, b.guess), speculative=True)
+    assert piped.round.round_id == "a" and piped.speculative is b and b.state == "proposed"
+    c = piped.propose("c", 3, Outcome("a", 3, b.guess), speculative=True)
+    assert piped.round is b and piped.speculative is c
+    assert b.proposal.tokens == serial.propose("b", 3, Outcome("a", 3, b.guess)).proposal.tokens
+    assert c.proposal.tokens == serial.propose("c", 3, Outcome("b", 3, c.guess)).proposal.tokens
+    # a round proposed plainly after a miss; a speculation naming it by the outcome that opened it builds on it
+    opener = Outcome("c", 1, 7)
+    d = piped.propose("d", 2, opener)
+    assert piped.propose("e", 2, opener, speculative=True).guess is not None and piped.round is d
+    piped.propose("f", 2, Outcome("d", 0, 9))
+    with pytest.raises((FailedPrecondition, NotFound)):  # late: the open round is f now (c is forgotten)
+        piped.propose("g", 2, opener, speculative=True)
+    assert piped.round.round_id == "f" and piped.speculative is None
+
+
+@pytest.fixture
+def slow_draft(servers):
+    """The draft reached through a proxy adding 5 ms each way, so two speculations are in flight at once."""
+    proxy = TcpProxy([servers[1]])
+    proxy.delay_s = 0.005
+    yield proxy.address
+    proxy.close()
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_client_loop_two_speculations_in_flight(servers, slow_draft, k, monkeypatch):
+    """With a slow draft link the client asks for round r+2 before r+1's proposal is back; partial accepts and
+    wrong guesses occur; the tokens are target-only greedy's and the draft never counted as failed."""
+    t_addr, _, target = servers
+    sent, drafters = [], []
+    start_speculation = RemoteDrafter.speculate_async
+
+    def counting(self, k, after=None):
+        drafters.append(self)
+        answer = start_speculation(self, k, after)
+        sent.append((after, answer))
+        return answer
+
+    monkeypatch.setattr(RemoteDrafter, "speculate_async", counting)
+    expected = generate(target, PROMPT, 40, None, 0).token_ids
+    piped, _ = generate_client_driven(t_addr, slow_draft, PROMPT, "", 40, k, draft_timeout_s=10.0)
+    serial, _ = generate_client_driven(t_addr, slow_draft, PROMPT, "", 40, k, draft_timeout_s=10.0, pipeline=False)
+    assert piped.token_ids == serial.token_ids == expected
+    assert piped.stats.rounds == serial.stats.rounds and 0 < piped.stats.accepted < piped.stats.drafted
+    ahead = [answer.result() for after, answer in sent if after is not None]
+    assert any(ahead) and drafters[0].failures == 0  # rounds r+2 asked for without waiting for r+1
+
+
+def test_client_loop_sampled_equals_serial_seed_for_seed(servers, slow_draft):
+    """Sampled, the pipelined client loop (two speculations in flight) draws what the serial loop draws."""
+    t_addr, _, _ = servers
+    for seed in range(3):
+        s = SamplingParams(0.9, 0, 0.95, seed)
+        piped, _ = generate_client_driven(t_addr, slow_draft, PROMPT, "", 24, 3, s, draft_timeout_s=10.0)
+        serial, _ = generate_client_driven(t_addr, slow_draft, PROMPT, "", 24, 3, s, draft_timeout_s=10.0,
+                                           pipeline=False)
+        assert piped.token_ids == serial.token_ids, seed

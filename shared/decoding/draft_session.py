@@ -11,7 +11,10 @@ Pipelined rounds: `propose(..., speculative=True)` proposes the next round on to
 without committing it (the drafter's `speculate`), assuming every draft of the open round is
 accepted and followed by the draft's own guess. An outcome of the open round that matches makes
 the speculative round the open one; any other outcome drops it. An outcome may also name the
-speculative round: the open round then counts as fully accepted with the guess.
+speculative round: the open round then counts as fully accepted with the guess. A speculative
+proposal may carry again the outcome that opened the open round (already applied): it then builds on
+that round only, and is refused when a newer one is open, so a speculative call answered late (the
+caller did not wait for it) cannot land on a round it did not mean.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ class DraftRound:
     guess: int | None = None  # for a speculative round: the token assumed after the open round's drafts
     state: str = "proposed"  # proposed | committed | reverted | dropped
     outcome: Outcome | None = None
+    opened_by: Outcome | None = None  # the outcome that made it the open round
 
 
 class DraftSession:
@@ -70,13 +74,18 @@ class DraftSession:
                 return known
             if not 0 <= k <= MAX_DRAFT_TOKENS:
                 raise InvalidArgument(f"k = {k} is outside [0, {MAX_DRAFT_TOKENS}]", "k")
-            apply = previous is not None and self._check_outcome(previous, "previous")
+            repeat = previous is not None and self.round is not None and previous == self.round.opened_by
+            apply = previous is not None and not repeat and self._check_outcome(previous, "previous")
             opened = self.round is not None and self.round.state == "proposed"
             if apply:
                 opened = self._promotes(previous)  # type: ignore[arg-type]
             if speculative and not opened:
                 raise FailedPrecondition("no open round to propose on top of (after the previous outcome)",
                                          "speculative")
+            if speculative and previous is not None and not apply \
+                    and self.round.opened_by != previous:  # type: ignore[union-attr]
+                raise FailedPrecondition(f"round {previous.round_id!r} is not the round before the open one: a newer "
+                                         "round is open", "previous.round_id")
             if speculative and not apply and self.speculative is not None:
                 raise FailedPrecondition(f"round {self.speculative.round_id!r} is already proposed on top of the "
                                          "open round", "speculative")
@@ -90,7 +99,7 @@ class DraftSession:
                 self.speculative = DraftRound(round_id, k, previous, proposal, guess)
                 return self.speculative
             self._drop_speculative()
-            self.round = DraftRound(round_id, k, previous, self.drafter.propose(k))
+            self.round = DraftRound(round_id, k, previous, self.drafter.propose(k), opened_by=previous)
             return self.round
 
     def commit(self, outcome: Outcome) -> None:
@@ -144,6 +153,7 @@ class DraftSession:
         rnd.state, rnd.outcome = "committed", outcome  # type: ignore[union-attr]
         if promoted:
             self.earlier, self.round, self.speculative = rnd, self.speculative, None
+            self.round.opened_by = outcome  # type: ignore[union-attr]
         else:
             self._drop_speculative()
 

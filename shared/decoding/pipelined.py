@@ -10,12 +10,18 @@ Serial rounds leave each side idle while the other works and while messages cros
 
 While round r is verified, the drafter proposes round r+1 (`speculate`) as if r kept all its drafts
 and were followed by the draft's own guess of the next token; the target stages r+1 on top of r
-(`verify(..., parent=r, guess=g)`) before r is committed. When r's verdict matches (every draft
-kept, the next token equal to the guess) r+1 is already verified and the draft is already
-speculating r+2; otherwise the target and the draft drop r+1 and the next round is an ordinary
-one. Either way the committed tokens are those of the serial loop (`speculative.decode`): a kept
-round r+1 is exactly the round the serial loop would have run, its random draws keyed by the
+(`verify(..., parent=r, guess=g)`) as soon as the proposal arrives, before r is committed. When r's
+verdict matches (every draft kept, the next token equal to the guess) r+1 is already verified and the
+draft is already speculating r+2; otherwise the target and the draft drop r+1 and the next round is an
+ordinary one. Either way the committed tokens are those of the serial loop (`speculative.decode`): a
+kept round r+1 is exactly the round the serial loop would have run, its random draws keyed by the
 same positions. The drafter must offer `speculate(k) -> (guess, Proposal) | None`.
+
+A remote drafter (`speculate_async`) works two rounds ahead: as soon as r's verdict keeps every
+draft, the request for r+2 leaves, carrying r's outcome, without waiting for r+1's proposal to come
+back; so with a network delay d the draft's round trip (2d plus its forwards) overlaps the target's
+verify instead of adding to it each round. The draft refuses r+2 when r's outcome does not confirm
+r+1, and nothing changes.
 
 Target and draft calls overlap through a small thread pool; each call carries the caller's
 context, so RPC spans stay in the generation's trace.
@@ -55,7 +61,7 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
     if len(out) >= max_new_tokens or (out and out[-1] in eos):
         return
     names = (f"p{n}" for n in range(1 << 62))
-    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="pipeline") as pool:
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="pipeline") as pool:
         def submit(fn, *args, span: Span | None = None) -> Future:
             """Run `fn` in the pool, in this context (under `span` when given: its RPC spans become its children)."""
             def call():
@@ -69,15 +75,23 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
             name, base = next(names), session.version
             return _Planned(name, base, proposal, submit(session.verify, name, proposal.tokens, base, proposal.probs))
 
-        def chain(parent: _Planned, guess: int, proposal: Proposal) -> _Planned:
-            name = next(names)
-            return _Planned(name, parent.base + 1, proposal, submit(_verify_chained, session, name, proposal,
-                                                                   parent.base + 1, parent.round_id, guess), guess)
+        def speculate(parent: Future, k: int, after: tuple[int, int] | None = None,
+                      parent_committed: Future | None = None) -> Future | None:
+            """The round after `parent` (a future of its `_Planned`) if it keeps every draft: its proposal requested
+            now, then verified on top of `parent` as soon as both are in (a future of `_Planned`, or of None)."""
+            guessed = _start_speculation(drafter, k, after)
+            if guessed is None:
+                return None
+            return submit(_chain, session, next(names), parent, guessed, parent_committed, submit)
+
+        def k_after(room: int, parent_k: int) -> int:
+            return min(num_draft_tokens, room - parent_k - 2)
 
         t = time.perf_counter()
         cur = plan(drafter.propose(min(num_draft_tokens, max_new_tokens - len(out) - 1)))
         propose_s = time.perf_counter() - t
-        ahead: _Planned | None = None  # round cur+1, speculated and sent to the target
+        ahead: Future | None = None  # round cur+1: speculated, then staged on cur at the target
+        ahead_k = 0  # draft tokens requested for it
         while True:
             with tracer.start_as_current_span("round") as span:
                 traced = span.is_recording()
@@ -86,7 +100,8 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                 t0 = time.perf_counter()
                 if ahead is None:  # speculate the next round while this one is verified
                     with tracer.start_as_current_span("propose"):
-                        ahead = _speculate(drafter, cur, room, num_draft_tokens, chain)
+                        ahead_k = k_after(room, len(cur.proposal.tokens))
+                        ahead = speculate(_done(cur), ahead_k) if ahead_k >= 1 else None
                 t1 = time.perf_counter()
                 with tracer.start_as_current_span("verify") as phase:
                     rnd: Round = cur.verifying.result()
@@ -99,16 +114,25 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                 keep = next((i for i, token in enumerate(drafts[:rnd.verdict.accepted]) if token in eos),
                             rnd.verdict.accepted)  # stop at an accepted EOS
                 next_token = rnd.verdict.next_token if keep == rnd.verdict.accepted else drafts[keep]
-                kept = ahead is not None and keep == len(drafts) and next_token == ahead.guess
-                drafter.advance(keep, next_token)  # keeps the draft's speculation or drops it
                 commit_span = tracer.start_span("commit")  # open until the commit returns, around the next propose
                 committing = submit(session.commit, cur.round_id, keep, span=commit_span)
                 room_after = room - keep - 1
                 t3 = time.perf_counter()
                 with tracer.start_as_current_span("propose"):
-                    if kept:  # speculate the round after `ahead` while the target verifies it
-                        following = _speculate(drafter, ahead, room_after, num_draft_tokens)  # type: ignore[arg-type]
-                    elif room_after > 0 and next_token not in eos:
+                    following = None  # round cur+2, requested before cur+1's proposal is back (a remote drafter)
+                    full = ahead is not None and keep == len(drafts) and next_token not in eos
+                    following_k = k_after(room_after, ahead_k)
+                    if full and hasattr(drafter, "speculate_async") and following_k >= 1:
+                        following = speculate(ahead, following_k, (keep, next_token), committing)  # type: ignore
+                    # its proposal, when it could be kept (else it is not waited for)
+                    planned: _Planned | None = ahead.result() if ahead is not None and keep == len(drafts) else None
+                    kept = planned is not None and next_token == planned.guess
+                    drafter.advance(keep, next_token)  # keeps the draft's speculation or drops it
+                    if kept and following is None:
+                        following_k = k_after(room_after, len(planned.proposal.tokens))  # type: ignore[union-attr]
+                        if following_k >= 1:
+                            following = speculate(_done(planned), following_k, None, committing)
+                    elif not kept and room_after > 0 and next_token not in eos:
                         proposal = drafter.propose(min(num_draft_tokens, room_after - 1))
                 t4 = time.perf_counter()
                 with use_span(commit_span, end_on_exit=True):
@@ -131,27 +155,53 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
             if len(out) >= max_new_tokens or out[-1] in eos:
                 return
             propose_s = 0.0
-            if kept:  # `ahead` becomes the current round; its verify may have been refused: then run it plainly
-                cur = ahead  # type: ignore[assignment]
+            if kept:  # cur+1 becomes the current round; its verify may have been refused: then run it plainly
+                cur = planned  # type: ignore[assignment]
                 cur.verifying = _or_verify(cur, session, submit)
-                ahead = None
-                if following is not None:
-                    ahead = chain(cur, *following)
+                ahead, ahead_k = following, following_k
             else:
                 cur, ahead = plan(proposal), None
 
 
-def _speculate(drafter: Drafter, parent: _Planned, room: int, num_draft_tokens: int, chain=None):
-    """The round after `parent` if it keeps every draft: sent to the target chained on `parent` when `chain` is
-    given, else returned as (guess, proposal) for the caller to chain later; None when there is no room."""
-    k = min(num_draft_tokens, room - len(parent.proposal.tokens) - 2)
+def _done(value) -> Future:
+    done: Future = Future()
+    done.set_result(value)
+    return done
+
+
+def _start_speculation(drafter: Drafter, k: int, after: tuple[int, int] | None) -> Future | None:
+    """A future of (guess, proposal) | None: sent at once by a remote drafter, computed here by an in-process one."""
+    if k < 1:
+        return None
+    if hasattr(drafter, "speculate_async"):
+        return drafter.speculate_async(k, after)
     speculate = getattr(drafter, "speculate", None)
-    if k < 1 or speculate is None:
+    if speculate is None or after is not None:
         return None
-    guessed = speculate(k)
-    if guessed is None:
+    return _done(speculate(k))
+
+
+def _chain(session: Session, round_id: str, parent: Future, guessed: Future, parent_committed: Future | None,
+           submit) -> _Planned | None:
+    """Once the draft's proposal is in: the round, its verify on top of the parent in flight (None when there is
+    no proposal)."""
+    spec, planned = guessed.result(), parent.result()
+    if spec is None or planned is None:
         return None
-    return guessed if chain is None else chain(parent, *guessed)
+    guess, proposal = spec
+    return _Planned(round_id, planned.base + 1, proposal,
+                    submit(_verify_on, session, round_id, proposal, planned, guess, parent_committed), guess)
+
+
+def _verify_on(session: Session, round_id: str, proposal: Proposal, parent: _Planned, guess: int,
+               parent_committed: Future | None) -> Round | None:
+    """Verify on top of `parent` once its verdict is in; None when the verdict already contradicts the guess."""
+    rnd = parent.verifying.result()
+    if rnd is None or rnd.verdict.accepted < len(rnd.drafts) or rnd.verdict.next_token != guess:
+        return None
+    if parent_committed is not None:  # the parent must be the pending round, not still chained on its own parent
+        parent_committed.result()
+    return _verify_chained(session, round_id, proposal, parent.base + 1, parent.round_id, guess)
 
 
 def _verify_chained(session: Session, round_id: str, proposal: Proposal, base: int, parent: str,
@@ -165,9 +215,6 @@ def _verify_chained(session: Session, round_id: str, proposal: Proposal, base: i
 
 def _or_verify(planned: _Planned, session: Session, submit) -> Future:
     """The chained verify's round, or, when it was refused, the same round verified on the new head."""
-    rnd = planned.verifying.result()
-    if rnd is not None:
-        done: Future = Future()
-        done.set_result(rnd)
-        return done
+    if planned.verifying.result() is not None:
+        return planned.verifying
     return submit(session.verify, planned.round_id, planned.proposal.tokens, planned.base, planned.proposal.probs)

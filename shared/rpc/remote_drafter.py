@@ -8,16 +8,26 @@ this class keeps, so speculation resumes exactly where the sequence is.
 
 Each round costs one Propose: it carries the previous round's outcome.
 
-Pipelined rounds (`speculate`): a speculative Propose asks the peer for the next round on top of
-the open one, as if the open round kept every draft and were followed by the peer's guess (returned
+Pipelined rounds (`speculate_async`): a speculative Propose asks the peer for the next round on top
+of the open one, as if the open round kept every draft and were followed by the peer's guess (returned
 with the proposal). `advance` makes it the open round when the outcome matches; the outcome then
-travels with the next Propose, which the peer reads as confirming the speculation. A failed
-speculation costs only the pipelining: it is handled like a failed Propose.
+travels with the next Propose, which the peer reads as confirming the speculation. The draft works
+two rounds ahead: `speculate_async(k, after=(a, t))` asks, before the first speculation is answered,
+for the round after it, carrying the open round's outcome (a, t): the peer applies it, and when it
+confirms the first speculation, proposes on top of it; otherwise it refuses and changes nothing.
+Requests leave in call order without waiting for replies (at most two speculations in flight). A
+speculation no longer wanted is not waited for when it carries the outcome that opened its round
+(the peer then refuses it if it arrives after a newer round); a normal Propose waits only for the
+others, so no late speculation lands on a newer round. A refused speculation costs only the
+pipelining; a failed one is handled like a failed Propose.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -34,12 +44,27 @@ class MalformedProposal(ValueError):
     """The draft answered something no honest draft would."""
 
 
+@dataclass
+class _Speculation:
+    """A speculative Propose sent to the peer; `done` resolves to (guess, proposal), or None when refused or failed."""
+
+    round_id: str
+    delivers: draft_service_pb2.RoundOutcome | None  # the outcome it carried
+    guarded: bool  # it names its round (by the outcome that opened it): the peer refuses it late, no wait needed
+    abandoned: bool = False  # no longer wanted
+    done: Future = field(default_factory=Future)
+    answered: bool = False  # the peer accepted it (and applied `delivers`)
+    guess: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
 class RemoteDrafter:
     def __init__(self, stub: draft_service_pb2_grpc.DraftServiceStub, sampling: SamplingParams, vocab_size: int,
                  timeout_s: float = 1.0, deadline: float | None = None, max_backoff_rounds: int = 32) -> None:
         self.stub, self.sampling, self.vocab_size = stub, sampling, vocab_size
         self.timeout_s, self.deadline, self.max_backoff_rounds = timeout_s, deadline, max_backoff_rounds
         self.failures = 0  # rounds in which the peer failed
+        self.lock = threading.RLock()  # replies are folded in on gRPC's threads
         self.start([])
 
     def start(self, prompt_ids: list[int]) -> None:
@@ -49,12 +74,18 @@ class RemoteDrafter:
         self.round_id: str | None = None  # this round's proposal, when the peer made one
         self.proposed: list[int] = []
         self.previous: draft_service_pb2.RoundOutcome | None = None
-        self.speculation: tuple[str, int, list[int]] | None = None  # (round id, guess, tokens) on the open round
+        self.opened_by: draft_service_pb2.RoundOutcome | None = None  # the outcome the open round was proposed with
+        self.speculations: list[_Speculation] = []  # sent on top of the open round, each on the one before
+        self.abandoned: list[_Speculation] = []  # in flight, no longer wanted: answered before the next Propose
         self.skip = self.consecutive_failures = 0
 
     def propose(self, k: int) -> Proposal:
+        for spec in [*self.abandoned, *self.speculations]:  # a late speculation must not land on the new round
+            if not spec.guarded:
+                spec.done.result()
+        self.abandoned, self.speculations = [], []
         self.rounds += 1
-        self.round_id, self.proposed, self.speculation = None, [], None
+        self.round_id, self.proposed = None, []
         timeout = self._timeout()
         if k == 0 or self.skip or timeout <= 0:
             self.skip = max(0, self.skip - 1)
@@ -74,38 +105,82 @@ class RemoteDrafter:
             self._failed(e)
             return Proposal([])
         self.consecutive_failures = 0
-        self.round_id, self.proposed, self.previous = round_id, proposal.tokens, None  # the outcome is folded in
+        self.round_id, self.proposed = round_id, proposal.tokens
+        self.opened_by, self.previous = self.previous, None  # the outcome is folded in
         return proposal
 
     def speculate(self, k: int) -> tuple[int, Proposal] | None:
         """The next round's proposal if the open one keeps every draft, and the token the peer assumes after them."""
-        timeout = self._timeout()
-        if k == 0 or self.session_id is None or self.round_id is None or timeout <= 0:
-            return None
-        self.rounds += 1
-        round_id = f"r{self.rounds}"
-        try:
-            reply = self.stub.Propose(draft_service_pb2.ProposeRequest(
-                session_id=self.session_id, round_id=round_id, k=k, previous=self.previous, speculative=True),
+        return self.speculate_async(k).result()
+
+    def speculate_async(self, k: int, after: tuple[int, int] | None = None) -> Future:
+        """Send a speculative Propose now; a future of (guess, proposal), or None. Without `after`: the round on
+        top of the open one. With `after` = (accepted, next token) of the open round, while the first speculation
+        is unanswered: the round on top of that speculation, if the outcome confirms it."""
+        with self.lock:
+            self.speculations = [s for s in self.speculations if not s.done.done() or s.answered]
+            timeout = self._timeout()
+            if (k == 0 or self.session_id is None or self.round_id is None or timeout <= 0
+                    or len(self.speculations) != (0 if after is None else 1)):
+                done: Future = Future()
+                done.set_result(None)
+                return done
+            self.rounds += 1
+            previous = draft_service_pb2.RoundOutcome(round_id=self.round_id, accepted=after[0], next_token=after[1]) \
+                if after is not None else self.opened_by if self.previous is None else self.previous
+            spec = _Speculation(f"r{self.rounds}", previous, after is None and previous is not None)
+            self.speculations.append(spec)
+            call = self.stub.Propose.future(draft_service_pb2.ProposeRequest(
+                session_id=self.session_id, round_id=spec.round_id, k=k, previous=previous, speculative=True),
                 timeout=timeout)
+        call.add_done_callback(lambda c: self._answered(spec, c, k))
+        return spec.done
+
+    def _answered(self, spec: _Speculation, call, k: int) -> None:
+        result = None
+        try:
+            reply = call.result()
             proposal = self._check(reply, k)
             if not reply.HasField("assumed_next_token") or reply.assumed_next_token >= self.vocab_size:
                 raise MalformedProposal("a speculative proposal without a valid assumed next token")
-        except (grpc.RpcError, MalformedProposal) as e:
-            self._failed(e)
-            return None
-        self.consecutive_failures = 0
-        self.previous = None
-        self.speculation = (round_id, reply.assumed_next_token, proposal.tokens)
-        return reply.assumed_next_token, proposal
+        except grpc.RpcError as e:
+            # refused (the outcome did not confirm the round below, or it came after a newer round): nothing
+            # changed on the peer; the answer to a speculation no longer wanted does not matter
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION and not spec.abandoned:
+                with self.lock:
+                    self._failed(e)
+        except MalformedProposal as e:
+            with self.lock:
+                self._failed(e)
+        else:
+            with self.lock:
+                self.consecutive_failures = 0
+                spec.answered, spec.guess, spec.tokens = True, reply.assumed_next_token, proposal.tokens
+                if self.previous == spec.delivers:
+                    self.previous = None  # the peer applied it
+            result = (reply.assumed_next_token, proposal)
+        spec.done.set_result(result)
 
     def advance(self, accepted: int, next_token: int) -> None:
-        self.history += [*self.proposed[:accepted], next_token]
-        self.previous = (draft_service_pb2.RoundOutcome(round_id=self.round_id, accepted=accepted,
-                                                         next_token=next_token) if self.round_id else None)
-        spec, self.speculation = self.speculation, None
-        if spec is not None and accepted == len(self.proposed) and next_token == spec[1]:
-            self.round_id, self.proposed = spec[0], spec[2]  # the peer's speculation is the open round now
+        """The open round's outcome. Call it once its first speculation, if any, is answered, unless the outcome
+        keeps fewer than all drafts (the speculation is dropped then)."""
+        with self.lock:
+            self.history += [*self.proposed[:accepted], next_token]
+            outcome = (draft_service_pb2.RoundOutcome(round_id=self.round_id, accepted=accepted, next_token=next_token)
+                       if self.round_id else None)
+            first = self.speculations[0] if self.speculations else None
+            if first is not None and first.answered and accepted == len(self.proposed) and next_token == first.guess:
+                self.round_id, self.proposed = first.round_id, first.tokens  # the peer's speculation is the open round
+                self.opened_by = outcome
+                self.speculations.pop(0)
+                second = self.speculations[0] if self.speculations else None
+                self.previous = None if second is not None and second.answered else outcome  # else still to deliver
+            else:
+                self.previous = outcome
+                for spec in self.speculations:
+                    spec.abandoned = True
+                self.abandoned += [s for s in self.speculations if not s.done.done()]
+                self.speculations = []
 
     def _failed(self, e: Exception) -> None:
         self.failures += 1

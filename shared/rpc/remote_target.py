@@ -18,6 +18,7 @@ Once its parent is committed, its commit goes through the usual retries.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -51,6 +52,7 @@ class RemoteTargetSession:
         self._in_flight: tuple[str, list[int], Tensor | None] | None = None  # the round verified, not yet committed
         self._round: Round | None = None
         self._chained: dict[str, tuple[Round, tuple[str, list[int], Tensor | None]]] = {}  # pipelined, by round id
+        self._lock = threading.Lock()
         self._call(lambda: None)  # opens the session, with the usual retries
         self.prompt_len = len(self.tokens)
         self.vocab_size: int = self._created.vocab_size
@@ -80,13 +82,16 @@ class RemoteTargetSession:
                                      f"{e.details()}", "parent_round_id") from None
         rnd = Round(round_id, base_version or 0, tuple(drafts), Verdict(reply.accepted, reply.next_token),
                     reply.round.staged_bytes, hidden=torch.empty(0), parent=parent, guess=guess)
-        recent = dict(list(self._chained.items())[-3:])  # older ones were dropped: forget them
-        self._chained = {**recent, round_id: (rnd, (round_id, list(drafts), draft_probs))}
+        with self._lock:  # a chained verify may return while the loop commits
+            recent = dict(list(self._chained.items())[-3:])  # older ones were dropped: forget them
+            self._chained = {**recent, round_id: (rnd, (round_id, list(drafts), draft_probs))}
         return rnd
 
     def commit(self, round_id: str, accepted: int) -> int:
-        if round_id in self._chained:  # a pipelined round whose parent is committed: it is the round in flight now
-            self._round, self._in_flight = self._chained.pop(round_id)
+        with self._lock:
+            chained = self._chained.pop(round_id, None)
+        if chained is not None:  # a pipelined round whose parent is committed: it is the round in flight now
+            self._round, self._in_flight = chained
         reply = self._call(lambda: self.stub.Commit(pb.CommitRequest(
             session_id=self.session_id, round_id=round_id,
             accepted=min(accepted, self._round.verdict.accepted)), **self._opts()))  # type: ignore[union-attr]
