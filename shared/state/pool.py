@@ -15,12 +15,14 @@ leading slot axis, and leaves the rest of the budget to K/V:
   refused pass changes nothing and the session goes on once other sessions free memory;
 - a slot and its K/V come back when the `ModelState` holding them is garbage (`weakref.finalize`):
   closing, expiring or finishing a session drops its last reference, and only then can no late call
-  still write the slot. Admission that finds the pool full collects reference cycles once first.
+  still write the slot. Admission that finds the pool full first collects reference cycles (at most
+  once a second).
 """
 from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 MIN_CONTEXT = 256  # the smallest K/V capacity a session asks for (TargetSession, ModelDrafter: max(256, 2 x prompt))
 FIELD = "state_memory"  # what a refusal names (QuotaFailure subject)
+COLLECT_INTERVAL_S = 1.0  # a full pool collects reference cycles at most this often (a flood of refusals costs no more)
 
 
 def gdn_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -87,6 +90,7 @@ class StatePool:
                             for name, (shape, kind) in shapes.items()}
         self._free = list(range(self.slots - 1, -1, -1))  # popped from the end: lowest index first
         self._lock = threading.RLock()  # re-entrant: a finalizer may run inside, on a collection
+        self._collected = -COLLECT_INTERVAL_S  # when a full pool last collected garbage
 
     @property
     def in_use(self) -> int:
@@ -108,9 +112,10 @@ class StatePool:
 
     def _admit(self, capacity: int) -> Lease:
         cost = capacity * self.kv_per_position
+        if not self._room(cost) and time.monotonic() - self._collected >= COLLECT_INTERVAL_S:
+            self._collected = time.monotonic()
+            gc.collect()  # states dropped inside reference cycles (an exception's traceback) return now
         with self._lock:
-            if not self._room(cost):
-                gc.collect()  # states dropped inside reference cycles (an exception's traceback) return now
             if not self._room(cost):
                 raise ResourceExhausted(
                     f"the state memory budget ({mib(self.budget)}) is taken: {self.in_use} of {self.slots} session "
