@@ -38,7 +38,9 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
 
     def load(self) -> None:
         self.model = self._load()
-        attach_pool(self.model, server_pool(self.model, self.limits))  # session states in slots, within the budget
+        pool = server_pool(self.model, self.limits)  # session states in slots, within the budget
+        attach_pool(self.model, pool)
+        self.telemetry.metrics.watch_state_pool(pool)
         if self.batching is not None and self.batching.max_batch > 1:  # concurrent proposals' steps run together
             self.model = BatchedModel(self.model, self.batching, self.telemetry.metrics.batch)  # type: ignore[assignment]
 

@@ -65,7 +65,9 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
 
     def load(self) -> None:
         self.model, self.tokenizer = self._load()
-        attach_pool(self.model, server_pool(self.model, self.limits))  # session states in slots, within the budget
+        pool = server_pool(self.model, self.limits)  # session states in slots, within the budget
+        attach_pool(self.model, pool)
+        self.metrics.watch_state_pool(pool)
         if self.batching is not None and self.batching.max_batch > 1:  # concurrent sessions' passes run together
             self.model = BatchedModel(self.model, self.batching, self.metrics.batch)  # type: ignore[assignment]
         self.vocab_size = self.model.config.vocab_size

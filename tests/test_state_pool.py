@@ -33,6 +33,7 @@ from shared.model.hybrid import HybridLM
 from shared.model.loader import load_model
 from shared.state.pool import MIN_CONTEXT, StatePool, attach, gdn_bytes, kv_bytes_per_position
 from shared.state.rollback import GDNStates, ModelState
+from shared.telemetry.metrics import Metrics
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
                               target_service, target_stub)
 
@@ -104,6 +105,26 @@ def test_slots_are_independent_and_come_back_zeroed():
     again = pool.new_state()
     assert again.attn[0].lease.index == index
     assert all(not t.any() for t in buffers(again).values())
+
+
+def test_pool_metrics_follow_admissions_releases_and_refusals():
+    _, pool = pooled(PLAIN, sessions=2)
+    metrics = Metrics()
+    metrics.watch_state_pool(pool)
+
+    def value(name: str) -> float | None:
+        return metrics.registry.get_sample_value(name)
+
+    assert (value("deltaspec_state_slots"), value("deltaspec_state_slots_in_use")) == (2, 0)
+    assert (value("deltaspec_state_memory_used_bytes"), value("deltaspec_state_memory_budget_bytes")) == (0, pool.budget)
+    first, _ = pool.new_state(), pool.new_state()
+    with pytest.raises(ResourceExhausted):
+        pool.new_state()
+    assert value("deltaspec_state_memory_used_bytes") == pool.budget == 2 * pool.session_bytes(MIN_CONTEXT)
+    assert (value("deltaspec_state_slots_in_use"), value("deltaspec_state_memory_refusals_total")) == (2, 1)
+    del first
+    assert value("deltaspec_state_slots_in_use") == 1
+    assert value("deltaspec_state_memory_used_bytes") == pool.session_bytes(MIN_CONTEXT)
 
 
 def test_pooled_state_stages_commits_marks_and_grows_as_an_unpooled_one():

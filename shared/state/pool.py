@@ -84,6 +84,7 @@ class StatePool:
                              f"({mib(self.gdn_bytes)} of GDN state + K/V for {MIN_CONTEXT} positions)")
         self.kv_budget = budget - self.slots * self.gdn_bytes
         self.kv_used = 0
+        self.refusals = 0  # admissions and growths refused (a metric)
         shapes = GDNStates.buffers(config, config.layer_types.count("linear_attention"), dtype)
         with torch.inference_mode(False):  # normal tensors: a slot is zeroed outside inference mode
             self.tensors = {name: torch.empty(self.slots, *shape, device=device, dtype=kind)
@@ -117,6 +118,7 @@ class StatePool:
             gc.collect()  # states dropped inside reference cycles (an exception's traceback) return now
         with self._lock:
             if not self._room(cost):
+                self.refusals += 1
                 raise ResourceExhausted(
                     f"the state memory budget ({mib(self.budget)}) is taken: {self.in_use} of {self.slots} session "
                     f"slots in use, {mib(self.kv_used)} of {mib(self.kv_budget)} of attention K/V; a session takes "
@@ -135,6 +137,7 @@ class StatePool:
             free = self.kv_budget - self.kv_used
             target = min(preferred, lease.capacity + free // self.kv_per_position)
             if target < needed:
+                self.refusals += 1
                 raise ResourceExhausted(
                     f"attention K/V for {needed} positions needs "
                     f"{mib((needed - lease.capacity) * self.kv_per_position)} more, and the state memory budget "

@@ -10,7 +10,10 @@ Rounds: `deltaspec_round_{propose,verify,commit}_seconds` histograms, `deltaspec
 `deltaspec_time_to_first_token_seconds`, `deltaspec_time_per_output_token_seconds`. Sessions:
 `deltaspec_sessions` (live) and `deltaspec_sessions_expired_total`. Batching (`shared.decoding.batcher`):
 `deltaspec_batch_size` (sequences per forward pass), `deltaspec_batch_tokens`, `deltaspec_batch_wait_seconds`
-(how long a pass's first call waited for others) and `deltaspec_batch_pass_seconds`.
+(how long a pass's first call waited for others) and `deltaspec_batch_pass_seconds`. Session state
+(`shared.state.pool`): `deltaspec_state_memory_budget_bytes`, `deltaspec_state_memory_used_bytes` (GDN slots in
+use and attention K/V), `deltaspec_state_slots`, `deltaspec_state_slots_in_use` and
+`deltaspec_state_memory_refusals_total` (admissions and K/V growths refused for want of memory).
 """
 from __future__ import annotations
 
@@ -92,6 +95,10 @@ class Metrics:
         """Live and expired sessions, read from session tables (`len()`, `.expired`) at scrape time."""
         self.registry.register(_SessionCollector(list(tables)))
 
+    def watch_state_pool(self, pool) -> None:
+        """A `shared.state.pool.StatePool`'s budget, use and refusals, read at scrape time."""
+        self.registry.register(_StatePoolCollector(pool))
+
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """`/metrics` over HTTP on a daemon thread; returns the bound port (0 picks one)."""
         httpd, _ = start_http_server(port, host, registry=self.registry)
@@ -108,6 +115,27 @@ class _SessionCollector:
         expired = CounterMetricFamily("deltaspec_sessions_expired", "Sessions closed by the idle timeout")
         expired.add_metric([], sum(t.expired for t in self.tables))
         return [live, expired]
+
+    def describe(self):
+        return []
+
+
+class _StatePoolCollector:
+    def __init__(self, pool) -> None:
+        self.pool = pool
+
+    def collect(self):
+        pool = self.pool
+        gauges = {"deltaspec_state_memory_budget_bytes": ("Session state memory budget (GDN slots + attention K/V)",
+                                                          pool.budget),
+                  "deltaspec_state_memory_used_bytes": ("Session state memory in use (GDN slots in use + K/V)",
+                                                        pool.in_use * pool.gdn_bytes + pool.kv_used),
+                  "deltaspec_state_slots": ("Session state slots", pool.slots),
+                  "deltaspec_state_slots_in_use": ("Session state slots in use", pool.in_use)}
+        refused = CounterMetricFamily("deltaspec_state_memory_refusals",
+                                      "Admissions and K/V growths refused for want of state memory")
+        refused.add_metric([], pool.refusals)
+        return [GaugeMetricFamily(name, text, value=value) for name, (text, value) in gauges.items()] + [refused]
 
     def describe(self):
         return []
