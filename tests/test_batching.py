@@ -327,15 +327,16 @@ def in_one_batch(model: BatchedModel, calls: list[tuple[Tensor, ModelState]], mo
 
 def test_failing_item_fails_alone(monkeypatch):
     """An item whose ids leave the vocabulary fails in its own caller when batched with others (and one with
-    no ids at once): its own error, its state unchanged; the neighbours get what single calls give, and the
-    failed session goes on, batched again, as if the call had never been made."""
+    no ids at once): its own error, its state unchanged (the round it had staged included); the neighbours get
+    what single calls give, and the failed session goes on, batched again, as if the call had never been made."""
     good = [Item(5, 3), Item(12, 1), Item(0, 7), Item(3, 2, staged=2)]
-    singles = [prepared(TARGET, item, seed) for seed, item in enumerate(good)] + [prepared(TARGET, Item(4, 1), 90)]
+    failing = Item(4, 1, staged=2)  # a round staged already: the refusal must keep it
+    singles = [prepared(TARGET, item, seed) for seed, item in enumerate(good)] + [prepared(TARGET, failing, 90)]
     want = [TARGET(ids, state) for ids, state in singles[:-1]]
     config = BatchConfig(max_batch=8, max_wait_ms=5.0)
     with closing(BatchedModel(TARGET, config)) as model:
         calls = [prepared(TARGET, item, seed, model) for seed, item in enumerate(good)]
-        bad_state = prepared(TARGET, Item(4, 1), 90, model)[1]
+        bad_state = prepared(TARGET, failing, 90, model)[1]
         calls.append((torch.tensor([1, CFG["vocab_size"], 2]), bad_state))
         results = in_one_batch(model, calls, monkeypatch)
         assert model.stats.largest >= len(calls), model.stats  # the failing item was batched with the others
@@ -356,24 +357,25 @@ def test_failing_item_fails_alone(monkeypatch):
 
 def test_state_over_its_memory_budget_fails_alone(monkeypatch):
     """In a pooled model whose budget is all taken, a pass that would grow its sequence's K/V is refused
-    (RESOURCE_EXHAUSTED) in its own caller, its state unchanged, while its batch neighbours run; once another
-    session ends, the same call goes through with the single call's result."""
+    (RESOURCE_EXHAUSTED) in its own caller, its state unchanged (its staged round kept), while its batch
+    neighbours run; once another session ends, the same call goes through with the single call's result."""
     pooled = random_model(CFG, seed=21).fuse()  # TARGET's weights, with a pool of its own
     good = [Item(5, 3), Item(12, 1)]
+    over = Item(248, 10, staged=2)  # 260 positions, paid for 256 with nothing left; a round staged already
     cfg = pooled.config
     attach(pooled, StatePool(cfg, 3 * (gdn_bytes(cfg, pooled.dtype) + 256 * kv_bytes_per_position(cfg, pooled.dtype))))
-    singles = [prepared(TARGET, item, seed) for seed, item in enumerate(good)] + [prepared(TARGET, Item(250, 10), 7)]
+    singles = [prepared(TARGET, item, seed) for seed, item in enumerate(good)] + [prepared(TARGET, over, 7)]
     want = [TARGET(ids, state) for ids, state in singles]
     with closing(BatchedModel(pooled, BatchConfig(max_batch=8, max_wait_ms=5.0))) as model:
         calls = [prepared(pooled, item, seed, model) for seed, item in enumerate(good)]
-        calls.append(prepared(pooled, Item(250, 10), 7, model))  # 260 positions, paid for 256, nothing left
+        calls.append(prepared(pooled, over, 7, model))
         with pytest.raises(ResourceExhausted):
             model.new_state()
         results = in_one_batch(model, calls, monkeypatch)
         assert model.stats.largest >= len(calls), model.stats
         assert_same_outputs(results[:-1], want[:-1])
         assert isinstance(results[-1], ResourceExhausted) and results[-1].field == "state_memory", results[-1]
-        untouched = prepared(TARGET, Item(250, 10), 7)[1]
+        untouched = prepared(TARGET, over, 7)[1]
         assert_same_state(calls[-1][1], untouched)
         del calls[0], results  # a session ends: its slot and K/V return (once the refusal's traceback is collected)
         gc.collect()
@@ -381,8 +383,6 @@ def test_state_over_its_memory_budget_fails_alone(monkeypatch):
         assert_same_state(calls[-1][1], singles[-1][1])
 
 
-@pytest.mark.xfail(strict=True, reason="BatchedModel checks a long input piece by piece: the pieces before the bad "
-                   "one stay staged when the call fails (reported to the lead)")
 def test_long_input_failing_in_a_later_piece_changes_nothing():
     """A prompt run in pieces whose bad id sits in its second piece is refused whole, as one unbatched call
     refuses it: the first piece must not stay staged."""

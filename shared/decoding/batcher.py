@@ -11,10 +11,14 @@ Policy:
   call arrived, whichever comes first.
 - Calls are served first come, first served; a batch takes at most `max_batch` of them, so a call
   waits at most (calls ahead of it) / max_batch batches: no session starves.
-- A long input (a prompt) runs `prefill_chunk` tokens per batch and goes to the back of the queue
-  between pieces, so decoding sessions keep making rounds while it prefills.
-- A call that fails fails alone: the batch is run again one call at a time (the batched pass
-  checks its input before staging anything, so the retry starts from unchanged states).
+- A long input (a prompt staged from the head) runs `prefill_chunk` tokens per batch and goes to the
+  back of the queue between pieces, so decoding sessions keep making rounds while it prefills. Its
+  ids are checked whole first: a bad one refuses the call before any piece is staged.
+- A call that fails fails alone, and never hands back a result computed from a failed pass's
+  leftovers. The batched pass checks its input before it stages anything; should it still fail
+  midway (out of memory), each call's staging is put back where the pass found it (from the head:
+  nothing to put back; from a pipelined round's mark: the snapshot) and the call runs alone; a call
+  whose earlier staging cannot be put back gets the error, its staging dropped to the head.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from shared.model.batched import forward_batch
+from shared.errors import ResourceExhausted
+from shared.model.batched import BatchRefused, forward_batch
 from shared.model.hybrid import HybridLM
 from shared.state.rollback import ModelState
 
@@ -48,6 +53,7 @@ class BatchConfig:
 class _Call:
     ids: Tensor
     state: ModelState
+    staged: int  # the state's staged tokens when the call arrived
     queued_at: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     fed: int = 0  # tokens already run (prefill pieces)
@@ -56,7 +62,8 @@ class _Call:
     error: BaseException | None = None
 
     def piece(self, chunk: int) -> Tensor:
-        return self.ids[self.fed:self.fed + chunk]
+        """The next tokens to run: a piece of a prompt staged from the head, else everything."""
+        return self.ids[self.fed:self.fed + chunk] if not self.staged else self.ids
 
 
 @dataclass
@@ -68,6 +75,17 @@ class BatchStats:
     @property
     def mean_batch(self) -> float:
         return self.items / self.batches if self.batches else 0.0
+
+
+def _restore(state: ModelState, staged: int) -> bool:
+    """Put a state's staging back to `staged` tokens after a pass over it failed (its last layers may have
+    overwritten the staged state); False when that cannot be done exactly: then all staging is dropped."""
+    if staged and state.marked == staged:  # a pipelined round's parent: its snapshot is intact
+        state.drop_marked()
+        state.mark()
+        return True
+    state.revert()
+    return not staged
 
 
 class BatchedModel:
@@ -96,7 +114,11 @@ class BatchedModel:
     def __call__(self, ids: Tensor, state: ModelState) -> tuple[Tensor, Tensor]:
         if ids.ndim != 1 or ids.numel() == 0:
             raise ValueError("forward takes a non-empty 1-D tensor of token ids")
-        call = _Call(ids, state)
+        vocab = self.inner.config.vocab_size
+        if not state.staged and ids.numel() > self.batching.prefill_chunk \
+                and (int(ids.min()) < 0 or int(ids.max()) >= vocab):  # run in pieces: refuse before the first
+            raise ValueError(f"token ids outside the vocabulary [0, {vocab})")
+        call = _Call(ids, state, state.staged)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
@@ -137,14 +159,20 @@ class BatchedModel:
         chunk = self.batching.prefill_chunk
         started = time.monotonic()
         pieces = [(c.piece(chunk), c.state) for c in batch]
+        before = [c.state.staged for c in batch]
         try:
             results = forward_batch(self.inner, pieces)
-        except Exception:  # noqa: BLE001 - find the call that failed; the others run alone
+        except Exception as error:  # noqa: BLE001 - each call again alone, from where the pass found it
             results = []
-            for c in batch:
+            refused = isinstance(error, (BatchRefused, ResourceExhausted))  # nothing was staged
+            for c, piece, staged in zip(batch, pieces, before):
                 try:
-                    results += forward_batch(self.inner, [(c.piece(chunk), c.state)])
+                    if not refused and not _restore(c.state, staged):
+                        raise RuntimeError("a batched forward pass failed after overwriting the staging this call "
+                                           f"ran on ({error}); that staging was dropped") from error
+                    results += forward_batch(self.inner, [piece])
                 except Exception as e:  # noqa: BLE001 - handed to the caller's thread
+                    _restore(c.state, c.staged)
                     c.error, c.fed = e, c.ids.numel()
                     results.append((torch.empty(0), torch.empty(0)))
         self.stats.batches += 1

@@ -30,6 +30,10 @@ from shared.model.layers import Attention, GatedDeltaNet, rotary_cos_sin
 from shared.state.rollback import AttnLayerState, GDNSlot, ModelState
 
 
+class BatchRefused(ValueError):
+    """A batch refused before anything was staged: every state is as it was."""
+
+
 @dataclass
 class _Group:
     """Sequences whose GDN core runs together, padded to `T` tokens each."""
@@ -188,19 +192,20 @@ def _attention(m: Attention, f: fused.FusedAttention, h: Tensor, residual: Tenso
 def forward_batch(model: HybridLM, items: Sequence[tuple[Tensor, ModelState]]) -> list[tuple[Tensor, Tensor]]:
     """`[model(ids, state) for ids, state in items]` in one pass; every state distinct.
 
-    Everything is checked before anything is staged: a refused batch changes no state.
+    Everything is checked before anything is staged: a refused batch (`BatchRefused`, or a K/V budget's
+    `ResourceExhausted`) changes no state.
     """
     if len({id(st) for _, st in items}) != len(items):
-        raise ValueError("a batch names the same sequence state twice")
+        raise BatchRefused("a batch names the same sequence state twice")
     for ids, _ in items:
         if ids.ndim != 1 or ids.numel() == 0:
-            raise ValueError("forward takes a non-empty 1-D tensor of token ids")
+            raise BatchRefused("forward takes a non-empty 1-D tensor of token ids")
     if model.fused is None or len(items) == 1:
         return [model(ids, st) for ids, st in items]
     cfg, device = model.config, model.device
     ids = torch.cat([ids for ids, _ in items]).to(device)
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
-        raise ValueError(f"token ids outside the vocabulary [0, {cfg.vocab_size})")
+        raise BatchRefused(f"token ids outside the vocabulary [0, {cfg.vocab_size})")
     lengths = [t.numel() for t, _ in items]
     starts = [st.length + st.staged for _, st in items]
     for (_, st), start, T in zip(items, starts, lengths):
