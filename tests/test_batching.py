@@ -397,9 +397,6 @@ def test_long_input_failing_in_a_later_piece_changes_nothing():
         assert_same_state(state, untouched)
 
 
-@pytest.mark.xfail(strict=True, reason="BatchedModel retries a failed batch one call at a time from the states the "
-                   "failed pass left: an item with tokens already staged gets wrong logits, no error (reported to the "
-                   "lead)")
 def test_pass_failing_midway_gives_no_wrong_result(monkeypatch):
     """A batched pass that fails inside a layer (as an out-of-memory error would) after its first layers wrote
     their staging: every caller gets either an error or exactly its single-call result, never a result computed
