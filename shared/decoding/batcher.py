@@ -77,6 +77,9 @@ class BatchStats:
         return self.items / self.batches if self.batches else 0.0
 
 
+REFUSALS = (BatchRefused, ResourceExhausted)  # raised before a pass stages anything
+
+
 def _restore(state: ModelState, staged: int) -> bool:
     """Put a state's staging back to `staged` tokens after a pass over it failed (its last layers may have
     overwritten the staged state); False when that cannot be done exactly: then all staging is dropped."""
@@ -164,15 +167,15 @@ class BatchedModel:
             results = forward_batch(self.inner, pieces)
         except Exception as error:  # noqa: BLE001 - each call again alone, from where the pass found it
             results = []
-            refused = isinstance(error, (BatchRefused, ResourceExhausted))  # nothing was staged
             for c, piece, staged in zip(batch, pieces, before):
                 try:
-                    if not refused and not _restore(c.state, staged):
+                    if not isinstance(error, REFUSALS) and not _restore(c.state, staged):
                         raise RuntimeError("a batched forward pass failed after overwriting the staging this call "
                                            f"ran on ({error}); that staging was dropped") from error
                     results += forward_batch(self.inner, [piece])
                 except Exception as e:  # noqa: BLE001 - handed to the caller's thread
-                    _restore(c.state, c.staged)
+                    if not isinstance(e, REFUSALS) or c.fed:
+                        _restore(c.state, c.staged)
                     c.error, c.fed = e, c.ids.numel()
                     results.append((torch.empty(0), torch.empty(0)))
         self.stats.batches += 1

@@ -200,12 +200,12 @@ def forward_batch(model: HybridLM, items: Sequence[tuple[Tensor, ModelState]]) -
     for ids, _ in items:
         if ids.ndim != 1 or ids.numel() == 0:
             raise BatchRefused("forward takes a non-empty 1-D tensor of token ids")
-    if model.fused is None or len(items) == 1:
-        return [model(ids, st) for ids, st in items]
     cfg, device = model.config, model.device
     ids = torch.cat([ids for ids, _ in items]).to(device)
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
         raise BatchRefused(f"token ids outside the vocabulary [0, {cfg.vocab_size})")
+    if model.fused is None or len(items) == 1:
+        return [model(ids, st) for ids, st in items]
     lengths = [t.numel() for t, _ in items]
     starts = [st.length + st.staged for _, st in items]
     for (_, st), start, T in zip(items, starts, lengths):
