@@ -9,6 +9,8 @@ target-only greedy; nothing of r+1 shows in GetSession before Commit(r+1); refus
 and the field; retries are idempotent; the draft's speculative Propose equals the serial proposal
 when the guess holds.
 """
+import time
+
 import grpc
 import pytest
 import torch
@@ -398,3 +400,42 @@ def test_client_loop_sampled_equals_serial_seed_for_seed(servers, slow_draft):
         serial, _ = generate_client_driven(t_addr, slow_draft, PROMPT, "", 24, 3, s, draft_timeout_s=10.0,
                                            pipeline=False)
         assert piped.token_ids == serial.token_ids, seed
+
+
+def wait_ahead(session: DraftSession) -> tuple:
+    for _ in range(500):
+        if session.ahead is not None:
+            return session.ahead
+        time.sleep(0.01)
+    raise AssertionError("no speculation made ahead")
+
+
+def test_draft_speculates_ahead_once_asked():
+    """After a first speculative request, each plain proposal is followed by the speculation on top of it, made in
+    the background: a request with the same k takes it, another k or an outcome drops it; every proposal equals
+    the serial one."""
+    history = [1, 2, 3, 4, 5]
+    serial, piped = DraftSession(NOISY, history), DraftSession(NOISY, history)
+    assert piped.propose("a", 3).proposal.tokens == serial.propose("a", 3).proposal.tokens
+    time.sleep(0.05)
+    assert piped.ahead is None  # not asked to speculate yet
+    b = piped.propose("b", 3, None, speculative=True)
+    partial = Outcome("a", 1, (b.guess + 1) % NOISY.config.vocab_size)
+    c = piped.propose("c", 3, partial)
+    assert c.proposal.tokens == serial.propose("c", 3, partial).proposal.tokens
+    made = wait_ahead(piped)
+    d = piped.propose("d", 3, partial, speculative=True)  # names c by the outcome that opened it
+    assert d.proposal is made[3] and d.guess == made[2] and piped.ahead is None
+    assert d.proposal.tokens == serial.propose("d", 3, Outcome("c", 3, d.guess)).proposal.tokens
+    miss = Outcome("d", 0, 11)
+    e = piped.propose("e", 3, miss)
+    assert e.proposal.tokens == serial.propose("e", 3, miss).proposal.tokens
+    wait_ahead(piped)
+    f = piped.propose("f", 2, miss, speculative=True)  # another k: made afresh
+    assert f.proposal.tokens == serial.propose("f", 2, Outcome("e", 3, f.guess)).proposal.tokens
+    again = Outcome("f", 1, 13)
+    g = piped.propose("g", 3, again)
+    assert g.proposal.tokens == serial.propose("g", 3, again).proposal.tokens
+    wait_ahead(piped)
+    last = Outcome("g", 2, 17)  # an outcome before any request: the speculation made ahead is dropped
+    assert piped.propose("h", 3, last).proposal.tokens == serial.propose("h", 3, last).proposal.tokens

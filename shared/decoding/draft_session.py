@@ -15,6 +15,10 @@ speculative round: the open round then counts as fully accepted with the guess. 
 proposal may carry again the outcome that opened the open round (already applied): it then builds on
 that round only, and is refused when a newer one is open, so a speculative call answered late (the
 caller did not wait for it) cannot land on a round it did not mean.
+
+Once a session has been asked for a speculative round, every plain proposal is followed, in the
+background, by the speculation on top of it (same k): the caller's speculative request, which comes
+a network round trip later, then finds it made instead of waiting for k+1 forward passes.
 """
 from __future__ import annotations
 
@@ -62,6 +66,8 @@ class DraftSession:
         self.round: DraftRound | None = None  # the open proposal, or the last finished one (for retries)
         self.speculative: DraftRound | None = None  # a round proposed on top of the open one
         self.earlier: DraftRound | None = None  # the round before, or the last dropped one (for retries)
+        self.pipelining = False  # the caller has asked for a speculative round
+        self.ahead: tuple[DraftRound, int, int, Proposal] | None = None  # (on round, k, guess, proposal) made ahead
         self.lock = threading.RLock()
 
     def propose(self, round_id: str, k: int, previous: Outcome | None = None,
@@ -95,12 +101,27 @@ class DraftSession:
             if apply:
                 self._apply(previous)  # type: ignore[arg-type]
             if speculative:
-                guess, proposal = self.drafter.speculate(k)
+                self.pipelining = True
+                ahead, self.ahead = self.ahead, None
+                if ahead is not None and ahead[:2] == (self.round, k):
+                    guess, proposal = ahead[2:]
+                else:
+                    self.drafter.discard_speculation()
+                    guess, proposal = self.drafter.speculate(k)
                 self.speculative = DraftRound(round_id, k, previous, proposal, guess)
                 return self.speculative
             self._drop_speculative()
+            self.ahead = None
             self.round = DraftRound(round_id, k, previous, self.drafter.propose(k), opened_by=previous)
+            if self.pipelining and k:
+                threading.Thread(target=self._speculate_ahead, args=(self.round, k), daemon=True).start()
             return self.round
+
+    def _speculate_ahead(self, rnd: DraftRound, k: int) -> None:
+        """Speculate on `rnd` before the caller asks, if it is still the open round with nothing on top."""
+        with self.lock:
+            if self.round is rnd and rnd.state == "proposed" and self.speculative is None and self.ahead is None:
+                self.ahead = (rnd, k, *self.drafter.speculate(k))
 
     def commit(self, outcome: Outcome) -> None:
         with self.lock:
@@ -142,6 +163,9 @@ class DraftSession:
         return True
 
     def _apply(self, outcome: Outcome) -> None:
+        if self.ahead is not None:  # made ahead, never asked for: the outcome ends it
+            self.ahead = None
+            self.drafter.discard_speculation()
         rnd, spec = self.round, self.speculative
         if spec is not None and outcome.round_id == spec.round_id:  # the open round kept all, then the guess
             implied = Outcome(rnd.round_id, len(rnd.proposal.tokens), spec.guess)  # type: ignore[union-attr,arg-type]
