@@ -43,6 +43,7 @@ from draft_service import servicer as draft_servicer
 from shared.decoding.batcher import BatchConfig, BatchedModel
 from shared.decoding.drafters import NoDrafter
 from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.decoding.pipelined import decode_pipelined
 from shared.decoding.sampling import SamplingParams
 from shared.decoding.speculative import Stats, decode, generate
 from shared.decoding.target import TargetSession
@@ -58,6 +59,7 @@ from shared.state.pool import StatePool, attach, gdn_bytes, kv_bytes_per_positio
 from shared.state.rollback import ModelState
 from target_service import servicer as target_servicer
 from test_model_vs_hf import hf_model
+from test_pipelined import Counting
 from test_rpc_support import refused, start, target_stub
 from test_sampling_lossless import ALPHA, DRAFT as SMALL_DRAFT, PROMPT as SMALL_PROMPT, T1, TARGET as SMALL_TARGET
 from test_sampling_lossless import p_values
@@ -250,15 +252,15 @@ def test_forward_batch_random_batches(specs):
 # ---- BatchedModel from threads ----
 
 
-def speculate(target, drafter_model, prompt: list[int], n: int, k: int,
-              started: threading.Event | None = None, sampling: SamplingParams = SamplingParams()
-              ) -> tuple[list[int], Stats]:
-    """The in-process loop on a TargetSession of `target`; sets `started` once its first round is committed."""
-    session = TargetSession(target, prompt, sampling)
+def speculate(target, drafter_model, prompt: list[int], n: int, k: int, started: threading.Event | None = None,
+              sampling: SamplingParams = SamplingParams(), loop=decode) -> tuple[list[int], Stats]:
+    """An in-process loop on a TargetSession of `target` (`Counting`: it counts chained rounds); sets `started`
+    once its first round is committed."""
+    session = Counting(target, prompt, sampling)
     drafter = ModelDrafter(drafter_model, sampling)
     drafter.start(list(prompt))
     stats = Stats()
-    for _ in decode(session, drafter, n, k, set(), stats):
+    for _ in loop(session, drafter, n, k, set(), stats):
         if started is not None:
             started.set()
     return session.generated, stats
@@ -268,17 +270,20 @@ def speculate(target, drafter_model, prompt: list[int], n: int, k: int,
 STREAMS = [(1, 0, 12), (5, 2, 20), (9, 4, 28), (23, 8, 16), (40, 2, 24), (70, 4, 14)]
 
 
-def test_threads_through_batched_model_equal_target_only_and_hf(hf_greedy):
+@pytest.mark.parametrize("loop", [decode, decode_pipelined], ids=["serial", "pipelined"])
+def test_threads_through_batched_model_equal_target_only_and_hf(hf_greedy, loop):
     """Six sessions, each started once the one before has committed a round (joining mid-run), finishing at
-    different lengths (leaving mid-run)."""
+    different lengths (leaving mid-run); serial rounds, and pipelined ones (chained rounds staged on marked
+    states, on the target and the draft, batched with plain ones)."""
     prompts = [tokens(50 + i, length) for i, (length, _, _) in enumerate(STREAMS)]
     started = [threading.Event() for _ in STREAMS]
+    Counting.chained_rounds = 0
     with closing(BatchedModel(TARGET, FAST)) as target, closing(BatchedModel(DRAFT, FAST)) as draft:
         def stream(i: int) -> tuple[list[int], Stats]:
             if i:
                 assert started[i - 1].wait(60)
             _, k, n = STREAMS[i]
-            return speculate(target, draft, prompts[i], n, k, started[i])
+            return speculate(target, draft, prompts[i], n, k, started[i], loop=loop)
 
         results = run_threads(stream, list(range(len(STREAMS))))
         assert_batched(target)
@@ -288,6 +293,7 @@ def test_threads_through_batched_model_equal_target_only_and_hf(hf_greedy):
         if k:
             assert stats.drafted > 0
     assert 0 < sum(s.accepted for _, s in results) < sum(s.drafted for _, s in results)
+    assert (Counting.chained_rounds > 0) == (loop is decode_pipelined)
 
 
 HOLD = 57  # tokens of the pass that holds the scheduler while other calls queue (one piece; no batch has as many)
