@@ -195,8 +195,8 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
         raise ValueError("serve-target takes --draft-addr or --draft, not both")
     if args.pipeline_depth not in (0, 1):
         raise ValueError(f"--pipeline-depth is 0 or 1, not {args.pipeline_depth}")
-    svc = service(lambda: (load_model(model_dir), load_tokenizer(model_dir)), _limits(args), draft,
-                  args.advertise_address, telemetry, args.draft, args.pipeline_depth, _batching(args))
+    svc = service(lambda: (load_model(model_dir, device=args.device), load_tokenizer(model_dir)), _limits(args),
+                  draft, args.advertise_address, telemetry, args.draft, args.pipeline_depth, _batching(args))
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
 
 
@@ -210,14 +210,15 @@ def cmd_serve_draft(args: argparse.Namespace) -> int:
     listen = _listen(args)
     _torch_threads(args)
     telemetry = Telemetry.from_env(DRAFT)
-    return serve([service(lambda: load_model(model_dir), _limits(args), telemetry, _batching(args))], listen,
-                 args.grace, telemetry, args.metrics_port)
+    svc = service(lambda: load_model(model_dir, device=args.device), _limits(args), telemetry, _batching(args))
+    return serve([svc], listen, args.grace, telemetry, args.metrics_port)
 
 
 def _add_server(p: argparse.ArgumentParser, model: str) -> None:
     p.add_argument("--model", help=f"checkpoint directory (default: the embedded {model})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True, help="0 picks a free port (printed on stderr)")
+    p.add_argument("--device", default="cpu", help="where the model and its sessions' state live: cpu, cuda, cuda:N")
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
     p.add_argument("--max-prompt-tokens", type=int, default=8192)

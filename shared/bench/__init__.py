@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> dict:
             result["sessions"] = session_memory.rows()
             bar.update()
         if "gpu" in steps:
-            result["gpu"] = {"memory_bound": memory_bound_ratio(device="cuda")}
+            result["gpu"] = {"memory_bound": memory_bound_ratio(device="cuda"),
+                             "load": load.load(DEFAULT_TARGET, DEFAULT_DRAFT, quick, device="cuda")}
             bar.update()
     return result
 
@@ -150,6 +151,8 @@ def print_tables(result: dict) -> None:
         session_memory.print_rows(result["sessions"])
     if "gpu" in result:
         print(f"GPU: verify/decode ratio {result['gpu']['memory_bound']['ratio']:.2f}")
+        print("GPU: load (both servers --device cuda)", end="")
+        load.print_rows(result["gpu"]["load"])
 
 
 def plot(result: dict) -> None:

@@ -131,9 +131,10 @@ def _cpu_s(servers: dict[str, Server]) -> dict[str, float]:
     return {**{name: s.cpu_s() for name, s in servers.items()}, "client": own.ru_utime + own.ru_stime}
 
 
-def start_servers(target_dir: Path, draft_dir: Path, max_concurrency: int, torch_threads: int) -> dict[str, Server]:
+def start_servers(target_dir: Path, draft_dir: Path, max_concurrency: int, torch_threads: int,
+                  device: str = "cpu") -> dict[str, Server]:
     return start_pair(target_dir, draft_dir, "--max-sessions", str(2 * max_concurrency + 8),
-                      "--torch-threads", str(torch_threads))
+                      "--torch-threads", str(torch_threads), "--device", device)
 
 
 def run_rows(servers: dict[str, Server], prompts: list[list[int]], expected: list[list[int]],
@@ -153,18 +154,20 @@ def run_rows(servers: dict[str, Server], prompts: list[list[int]], expected: lis
     return rows
 
 
-def load(target_dir: Path, draft_dir: Path, quick: bool = False, progress=lambda row: None) -> dict:
-    """The load table (levels x loops x k, default torch threads) and the thread-policy rows."""
+def load(target_dir: Path, draft_dir: Path, quick: bool = False, progress=lambda row: None,
+         device: str = "cpu") -> dict:
+    """The load table (levels x loops x k, default torch threads) and, on the CPU, the thread-policy rows.
+    `device="cuda"`: both servers' models and states on the GPU (the bench's gpu section)."""
     from shared.model.loader import load_model
     from shared.model.tokenizer import load_tokenizer
 
     max_new_tokens = 24 if quick else 96
     tokenizer = load_tokenizer(target_dir)
     prompts = [tokenizer.encode(p) for p in PROMPTS[:4 if quick else len(PROMPTS)]]
-    expected = target_only_outputs(load_model(target_dir), prompts, max_new_tokens)
+    expected = target_only_outputs(load_model(target_dir, device=device), prompts, max_new_tokens)
 
     def on_fresh_pair(levels: tuple[int, ...], loops: tuple[str, ...], torch_threads: int) -> list[dict]:
-        servers = start_servers(target_dir, draft_dir, max(levels), torch_threads)
+        servers = start_servers(target_dir, draft_dir, max(levels), torch_threads, device)
         try:
             return run_rows(servers, prompts, expected, levels, loops, KS, max_new_tokens, torch_threads, progress)
         finally:
@@ -172,7 +175,7 @@ def load(target_dir: Path, draft_dir: Path, quick: bool = False, progress=lambda
 
     rows = on_fresh_pair(QUICK_LEVELS if quick else LEVELS, LOOPS, 1)
     threads = [row for t in THREAD_SETTINGS for row in on_fresh_pair(QUICK_LEVELS[:2] if quick else THREAD_LEVELS,
-                                                                       ("server",), t)]
+                                                                       ("server",), t)] if device == "cpu" else []
     return {"max_new_tokens": max_new_tokens, "rows": rows, "threads": threads, "goals": goals(rows)}
 
 
@@ -203,6 +206,8 @@ def print_rows(result: dict) -> None:
               f"{'CPU busy':>8} {'target CPU ms/tok':>17} {'batch T':>7} {'batch D':>7}")
     for title, rows in (("", result["rows"]), ("\nThread policy: servers' torch intra-op threads (--torch-threads)",
                                                 result["threads"])):
+        if not rows:
+            continue
         print(title + ("\n" if title else "") + header)
         for r in rows:
             print(f"{r['loop']:<6} {r['k']:>1} {r['concurrency']:>3} {r['torch_threads']:>3} {r['generations']:>4} "
