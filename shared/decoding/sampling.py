@@ -46,8 +46,8 @@ class SamplingParams:
 
 def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     """`(..., V)` float32 logits -> `(..., V)` probabilities after temperature, top-k and top-p."""
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    if params.greedy:  # a scatter: `one_hot` checks its input's range first (two more calls and host reads)
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
