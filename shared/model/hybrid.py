@@ -31,6 +31,7 @@ class HybridLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp: dict[str, Tensor] = {}  # the checkpoint's mtp.* tensors, kept for the MTP drafter
         self.fused: fused.FusedStack | None = None  # set by `fuse()`: forward takes the fused path
+        self.rope_table: tuple[Tensor, Tensor, Tensor] | None = None  # cos, sin, signed sin by position (`rope`)
 
     @property
     def device(self) -> torch.device:
@@ -65,6 +66,16 @@ class HybridLM(nn.Module):
             if layer.kind == "linear_attention":
                 layer.linear_attn.kernel_name = name
 
+    def rope(self, start: int, end: int, like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`rotary_cos_sin` of positions start..end-1 and its `fused.rotary_signed` sin, in `like`'s dtype: slices of
+        a table made once per model (regrown by doubling), where computing them cost a dozen calls a forward pass."""
+        table = self.rope_table
+        if table is None or table[0].shape[0] < end or table[0].dtype != like.dtype or table[0].device != like.device:
+            size = max(end, 2 * table[0].shape[0] if table is not None else 1024)
+            cos, sin = rotary_cos_sin(self.config, torch.arange(size, device=like.device), like.dtype)
+            table = self.rope_table = (cos, sin, fused.rotary_signed(cos, sin)[1])
+        return table[0][start:end], table[1][start:end], table[2][start:end]
+
     @torch.inference_mode()
     def forward(self, ids: Tensor, state: ModelState) -> tuple[Tensor, Tensor]:
         """Stage `ids (T,)` after the head and what is already staged.
@@ -74,15 +85,14 @@ class HybridLM(nn.Module):
         if ids.ndim != 1 or ids.numel() == 0:
             raise ValueError("forward takes a non-empty 1-D tensor of token ids")
         start = state.length + state.staged
-        positions = torch.arange(start, start + ids.numel(), device=self.device)
         x = self.model.embed_tokens(ids.to(self.device))
-        rope = rotary_cos_sin(self.config, positions, x.dtype)
+        cos, sin, signed_sin = self.rope(start, start + ids.numel(), x)
         if self.fused is None:
             for layer, st in zip(self.model.layers, state.layer_views()):
-                x = layer(x, st, start, rope)
+                x = layer(x, st, start, (cos, sin))
             normed = self.model.norm(x)
         else:
-            rope = fused.rotary_signed(*rope)
+            rope = (cos, signed_sin)
             for layer, f, st in zip(self.model.layers, self.fused.layers, state.layer_views()):
                 x = fused.decoder_layer(layer, f, x, st, start, rope)
             normed = F.rms_norm(x, x.shape[-1:], self.fused.final_norm, self.model.norm.eps)
