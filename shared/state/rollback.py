@@ -30,7 +30,7 @@ numbers per GDN layer and round; no forward pass is ever re-run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,6 +41,21 @@ if TYPE_CHECKING:
     from shared.state.pool import Lease
 
 LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one on top) of k <= 16 drafts plus inputs
+
+
+class CommitPlan(NamedTuple):
+    """Views and buffers of a commit of n staged tokens: the logs' first n slots, and where the decays go."""
+
+    x_tail: Tensor  # the last K-1 (or fewer) kept pre-conv inputs, (L, <=K-1, C)
+    g: Tensor  # log decays (L H, n)
+    sums: Tensor  # (n, n+1) 0/1: g @ sums = [G_n, G_n - G_0, ..., G_n - G_{n-1}] (row s adds g_s to G_n, G_n - G_t<s)
+    exps: Tensor  # (L H, n+1) buffer for their exponentials
+    exp_total: Tensor  # views of it: exp(G_n) (L, H, 1, 1) and exp(G_n - G_t) (L, H, 1, n)
+    decays: Tensor
+    k: Tensor  # (L, H, Dk, n)
+    scaled_k: Tensor  # buffer for k_t exp(G_n - G_t), (L, H, Dk, n), and its (L H, Dk, n) view
+    scaled_k_flat: Tensor
+    delta: Tensor  # (L H, n, Dv)
 
 
 class GDNStates:
@@ -85,7 +100,7 @@ class GDNStates:
             self.layers["marked_window"] = list(self.marked_window.unbind(0))
             self.layers["marked_state"] = list(self.marked_state.unbind(0))
         self._log_views: dict[tuple[int, int, int], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
-        self._prefixes: dict[int, tuple[Tensor, Tensor, Tensor, Tensor, Tensor]] = {}
+        self._prefixes: dict[int, CommitPlan] = {}
 
     def log_views(self, i: int, start: int, end: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Layer i's log slots for staged tokens start..end-1: x `(T, C)`, k `(H, Dk, T)`, delta `(H, T, Dv)`, g `(H, T)`."""
@@ -95,34 +110,42 @@ class GDNStates:
                                     self.g[i, :, start:end])
         return self._log_views[key]
 
-    def _prefix(self, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Views of the first n staged tokens' logs (the last K-1 x, k, delta as `(L H, n, Dv)`, g as `(L, H, 1, n)`)
-        and the `(n, n+1)` 0/1 matrix whose product with g gives [G_n, G_n - G_0, ..., G_n - G_{n-1}]; made once per n."""
-        if n not in self._prefixes:
-            L, H, _, Dv = self.delta.shape
-            sums = torch.ones(n, n + 1, device=self.g.device).tril()  # row s adds g_s to G_n and to G_n - G_t, t < s
-            self._prefixes[n] = (self.x[:, max(0, n - self.conv.shape[1]):n], self.k[..., :n],
-                                 self.delta[:, :, :n].view(L * H, n, Dv), self.g[:, :, None, :n], sums)
-        return self._prefixes[n]
+    def _prefix(self, n: int) -> CommitPlan:
+        """What committing n staged tokens reads and writes, made once per n (see `CommitPlan`)."""
+        plan = self._prefixes.get(n)
+        if plan is None:
+            L, H, Dk, C = self.k.shape
+            Dv = self.delta.shape[-1]
+            exps = self.g.new_empty(L * H, n + 1)
+            scaled = self.k.new_empty(L, H, Dk, n)
+            plan = self._prefixes[n] = CommitPlan(
+                x_tail=self.x[:, max(0, n - self.conv.shape[1]):n], g=self.g.view(L * H, C)[:, :n],
+                sums=torch.ones(n, n + 1, device=self.g.device).tril(), exps=exps,
+                exp_total=exps[:, :1].view(L, H, 1, 1), decays=exps[:, 1:].view(L, H, 1, n), k=self.k[..., :n],
+                scaled_k=scaled, scaled_k_flat=scaled.view(L * H, Dk, n), delta=self.delta[:, :, :n].view(L * H, n, Dv))
+        return plan
 
     def prepare_commit(self, n: int, staged: int) -> tuple[Tensor, Tensor]:
-        """(window, recurrent) of the head after keeping n of `staged` tokens; writes only spare buffers."""
+        """(window, recurrent) of the head after keeping n of `staged` tokens; writes only spare buffers.
+
+        Seven calls whatever the depth: every operand and output but the swapped state is a view made once per n."""
         if n == staged:
             return self.window, self.spare
         if not self.logged:
             raise ValueError(f"partial commit ({n} of {staged}) of a staging longer than {LOG_CAPACITY} tokens")
-        x_tail, k, delta, g, decay_sums = self._prefix(n)
+        p = self._prefix(n)
         if n >= self.conv.shape[1]:
-            self.window.copy_(x_tail)
+            self.window.copy_(p.x_tail)
         else:
-            torch.cat([self.conv[:, n:], x_tail], dim=1, out=self.window)
-        # exp(G_n) (L, H, 1, 1) and exp(G_n - G_t) (L, H, 1, n), G_t = g_0 + ... + g_t
-        exp_total, decays = (g @ decay_sums).exp_().split([1, n], dim=-1)
+            torch.cat([self.conv[:, n:], p.x_tail], dim=1, out=self.window)
+        # [exp(G_n), exp(G_n - G_0), ..., exp(G_n - G_{n-1})] per (layer, head), G_t = g_0 + ... + g_t
+        torch.mm(p.g, p.sums, out=p.exps).exp_()
         L, H, Dk, Dv = self.recurrent.shape
         # spare <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T, one batched matmul over (layer, head),
         # written in place (a state-sized temporary would cost an allocation and its page faults)
-        torch.mul(self.recurrent, exp_total, out=self.spare)
-        self.spare.view(L * H, Dk, Dv).baddbmm_((k * decays).view(L * H, Dk, n), delta)
+        torch.mul(self.recurrent, p.exp_total, out=self.spare)
+        torch.mul(p.k, p.decays, out=p.scaled_k)
+        self.spare.view(L * H, Dk, Dv).baddbmm_(p.scaled_k_flat, p.delta)
         return self.window, self.spare
 
     def swap_in(self) -> None:
