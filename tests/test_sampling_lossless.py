@@ -41,6 +41,7 @@ FILTERED = SamplingParams(temperature=0.8, top_k=10, top_p=0.9)
 
 DRAFTERS = {
     "model": lambda s: ModelDrafter(DRAFT, s),
+    "model-stop": lambda s: ModelDrafter(DRAFT, s, stop_below=0.35),  # proposals end where the draft is unsure
     "ngram": lambda s: make_drafter("ngram", TARGET, s),
     "mtp": lambda s: MTPDrafter(TARGET, s, MTP_HEAD),
 }
@@ -66,13 +67,14 @@ def exact_distributions(sampling: SamplingParams) -> tuple[torch.Tensor, torch.T
 
 def sample(drafter_name: str, sampling: SamplingParams, runs: int = RUNS, k: int = 2) -> tuple[torch.Tensor, dict]:
     """`runs` seeded generations of 3 tokens: (runs, 3) tokens, and totals of drafted / accepted tokens."""
-    out, totals = [], {"drafted": 0, "accepted": 0}
+    out, totals = [], {"drafted": 0, "accepted": 0, "rounds": 0}
     for seed in range(runs):
         s = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed)
         result = generate(TARGET, PROMPT, 3, DRAFTERS[drafter_name](s), k, s)
         out.append(result.token_ids)
         totals["drafted"] += result.stats.drafted
         totals["accepted"] += result.stats.accepted
+        totals["rounds"] += result.stats.drafts
     return torch.tensor(out), totals
 
 
@@ -99,11 +101,13 @@ def p_values(tokens: torch.Tensor, sampling: SamplingParams) -> tuple[float, flo
             g_test(torch.bincount(tokens[:, 2], minlength=V), p3))
 
 
-@pytest.mark.parametrize("drafter, sampling", [("model", T1), ("ngram", T1), ("mtp", FILTERED)],
-                         ids=["model-T1", "ngram-T1", "mtp-T0.8-topk10-topp0.9"])
+@pytest.mark.parametrize("drafter, sampling", [("model", T1), ("model-stop", T1), ("ngram", T1), ("mtp", FILTERED)],
+                         ids=["model-T1", "model-stop_below-T1", "ngram-T1", "mtp-T0.8-topk10-topp0.9"])
 def test_speculative_sampling_matches_target(drafter, sampling):
     tokens, totals = sample(drafter, sampling)
     assert 0 < totals["accepted"] < totals["drafted"], totals  # both accepts and rejections happened
+    if drafter == "model-stop":  # some proposals stopped short of k = 2, some did not
+        assert totals["rounds"] < totals["drafted"] < 2 * totals["rounds"], totals
     p = p_values(tokens, sampling)
     assert min(p) > ALPHA, p
 

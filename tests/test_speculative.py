@@ -53,6 +53,50 @@ def test_model_drafter_any_acceptance(k):
     assert generate(TARGET, PROMPT, N, ModelDrafter(TARGET), k).token_ids == WANT
 
 
+
+class Recorder:
+    """Wraps a drafter and keeps each proposal with the committed history it was made after."""
+
+    def __init__(self, drafter: ModelDrafter) -> None:
+        self.drafter, self.rounds = drafter, []
+
+    def start(self, prompt_ids):
+        self.history = list(prompt_ids)
+        self.drafter.start(prompt_ids)
+
+    def propose(self, k):
+        proposal = self.drafter.propose(k)
+        self.rounds.append((list(self.history), proposal.tokens, k))
+        return proposal
+
+    def advance(self, accepted, next_token):
+        self.history += self.rounds[-1][1][:accepted] + [next_token]
+        self.drafter.advance(accepted, next_token)
+
+
+@pytest.mark.parametrize("stop_below", [0.04, 0.05, 1.0], ids=lambda t: f"stop{t}")
+def test_dynamic_draft_length_is_exact_and_stops_where_the_draft_is_unsure(stop_below):
+    """Each proposal ends at the first token the draft gives less than `stop_below` (its top probability, from a
+    fresh forward over the history: the reference), or at k; the output stays target-only's."""
+    weak = random_model(hf_config(hidden_size=32, intermediate_size=64,
+                                  layer_types=["linear_attention", "full_attention"]), seed=3)
+    recorder = Recorder(ModelDrafter(weak, stop_below=stop_below))
+    assert generate(TARGET, PROMPT, N, recorder, 8).token_ids == WANT
+    lengths = set()
+    for history, tokens, k in recorder.rounds:
+        if not k:  # the last token of the run: nothing to draft
+            assert tokens == []
+            continue
+        logits, _ = weak(torch.tensor(history + tokens[:-1]), weak.new_state())
+        top, best = logits[len(history) - 1:].softmax(-1).max(-1)
+        assert tokens == best.tolist()
+        sure = (top >= stop_below).tolist()
+        assert all(sure[:-1]) and (len(tokens) == k or not sure[-1])
+        lengths.add(len(tokens))
+    assert lengths == {1} if stop_below == 1.0 else len(lengths) > 2  # the quantiles chosen stop at varied lengths
+    with pytest.raises(ValueError, match="stop_below"):
+        ModelDrafter(weak, stop_below=1.5)
+
 def test_exact_length_and_eos_stop():
     eos = WANT[5]
     model = random_model(hf_config(eos_token_id=eos), seed=11)

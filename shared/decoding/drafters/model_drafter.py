@@ -21,10 +21,15 @@ from shared.decoding.sampling import SamplingParams, draw, probabilities
 from shared.model.hybrid import HybridLM
 from shared.state.rollback import ModelState
 
+STOP_BELOW = 0.0  # stop drafting after a token the draft gives less probability than this (0: always k tokens)
+
 
 class ModelDrafter:
-    def __init__(self, model: HybridLM, sampling: SamplingParams = SamplingParams()) -> None:
-        self.model, self.sampling = model, sampling
+    def __init__(self, model: HybridLM, sampling: SamplingParams = SamplingParams(),
+                 stop_below: float = STOP_BELOW) -> None:
+        if not 0.0 <= stop_below <= 1.0:
+            raise ValueError(f"stop_below must be in [0, 1], got {stop_below}")
+        self.model, self.sampling, self.stop_below = model, sampling, stop_below
         self.pending: list[int] = []
         self.proposed: list[int] = []
         self.speculation: tuple[int, list[int]] | None = None  # (guess, proposal) of the next round, unsettled
@@ -59,17 +64,30 @@ class ModelDrafter:
         return guess, proposal
 
     def _draw(self, inputs: list[int], k: int, position: int) -> Proposal:
-        """k tokens, one forward each, from `inputs`; draws keyed by the first proposal's position."""
+        """Up to k tokens, one forward each, from `inputs`; draws keyed by the first proposal's position.
+
+        Drafting stops after a token whose draft probability (the draft's top one) is below `stop_below`: the
+        decision reads only the draft, so the output stays exactly the target's, greedy or sampled."""
         tokens, dists = [], []
-        generator = self.sampling.generator(position, stream=1)
+        greedy, stop_below = self.sampling.greedy, self.stop_below
+        generator = None if greedy else self.sampling.generator(position, stream=1)
         for _ in range(k):
-            logits, _ = self.model(torch.tensor(inputs), self.state)
-            q = probabilities(logits[-1], self.sampling)
-            token = int(q.argmax()) if self.sampling.greedy else draw(q, generator)
+            logits = self.model(torch.tensor(inputs), self.state)[0][-1]
+            if greedy:  # no distribution to return: the argmax, and the top probability only when it is read
+                if stop_below:
+                    top, best = logits.softmax(-1).max(-1)
+                    token, sure = int(best), float(top) >= stop_below
+                else:
+                    token, sure = int(logits.argmax()), True
+            else:
+                q = probabilities(logits, self.sampling)
+                token, sure = draw(q, generator), not stop_below or float(q.max()) >= stop_below
+                dists.append(q)
             tokens.append(token)
-            dists.append(q)
+            if not sure:
+                break
             inputs = [token]
-        return Proposal(tokens, None if self.sampling.greedy or not tokens else torch.stack(dists))
+        return Proposal(tokens, None if greedy or not tokens else torch.stack(dists))
 
     def discard_speculation(self) -> None:
         if self.speculation is not None:
