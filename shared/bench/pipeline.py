@@ -6,13 +6,15 @@ a `TcpProxy` adding the same delay each way: client to target, client to draft, 
 Two target processes share the draft: one stages pipelined rounds and pipelines its own `Generate`
 loop (`--pipeline-depth 1`), one does neither (0), so the server-side loop runs both ways; the
 client-driven loop runs `pipeline=True` and `False` against them. Configurations alternate, and every
-output is checked against in-process target-only greedy decoding.
+output is checked against in-process target-only greedy decoding. Each row notes the machine's 1-minute
+load average when it ended: on a shared machine, other work takes the cores the overlap needs.
 Run: `python -m shared.bench.pipeline [--quick] [--save docs]`.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -81,7 +83,8 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                              "pipelined_tokens_per_s": piped, "speedup": piped / serial,
                              "serial_staged_bytes_per_round": totals[False]["staged"] / totals[False]["rounds"],
                              "pipelined_staged_bytes_per_round": totals[True]["staged"] / totals[True]["rounds"],
-                             "rounds": (totals[False]["rounds"], totals[True]["rounds"]), "identical_tokens": True})
+                             "rounds": (totals[False]["rounds"], totals[True]["rounds"]), "identical_tokens": True,
+                             "load_average": os.getloadavg()[0]})
     return rows
 
 
@@ -89,11 +92,11 @@ def print_rows(rows: list[dict]) -> None:
     print("\nPipelined vs serial rounds over loopback gRPC, services in their own processes, delay each way on "
           "every link (greedy; every output equal to target-only decoding)")
     print(f"{'delay ms':>8} {'loop':>6} {'serial tok/s':>12} {'pipelined':>9} {'x serial':>8} "
-          f"{'staged B/round serial':>21} {'pipelined':>9}")
+          f"{'staged B/round serial':>21} {'pipelined':>9} {'load':>5}")
     for r in rows:
         print(f"{r['delay_ms']:>8g} {r['loop']:>6} {r['serial_tokens_per_s']:>12.1f} "
               f"{r['pipelined_tokens_per_s']:>9.1f} {r['speedup']:>8.2f} {r['serial_staged_bytes_per_round']:>21.0f} "
-              f"{r['pipelined_staged_bytes_per_round']:>9.0f}")
+              f"{r['pipelined_staged_bytes_per_round']:>9.0f} {r['load_average']:>5.1f}")
 
 
 def save(rows: list[dict], docs: Path) -> None:
