@@ -76,10 +76,8 @@ def run(args: argparse.Namespace) -> dict:
             result["acceptance"] = acceptance_and_speedup(target, drafters, ks, prompts, new_tokens)
             bar.update()
         if "generations" in steps:
-            best_k = max((r for r in result.get("acceptance", []) if r["drafter"] == "draft model"),
-                         key=lambda r: r["speedup"], default={"k": 4})["k"]
-            result["generations"] = generation.long_generations(target, DEFAULT_TARGET, drafters["draft model"],
-                                                                best_k, long_prompts, lengths, repeats, bar.update)
+            result["generations"] = generation.long_generations(target, DEFAULT_TARGET, draft, long_prompts, lengths,
+                                                                repeats, bar.update)
         if "grpc" in steps:
             from shared.rpc.overhead import measure
 
@@ -171,7 +169,8 @@ def plot(result: dict) -> None:
     left.legend()
     rows = result["generations"]
     lengths = [r["length"] for r in rows]
-    for name, label in (("speculative", "speculative"), ("target_only", "our target-only"), ("hf", "HF generate()")):
+    for name, label in (("speculative", "speculative"), ("fixed_k", f"speculative, {generation.SPECULATIVE['fixed_k']}"),
+                        ("target_only", "our target-only"), ("hf", "HF generate()")):
         stats = [r["tokens_per_s"][name] for r in rows]
         medians = [s["median"] for s in stats]
         middle.errorbar(lengths, medians, yerr=[[m - s["min"] for m, s in zip(medians, stats)],

@@ -1,12 +1,16 @@
 """Long generations, honestly timed: speculative, our target-only and HF transformers' `generate()`.
 
 Every path is warmed first (one short generation each), then for each length and held-out
-prompt the three runs go back to back in an order that rotates, so a noisy neighbour slows all
-three alike; each figure is a ratio of runs on the same prompt at the same moment, reported as
+prompt the runs go back to back in an order that rotates, so a noisy neighbour slows them
+alike; each figure is a ratio of runs on the same prompt at the same moment, reported as
 the median with the min-max over prompts. Greedy: speculative tokens must equal target-only
 tokens (checked for every run); HF's tokens are compared too. A round's time is split into
 draft (propose), verify, commit (target commit + drafter advance), prefill and the loop's own
 bookkeeping (everything else).
+
+Speculative decoding runs twice: with dynamic draft length (`ModelDrafter(stop_below=STOP_BELOW)`,
+up to the target's limit of 16 drafts a round) and with a fixed k = 8 (stop_below 0, the setting
+before dynamic length), so the two are compared in the same run.
 """
 from __future__ import annotations
 
@@ -17,11 +21,15 @@ from pathlib import Path
 
 import torch
 
-from shared.decoding.drafters import Drafter
+from shared.decoding.drafters.model_drafter import STOP_BELOW, ModelDrafter
 from shared.decoding.speculative import Generation, generate
+from shared.decoding.target import MAX_DRAFT_TOKENS
 from shared.model.hybrid import HybridLM
 
 PHASES = ("propose", "verify", "commit", "prefill")
+FIXED_K = 8
+SPECULATIVE = {"speculative": f"dynamic k <= {MAX_DRAFT_TOKENS}, stop_below {STOP_BELOW}",
+               "fixed_k": f"fixed k = {FIXED_K}"}
 
 
 def spread(values: list[float]) -> dict:
@@ -46,15 +54,16 @@ class HFRunner:
         return out[0, len(prompt):].tolist(), seconds
 
 
-def long_generations(target: HybridLM, target_dir: Path, drafter: Callable[[], Drafter], k: int,
-                     prompts: list[list[int]], lengths: tuple[int, ...], repeats: int = 1,
-                     progress: Callable[[], None] = lambda: None) -> list[dict]:
-    """One row per length: tokens/s of each path, the three ratios, round phases, exactness.
+def long_generations(target: HybridLM, target_dir: Path, draft: HybridLM, prompts: list[list[int]],
+                     lengths: tuple[int, ...], repeats: int = 1, progress: Callable[[], None] = lambda: None) -> list[dict]:
+    """One row per length: tokens/s of each path, the ratios, and each speculative path's round phases and exactness.
 
     Every prompt runs `repeats` times; each (prompt, repeat) is one sample of every figure."""
     hf = HFRunner(target_dir)
     runs: dict[str, Callable[[list[int], int], tuple[list[int], float, Generation | None]]] = {
-        "speculative": lambda p, n: _ours(generate(target, p, n, drafter(), k)),
+        "speculative": lambda p, n: _ours(generate(target, p, n, ModelDrafter(draft, stop_below=STOP_BELOW),
+                                                   MAX_DRAFT_TOKENS)),
+        "fixed_k": lambda p, n: _ours(generate(target, p, n, ModelDrafter(draft), FIXED_K)),
         "target_only": lambda p, n: _ours(generate(target, p, n)),
         "hf": lambda p, n: (*hf(p, n), None),
     }
@@ -63,46 +72,55 @@ def long_generations(target: HybridLM, target_dir: Path, drafter: Callable[[], D
     rows = []
     for length in lengths:
         per_run: dict[str, list[float]] = {name: [] for name in runs}
-        ratios: dict[str, list[float]] = {"speculative_over_target": [], "target_over_hf": [],
-                                          "speculative_over_hf": []}
-        phases: dict[str, float] = dict.fromkeys((*PHASES, "bookkeeping", "total"), 0.0)
-        identical = identical_hf = True
-        rounds = tokens_spec = drafted = accepted = 0
+        ratios: dict[str, list[float]] = {"speculative_over_target": [], "fixed_k_over_target": [],
+                                          "target_over_hf": [], "speculative_over_hf": []}
+        totals = {name: dict.fromkeys((*PHASES, "total", "rounds", "tokens", "drafted", "accepted"), 0.0)
+                  for name in SPECULATIVE}
+        identical_hf = True
         for i, prompt in enumerate(p for p in prompts for _ in range(repeats)):
-            names = list(runs)[i % 3:] + list(runs)[: i % 3]  # rotate the order
+            names = list(runs)[i % len(runs):] + list(runs)[: i % len(runs)]  # rotate the order
             out = {name: runs[name](prompt, length) for name in names}
             tps = {name: len(toks) / seconds for name, (toks, seconds, _) in out.items()}
             for name, value in tps.items():
                 per_run[name].append(value)
-            ratios["speculative_over_target"].append(tps["speculative"] / tps["target_only"])
+            for name in ("speculative", "fixed_k"):
+                ratios[f"{name}_over_target"].append(tps[name] / tps["target_only"])
             ratios["target_over_hf"].append(tps["target_only"] / tps["hf"])
             ratios["speculative_over_hf"].append(tps["speculative"] / tps["hf"])
-            spec, plain = out["speculative"][2], out["target_only"][2]
-            assert spec is not None and plain is not None
-            identical &= spec.token_ids == plain.token_ids
+            plain = out["target_only"][2]
+            assert plain is not None
             identical_hf &= out["hf"][0] == plain.token_ids
-            s = spec.stats
-            for phase in PHASES:
-                phases[phase] += getattr(s, f"{phase}_seconds")
-            phases["total"] += s.seconds
-            phases["bookkeeping"] += s.seconds - sum(getattr(s, f"{p}_seconds") for p in PHASES)
-            rounds, tokens_spec = rounds + s.rounds, tokens_spec + len(spec.token_ids)
-            drafted, accepted = drafted + s.drafted, accepted + s.accepted
+            for name, t in totals.items():
+                gen = out[name][2]
+                assert gen is not None
+                if gen.token_ids != plain.token_ids:
+                    raise AssertionError(f"greedy {name} tokens differ from target-only at {length} tokens")
+                s = gen.stats
+                for phase in PHASES:
+                    t[phase] += getattr(s, f"{phase}_seconds")
+                t["total"] += s.seconds
+                t["rounds"], t["tokens"] = t["rounds"] + s.rounds, t["tokens"] + len(gen.token_ids)
+                t["drafted"], t["accepted"] = t["drafted"] + s.drafted, t["accepted"] + s.accepted
             progress()
-        if not identical:
-            raise AssertionError(f"greedy speculative tokens differ from target-only at {length} tokens")
-        total = phases.pop("total")
-        in_rounds = total - phases["prefill"]
         rows.append({
-            "length": length, "prompts": len(prompts), "repeats": repeats, "k": k,
+            "length": length, "prompts": len(prompts), "repeats": repeats,
             "tokens_per_s": {name: spread(v) for name, v in per_run.items()},
             "ratios": {name: spread(v) for name, v in ratios.items()},
-            "phase_share": {name: v / (total if name == "prefill" else in_rounds) for name, v in phases.items()},
-            "round_ms": 1000 * in_rounds / max(rounds, 1),
-            "acceptance_rate": accepted / max(drafted, 1), "mean_accepted_length": tokens_spec / max(rounds, 1),
-            "identical_to_target_only": identical, "identical_to_hf": identical_hf,
+            "rounds": {name: _round_figures(t) for name, t in totals.items()},
+            "identical_to_target_only": True, "identical_to_hf": identical_hf,
         })
     return rows
+
+
+def _round_figures(t: dict[str, float]) -> dict:
+    """Phase shares (of the rounds' time; prefill of the whole generation), round length, acceptance."""
+    in_rounds = t["total"] - t["prefill"]
+    shares = {phase: t[phase] / (t["total"] if phase == "prefill" else in_rounds) for phase in PHASES}
+    shares["bookkeeping"] = (in_rounds - sum(t[p] for p in PHASES if p != "prefill")) / in_rounds
+    rounds = max(t["rounds"], 1)
+    return {"phase_share": shares, "round_ms": 1000 * in_rounds / rounds,
+            "acceptance_rate": t["accepted"] / max(t["drafted"], 1), "drafted_per_round": t["drafted"] / rounds,
+            "mean_accepted_length": t["tokens"] / rounds}
 
 
 def _ours(g: Generation) -> tuple[list[int], float, Generation]:
@@ -111,22 +129,26 @@ def _ours(g: Generation) -> tuple[list[int], float, Generation]:
 
 def print_rows(rows: list[dict]) -> None:
     r0 = rows[0]
-    print(f"\nLong generations (greedy, {r0['prompts']} held-out prompts x {r0['repeats']}, k = {r0['k']}, warmed, "
-          "alternated; median [min-max] over runs)")
-    print(f"{'tokens':>6} {'spec tok/s':>11} {'target tok/s':>12} {'HF tok/s':>9} {'spec/target':>17} "
-          f"{'target/HF':>17} {'spec/HF':>17} {'accept':>6} {'mean len':>8} identical")
+    print(f"\nLong generations (greedy, {r0['prompts']} held-out prompts x {r0['repeats']}, warmed, alternated; median "
+          f"[min-max] over runs). spec: {SPECULATIVE['speculative']}; "
+          f"fixed: {SPECULATIVE['fixed_k']}")
+    print(f"{'tokens':>6} {'spec tok/s':>11} {'fixed tok/s':>11} {'target tok/s':>12} {'HF tok/s':>9} {'spec/target':>17} "
+          f"{'fixed/target':>17} {'target/HF':>17} {'spec/HF':>17} identical")
     for r in rows:
         t, q = r["tokens_per_s"], r["ratios"]
         cells = [f"{x['median']:.2f} [{x['min']:.2f}-{x['max']:.2f}]" for x in
-                 (q["speculative_over_target"], q["target_over_hf"], q["speculative_over_hf"])]
-        same = "yes" if r["identical_to_target_only"] else "NO"
-        print(f"{r['length']:>6} {t['speculative']['median']:>11.1f} {t['target_only']['median']:>12.1f} "
-              f"{t['hf']['median']:>9.1f} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} {r['acceptance_rate']:>6.2f} "
-              f"{r['mean_accepted_length']:>8.2f} {same} (HF: {'yes' if r['identical_to_hf'] else 'no'})")
+                 (q["speculative_over_target"], q["fixed_k_over_target"], q["target_over_hf"], q["speculative_over_hf"])]
+        print(f"{r['length']:>6} {t['speculative']['median']:>11.1f} {t['fixed_k']['median']:>11.1f} "
+              f"{t['target_only']['median']:>12.1f} {t['hf']['median']:>9.1f} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} "
+              f"{cells[3]:>17} yes (HF: {'yes' if r['identical_to_hf'] else 'no'})")
     print("\nWhere a speculative round's time goes (draft + verify + commit + bookkeeping = 100 %; "
           "prefill: share of the whole generation)")
-    print(f"{'tokens':>6} {'round ms':>9} {'draft':>6} {'verify':>7} {'commit':>7} {'bookkeep':>8} {'prefill':>7}")
+    print(f"{'tokens':>6} {'path':<7} {'drafted':>7} {'accept':>6} {'mean len':>8} {'round ms':>9} {'draft':>6} {'verify':>7} "
+          f"{'commit':>7} {'bookkeep':>8} {'prefill':>7}")
     for r in rows:
-        p = r["phase_share"]
-        print(f"{r['length']:>6} {r['round_ms']:>9.2f} {100 * p['propose']:>5.1f}% {100 * p['verify']:>6.1f}% "
-              f"{100 * p['commit']:>6.2f}% {100 * p['bookkeeping']:>7.2f}% {100 * p['prefill']:>6.2f}%")
+        for name, f in r["rounds"].items():
+            p = f["phase_share"]
+            print(f"{r['length']:>6} {'dynamic' if name == 'speculative' else 'fixed':<7} {f['drafted_per_round']:>7.2f} {f['acceptance_rate']:>6.2f} "
+                  f"{f['mean_accepted_length']:>8.2f} {f['round_ms']:>9.2f} {100 * p['propose']:>5.1f}% "
+                  f"{100 * p['verify']:>6.1f}% {100 * p['commit']:>6.2f}% {100 * p['bookkeeping']:>7.2f}% "
+                  f"{100 * p['prefill']:>6.2f}%")
