@@ -26,7 +26,7 @@ from shared.kernels import pick_kernel
 from shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
 from shared.model import fused
 from shared.model.hybrid import HybridLM
-from shared.model.layers import Attention, GatedDeltaNet, rotary_cos_sin
+from shared.model.layers import Attention, GatedDeltaNet
 from shared.state.rollback import AttnLayerState, GDNSlot, ModelState
 
 
@@ -214,7 +214,8 @@ def forward_batch(model: HybridLM, items: Sequence[tuple[Tensor, ModelState]]) -
     plan = _plan(lengths, starts, device)
     positions = torch.tensor([p for s, T in zip(starts, lengths) for p in range(s, s + T)], device=device)
     x = model.model.embed_tokens(ids)
-    rope = fused.rotary_signed(*rotary_cos_sin(cfg, positions, x.dtype))
+    cos, _, signed_sin = model.rope(0, max(s + T for s, T in zip(starts, lengths)), x)
+    rope = cos[positions], signed_sin[positions]
     views = [st.layer_views() for _, st in items]
     for n, (layer, f) in enumerate(zip(model.model.layers, model.fused.layers)):
         h = F.rms_norm(x, x.shape[-1:], f.input_norm, layer.input_layernorm.eps)
