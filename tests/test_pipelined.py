@@ -7,7 +7,10 @@ distribution-exact (the G-test of test_sampling_lossless) and draws, seed for se
 loop draws. Over loopback gRPC (the random pair of test_rpc_support): both loops pipelined equal
 target-only greedy; nothing of r+1 shows in GetSession before Commit(r+1); refusals name the round
 and the field; retries are idempotent; the draft's speculative Propose equals the serial proposal
-when the guess holds.
+when the guess holds. The draft working two rounds ahead: a speculation on a speculation (confirmed,
+refused for a wrong guess, a partial accept, too early, or late on a newer round, changing nothing),
+speculations made ahead in the background (taken, remade for another k, dropped by an outcome), and
+the client loop over a 5 ms proxy with two speculations in flight, greedy and sampled seed for seed.
 """
 import time
 
