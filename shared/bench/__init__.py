@@ -169,7 +169,7 @@ def plot(result: dict) -> None:
     left.legend()
     rows = result["generations"]
     lengths = [r["length"] for r in rows]
-    for name, label in (("speculative", "speculative"), ("fixed_k", f"speculative, {generation.SPECULATIVE['fixed_k']}"),
+    for name, label in (("speculative", "speculative"), ("dynamic", f"speculative, {generation.SPECULATIVE['dynamic']}"),
                         ("target_only", "our target-only"), ("hf", "HF generate()")):
         stats = [r["tokens_per_s"][name] for r in rows]
         medians = [s["median"] for s in stats]

@@ -8,9 +8,9 @@ tokens (checked for every run); HF's tokens are compared too. A round's time is 
 draft (propose), verify, commit (target commit + drafter advance), prefill and the loop's own
 bookkeeping (everything else).
 
-Speculative decoding runs twice: with dynamic draft length (`ModelDrafter(stop_below=STOP_BELOW)`,
-up to the target's limit of 16 drafts a round) and with a fixed k = 8 (stop_below 0, the setting
-before dynamic length), so the two are compared in the same run.
+Speculative decoding runs twice: with k = 8 drafts a round (`ModelDrafter`'s default, exactly k) and
+with dynamic draft length (`ModelDrafter(stop_below=STOP_BELOW)`, up to the target's limit of 16
+drafts a round), so the two are compared in the same run.
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ from shared.model.hybrid import HybridLM
 
 PHASES = ("propose", "verify", "commit", "prefill")
 FIXED_K = 8
-SPECULATIVE = {"speculative": f"dynamic k <= {MAX_DRAFT_TOKENS}, stop_below {STOP_BELOW}",
-               "fixed_k": f"fixed k = {FIXED_K}"}
+SPECULATIVE = {"speculative": f"k = {FIXED_K}", "dynamic": f"dynamic k <= {MAX_DRAFT_TOKENS}, stop_below {STOP_BELOW}"}
 
 
 def spread(values: list[float]) -> dict:
@@ -61,9 +60,9 @@ def long_generations(target: HybridLM, target_dir: Path, draft: HybridLM, prompt
     Every prompt runs `repeats` times; each (prompt, repeat) is one sample of every figure."""
     hf = HFRunner(target_dir)
     runs: dict[str, Callable[[list[int], int], tuple[list[int], float, Generation | None]]] = {
-        "speculative": lambda p, n: _ours(generate(target, p, n, ModelDrafter(draft, stop_below=STOP_BELOW),
-                                                   MAX_DRAFT_TOKENS)),
-        "fixed_k": lambda p, n: _ours(generate(target, p, n, ModelDrafter(draft), FIXED_K)),
+        "speculative": lambda p, n: _ours(generate(target, p, n, ModelDrafter(draft), FIXED_K)),
+        "dynamic": lambda p, n: _ours(generate(target, p, n, ModelDrafter(draft, stop_below=STOP_BELOW),
+                                               MAX_DRAFT_TOKENS)),
         "target_only": lambda p, n: _ours(generate(target, p, n)),
         "hf": lambda p, n: (*hf(p, n), None),
     }
@@ -72,7 +71,7 @@ def long_generations(target: HybridLM, target_dir: Path, draft: HybridLM, prompt
     rows = []
     for length in lengths:
         per_run: dict[str, list[float]] = {name: [] for name in runs}
-        ratios: dict[str, list[float]] = {"speculative_over_target": [], "fixed_k_over_target": [],
+        ratios: dict[str, list[float]] = {"speculative_over_target": [], "dynamic_over_target": [],
                                           "target_over_hf": [], "speculative_over_hf": []}
         totals = {name: dict.fromkeys((*PHASES, "total", "rounds", "tokens", "drafted", "accepted"), 0.0)
                   for name in SPECULATIVE}
@@ -83,7 +82,7 @@ def long_generations(target: HybridLM, target_dir: Path, draft: HybridLM, prompt
             tps = {name: len(toks) / seconds for name, (toks, seconds, _) in out.items()}
             for name, value in tps.items():
                 per_run[name].append(value)
-            for name in ("speculative", "fixed_k"):
+            for name in SPECULATIVE:
                 ratios[f"{name}_over_target"].append(tps[name] / tps["target_only"])
             ratios["target_over_hf"].append(tps["target_only"] / tps["hf"])
             ratios["speculative_over_hf"].append(tps["speculative"] / tps["hf"])
@@ -130,15 +129,14 @@ def _ours(g: Generation) -> tuple[list[int], float, Generation]:
 def print_rows(rows: list[dict]) -> None:
     r0 = rows[0]
     print(f"\nLong generations (greedy, {r0['prompts']} held-out prompts x {r0['repeats']}, warmed, alternated; median "
-          f"[min-max] over runs). spec: {SPECULATIVE['speculative']}; "
-          f"fixed: {SPECULATIVE['fixed_k']}")
-    print(f"{'tokens':>6} {'spec tok/s':>11} {'fixed tok/s':>11} {'target tok/s':>12} {'HF tok/s':>9} {'spec/target':>17} "
-          f"{'fixed/target':>17} {'target/HF':>17} {'spec/HF':>17} identical")
+          f"[min-max] over runs). spec: {SPECULATIVE['speculative']}; dynamic: {SPECULATIVE['dynamic']}")
+    print(f"{'tokens':>6} {'spec tok/s':>11} {'dyn tok/s':>11} {'target tok/s':>12} {'HF tok/s':>9} {'spec/target':>17} "
+          f"{'dynamic/target':>17} {'target/HF':>17} {'spec/HF':>17} identical")
     for r in rows:
         t, q = r["tokens_per_s"], r["ratios"]
         cells = [f"{x['median']:.2f} [{x['min']:.2f}-{x['max']:.2f}]" for x in
-                 (q["speculative_over_target"], q["fixed_k_over_target"], q["target_over_hf"], q["speculative_over_hf"])]
-        print(f"{r['length']:>6} {t['speculative']['median']:>11.1f} {t['fixed_k']['median']:>11.1f} "
+                 (q["speculative_over_target"], q["dynamic_over_target"], q["target_over_hf"], q["speculative_over_hf"])]
+        print(f"{r['length']:>6} {t['speculative']['median']:>11.1f} {t['dynamic']['median']:>11.1f} "
               f"{t['target_only']['median']:>12.1f} {t['hf']['median']:>9.1f} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} "
               f"{cells[3]:>17} yes (HF: {'yes' if r['identical_to_hf'] else 'no'})")
     print("\nWhere a speculative round's time goes (draft + verify + commit + bookkeeping = 100 %; "
@@ -148,7 +146,7 @@ def print_rows(rows: list[dict]) -> None:
     for r in rows:
         for name, f in r["rounds"].items():
             p = f["phase_share"]
-            print(f"{r['length']:>6} {'dynamic' if name == 'speculative' else 'fixed':<7} {f['drafted_per_round']:>7.2f} {f['acceptance_rate']:>6.2f} "
+            print(f"{r['length']:>6} {'k = 8' if name == 'speculative' else 'dynamic':<7} {f['drafted_per_round']:>7.2f} {f['acceptance_rate']:>6.2f} "
                   f"{f['mean_accepted_length']:>8.2f} {f['round_ms']:>9.2f} {100 * p['propose']:>5.1f}% "
                   f"{100 * p['verify']:>6.1f}% {100 * p['commit']:>6.2f}% {100 * p['bookkeeping']:>7.2f}% "
                   f"{100 * p['prefill']:>6.2f}%")
