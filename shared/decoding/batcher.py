@@ -6,9 +6,10 @@ its pass has run in a batch (`shared.model.batched.forward_batch`), so sessions 
 locks, versions, verdicts and commits exactly as before: only the forward pass is shared.
 
 Policy:
-- A batch starts when `max_batch` calls wait, or when every live sequence state has a call
-  waiting (nobody else can join: a single session never waits), or `max_wait_ms` after its first
-  call arrived, whichever comes first.
+- A batch starts when `max_batch` calls wait, or when every active sequence (one that called in the
+  last `ACTIVE_S`) has a call waiting (nobody else is about to join: a single session never waits,
+  nor do sessions that went quiet), or `max_wait_ms` after its first call arrived, whichever comes
+  first.
 - Calls are served first come, first served; a batch takes at most `max_batch` of them, so a call
   waits at most (calls ahead of it) / max_batch batches: no session starves.
 - A long input (a prompt staged from the head) runs `prefill_chunk` tokens per batch and goes to the
@@ -77,6 +78,7 @@ class BatchStats:
         return self.items / self.batches if self.batches else 0.0
 
 
+ACTIVE_S = 0.2  # a sequence that has not called for this long is not waited for
 REFUSALS = (BatchRefused, ResourceExhausted)  # raised before a pass stages anything
 
 
@@ -101,18 +103,13 @@ class BatchedModel:
         self.stats = BatchStats()
         self._queue: deque[_Call] = deque()
         self._cv = threading.Condition()
-        self._states: weakref.WeakSet[ModelState] = weakref.WeakSet()  # sequences that may call
+        self._last_call: weakref.WeakKeyDictionary[ModelState, float] = weakref.WeakKeyDictionary()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="deltaspec-batcher", daemon=True)
         self._thread.start()
 
     def __getattr__(self, name: str) -> Any:  # config, device, dtype, mtp, model, lm_head, ...
         return getattr(self.inner, name)
-
-    def new_state(self, capacity: int = 256) -> ModelState:
-        state = self.inner.new_state(capacity=capacity)
-        self._states.add(state)
-        return state
 
     def __call__(self, ids: Tensor, state: ModelState) -> tuple[Tensor, Tensor]:
         if ids.ndim != 1 or ids.numel() == 0:
@@ -123,6 +120,7 @@ class BatchedModel:
             raise ValueError(f"token ids outside the vocabulary [0, {vocab})")
         call = _Call(ids, state, state.staged)
         with self._cv:
+            self._last_call[state] = call.queued_at
             if self._closed:
                 raise RuntimeError("the batcher is closed")
             self._queue.append(call)
@@ -149,7 +147,7 @@ class BatchedModel:
                 if not self._queue:
                     return
                 deadline = time.monotonic() + cfg.max_wait_ms / 1e3
-                while len(self._queue) < min(cfg.max_batch, len(self._states)) and not self._closed:
+                while len(self._queue) < min(cfg.max_batch, self._active()) and not self._closed:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
@@ -157,6 +155,11 @@ class BatchedModel:
                 batch = [self._queue.popleft() for _ in range(min(cfg.max_batch, len(self._queue)))]
             self._step(batch)
             del batch  # while waiting, finished calls must not keep their states (and pool slots) alive
+
+    def _active(self) -> int:
+        """Sequences that called recently: the ones worth waiting for."""
+        since = time.monotonic() - ACTIVE_S
+        return sum(t > since for t in self._last_call.values())
 
     def _step(self, batch: list[_Call]) -> None:
         chunk = self.batching.prefill_chunk
