@@ -132,9 +132,9 @@ class TargetSession:
                                   f"({len(drafts)}, {self.model.config.vocab_size})", "draft_probs")
 
     def _verdict(self, logits: Tensor, drafts: tuple[int, ...], draft_probs: Tensor | None, position: int) -> Verdict:
+        if self.sampling.greedy:  # the argmax of the logits is the argmax of their one-hot distribution
+            return accept_greedy(logits, list(drafts))
         probs = probabilities(logits, self.sampling)
-        if self.sampling.greedy:
-            return accept_greedy(probs, list(drafts))
         return accept_rejection(probs, list(drafts), draft_probs, self.sampling.generator(position))
 
     def _committed_as_assumed(self, parent: str, guess: int) -> bool:

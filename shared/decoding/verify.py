@@ -25,8 +25,9 @@ class Verdict:
     next_token: int  # the recovered or bonus token, fed first in the next round
 
 
-def accept_greedy(target_probs: Tensor, drafts: list[int]) -> Verdict:
-    best = target_probs.argmax(-1).tolist()  # (k+1,)
+def accept_greedy(target_scores: Tensor, drafts: list[int]) -> Verdict:
+    """target_scores `(k+1, V)`: logits or probabilities (only their argmax counts)."""
+    best = target_scores.argmax(-1).tolist()  # (k+1,)
     a = 0
     while a < len(drafts) and drafts[a] == best[a]:
         a += 1
