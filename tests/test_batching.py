@@ -588,3 +588,24 @@ def test_concurrent_generate_streams_over_grpc(checkpoints):
         else:
             sampling = SamplingParams(0.9, 0, 0.95, seed)
             assert out == generate(TARGET, prompt, n, ModelDrafter(DRAFT, sampling), k, sampling).token_ids
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "ngram"])
+def test_in_process_drafters_inside_batched_generate(drafter, tmp_path):
+    """`serve-target --draft mtp|ngram`: five Generate streams at once, each drafting in the target's process
+    (the MTP head reads the batched verify passes' hidden states), every one equal to target-only."""
+    from shared.decoding.drafters.mtp import random_mtp_weights
+
+    model = random_model(CFG, seed=21)  # TARGET's weights, plus an MTP head
+    model.mtp = random_mtp_weights(model.config, 1, seed=5)
+    directory = save_checkpoint(model, tmp_path / "target")
+    service = target_servicer.service(lambda: (load_model(directory), load_tokenizer(directory)),
+                                      local_draft=drafter, batching=BatchConfig(max_batch=8, max_wait_ms=10.0))
+    streams = [(5, 3, 24), (12, 4, 20), (3, 2, 28), (20, 4, 16), (8, 0, 20)]  # (prompt length, k, new tokens)
+    prompts = [tokens(70 + i, length) for i, (length, _, _) in enumerate(streams)]
+    with start(service) as t:
+        results = run_threads(lambda i: generate_on_server(t.address, prompts[i], "", streams[i][2],
+                                                           streams[i][1])[0].token_ids, list(range(len(streams))))
+        assert_batched(service.load.__self__.model)
+    for prompt, (_, _, n), out in zip(prompts, streams, results):
+        assert out == target_only(tuple(prompt), n)
