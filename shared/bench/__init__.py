@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shared.bench import generation, load, pipeline, session_memory, steps as step_costs
+from shared.bench import generation, load, pipeline, report, session_memory, steps as step_costs
 from shared.bench.rollback import compare
 from shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
 from shared.decoding.drafters import make_drafter
@@ -210,9 +210,9 @@ def main(args: argparse.Namespace) -> int:
         (DOCS / "bench.txt").write_text(tables.getvalue())
         plot(result)
     if not args.quick and "pipeline" in result:
-        pipeline.save(result["pipeline"], DOCS)
+        report.save(DOCS, "pipeline", result["pipeline"], pipeline.print_rows, pipeline.plot)
     if not args.quick and "load" in result:
-        load.save(result["load"], DOCS)
+        report.save(DOCS, "load", result["load"], load.print_rows, load.plot)
     if "sessions" in result:  # computed, not timed: the same in quick runs
-        session_memory.save(result["sessions"], DOCS)
+        report.save(DOCS, "memory_per_session", result["sessions"], session_memory.print_rows, session_memory.plot)
     return 0

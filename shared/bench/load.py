@@ -267,15 +267,3 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
-
-def save(result: dict, docs: Path) -> None:
-    """docs/load.txt (the tables) and docs/load.png, from a full run."""
-    import contextlib
-    import io
-
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        print_rows(result)
-    docs.mkdir(exist_ok=True)
-    (docs / "load.txt").write_text(text.getvalue().lstrip("\n"))
-    plot(result, docs / "load.png")

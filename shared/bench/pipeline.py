@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from shared.bench import report
 from shared.bench.loopback import Server, check_greedy, target_only_outputs
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.rpc.proxy import TcpProxy
@@ -99,21 +100,13 @@ def print_rows(rows: list[dict]) -> None:
               f"{r['pipelined_staged_bytes_per_round']:>9.0f} {r['load_average']:>5.1f}")
 
 
-def save(rows: list[dict], docs: Path) -> None:
-    """docs/pipeline.txt (the table) and docs/pipeline.png (tokens/s by delay, serial vs pipelined, both loops)."""
-    import contextlib
-    import io
-
+def plot(rows: list[dict], path: Path) -> None:
+    """Tokens/s by delay, serial vs pipelined, both loops."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        print_rows(rows)
-    docs.mkdir(exist_ok=True)
-    (docs / "pipeline.txt").write_text(text.getvalue().lstrip("\n"))
     fig, axes = plt.subplots(1, len(LOOPS), figsize=(10, 3.8), sharey=True)
     for ax, loop in zip(axes, LOOPS):
         series = [r for r in rows if r["loop"] == loop]
@@ -128,7 +121,7 @@ def save(rows: list[dict], docs: Path) -> None:
     axes[0].legend()
     fig.suptitle("Pipelined vs serial rounds over loopback gRPC (embedded pair, k = 4, greedy)")
     fig.tight_layout()
-    fig.savefig(docs / "pipeline.png", dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -146,7 +139,7 @@ def main() -> None:
                    repeats=1 if args.quick else args.repeats)
     print(json.dumps(rows)) if args.json else print_rows(rows)
     if args.save:
-        save(rows, args.save)
+        report.save(args.save, "pipeline", rows, print_rows, plot)
 
 
 if __name__ == "__main__":

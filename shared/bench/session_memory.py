@@ -90,16 +90,3 @@ def plot(result: list[dict], path: Path) -> None:
     right.set_title("Sessions per GiB of state memory")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def save(result: list[dict], docs: Path) -> None:
-    """docs/memory_per_session.txt (the table) and docs/memory_per_session.png."""
-    import contextlib
-    import io
-
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        print_rows(result)
-    docs.mkdir(exist_ok=True)
-    (docs / "memory_per_session.txt").write_text(text.getvalue().lstrip("\n"))
-    plot(result, docs / "memory_per_session.png")
