@@ -30,8 +30,9 @@ NAME = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
     def __init__(self, load: Callable[[], HybridLM], limits: Limits = Limits(), telemetry: Telemetry | None = None,
-                 batching: BatchConfig | None = BatchConfig()) -> None:
+                 batching: BatchConfig | None = BatchConfig(), stop_below: float = 0.0) -> None:
         self._load, self.limits, self.batching = load, limits, batching
+        self.stop_below = stop_below  # dynamic draft length (`ModelDrafter`): 0 proposes exactly k
         self.sessions: SessionTable[DraftSession] = SessionTable(limits)
         self.telemetry = telemetry or Telemetry()
         self.telemetry.metrics.watch_sessions([self.sessions])
@@ -49,7 +50,7 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
         sampling = sampling_from_proto(request.sampling)
         self.limits.check_prompt(len(request.token_ids), "token_ids")
         self.sessions.reserve(caller())
-        session = await asyncio.to_thread(DraftSession, self.model, list(request.token_ids), sampling)
+        session = await asyncio.to_thread(DraftSession, self.model, list(request.token_ids), sampling, self.stop_below)
         return pb.DraftServiceCreateSessionResponse(session_id=self.sessions.add(session, caller()),
                                                     max_draft_tokens=MAX_DRAFT_TOKENS)
 
@@ -88,7 +89,7 @@ def _outcome(msg: pb.RoundOutcome) -> Outcome:
 
 
 def service(load: Callable[[], HybridLM], limits: Limits = Limits(), telemetry: Telemetry | None = None,
-            batching: BatchConfig | None = BatchConfig()) -> Service:
-    servicer = DraftServicer(load, limits, telemetry, batching)
+            batching: BatchConfig | None = BatchConfig(), stop_below: float = 0.0) -> Service:
+    servicer = DraftServicer(load, limits, telemetry, batching, stop_below)
     return Service(NAME, lambda server: draft_service_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
                    servicer.load)

@@ -8,9 +8,12 @@ import torch
 from deltaspec.v1 import draft_service_pb2 as pb
 from deltaspec.v1 import sampling_pb2
 from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.decoding.speculative import generate
 from shared.decoding.session_table import Limits
 from shared.model.loader import load_model
-from test_rpc_support import PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start  # noqa: F401
+from shared.rpc.client import generate_on_server
+from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
+                              target_service)
 
 Code = grpc.StatusCode
 
@@ -87,3 +90,29 @@ def test_refused_sessions(stub):
     refused(lambda: open_session(stub), Code.RESOURCE_EXHAUSTED, "session_id")
     for sid in sids:
         stub.CloseSession(pb.DraftServiceCloseSessionRequest(session_id=sid))
+
+
+def test_dynamic_draft_length_proposes_what_the_in_process_drafter_does(pair):
+    """`serve-draft --stop-below p`: each proposal ends after the first token the draft gives less than p, as the
+    in-process `ModelDrafter(stop_below=p)` does (a random draft is unsure: proposals shorter than k), and a
+    target's Generate loop through it stays exactly target-only."""
+    from draft_service.servicer import service
+
+    reference = ModelDrafter(load_model(pair[1]), stop_below=0.3)
+    reference.start(PROMPT)
+    with start(service(lambda: load_model(pair[1]), stop_below=0.3)) as server:
+        stub = draft_stub(server.address)
+        sid = open_session(stub)
+        lengths, previous = [], None
+        for r in range(4):
+            reply = stub.Propose(pb.ProposeRequest(session_id=sid, round_id=f"r{r}", k=8, previous=previous))
+            want = reference.propose(8).tokens
+            assert list(reply.draft_tokens) == want
+            lengths.append(len(want))
+            previous = outcome(f"r{r}", len(want), 3)
+            reference.advance(len(want), 3)
+        with start(target_service(pair[0], draft_address=server.address, draft_timeout_s=10.0)) as target:
+            result, _ = generate_on_server(target.address, PROMPT, "", 40, 8)
+    assert min(lengths) >= 1 and max(lengths) < 8, lengths
+    assert result.token_ids == generate(load_model(pair[0]), PROMPT, 40).token_ids  # still exact
+    assert result.stats.drafted < 8 * result.stats.drafts  # shorter proposals went through the loop

@@ -55,12 +55,13 @@ class DraftRound:
 class DraftSession:
     """One sequence on the draft. Thread-safe: every public method holds the session lock."""
 
-    def __init__(self, model: HybridLM, history: list[int], sampling: SamplingParams = SamplingParams()) -> None:
+    def __init__(self, model: HybridLM, history: list[int], sampling: SamplingParams = SamplingParams(),
+                 stop_below: float = 0.0) -> None:
         if not history:
             raise InvalidArgument("the token history is empty", "token_ids")
         check_tokens(history, model.config.vocab_size, "token_ids")
         self.vocab_size = model.config.vocab_size
-        self.drafter = ModelDrafter(model, sampling)
+        self.drafter = ModelDrafter(model, sampling, stop_below)  # stop_below: dynamic draft length
         self.drafter.start(list(history))
         self.length = len(history)  # committed tokens the draft knows of
         self.round: DraftRound | None = None  # the open proposal, or the last finished one (for retries)

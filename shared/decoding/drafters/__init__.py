@@ -54,7 +54,7 @@ def attach(drafter: Drafter, session: object) -> None:
         hook(session)
 
 
-def make_drafter(spec: str | None, target: object, sampling: object = None) -> Drafter:
+def make_drafter(spec: str | None, target: object, sampling: object = None, stop_below: float = 0.0) -> Drafter:
     """'none' | 'ngram' | 'mtp' | a checkpoint directory -> a drafter for `target` (a `HybridLM`)."""
     from shared.decoding.sampling import SamplingParams
 
@@ -76,4 +76,4 @@ def make_drafter(spec: str | None, target: object, sampling: object = None) -> D
     if draft.config.vocab_size != target.config.vocab_size:  # type: ignore[attr-defined]
         raise ValueError(f"draft vocabulary {draft.config.vocab_size} differs from the target's "
                          f"{target.config.vocab_size}")  # type: ignore[attr-defined]
-    return ModelDrafter(draft, sampling)  # type: ignore[arg-type]
+    return ModelDrafter(draft, sampling, stop_below)  # type: ignore[arg-type]
