@@ -609,3 +609,25 @@ def test_in_process_drafters_inside_batched_generate(drafter, tmp_path):
         assert_batched(service.load.__self__.model)
     for prompt, (_, _, n), out in zip(prompts, streams, results):
         assert out == target_only(tuple(prompt), n)
+
+
+@pytest.mark.parametrize("kernel", ["naive", "triton"])
+def test_forward_batch_through_the_general_kernel_path(kernel):
+    """The path CUDA takes (`pick_kernel` on the padded `(B, T, H, D)` group: Triton, here under the interpreter)
+    and the naive loop give what single calls with the default CPU kernels give."""
+    model = random_model(CFG, seed=21).fuse()
+    model.set_gdn_kernel(kernel)
+    specs = [(10, 0, 1), (30, 0, 5), (7, 3, 5), (12, 2, 9)]  # (history, staged, T)
+
+    def state_of(owner: HybridLM, history: int, staged: int, seed: int) -> ModelState:
+        state = owner.new_state()
+        owner(torch.tensor(tokens(seed, history)), state)
+        state.commit(state.staged)
+        if staged:
+            owner(torch.tensor(tokens(seed + 1, staged)), state)
+        return state
+
+    ids = [torch.tensor(tokens(40 + n, T)) for n, (_, _, T) in enumerate(specs)]
+    got = forward_batch(model, [(i, state_of(model, h, s, 10 * n)) for n, ((h, s, _), i) in enumerate(zip(specs, ids))])
+    want = [TARGET(i, state_of(TARGET, h, s, 10 * n)) for n, ((h, s, _), i) in enumerate(zip(specs, ids))]
+    assert_same_outputs(got, want)
