@@ -234,8 +234,8 @@ def _add_server(p: argparse.ArgumentParser, model: str) -> None:
                                  "scheduler thread; each session's rounds, versions and outputs are unchanged.")
     batch.add_argument("--max-batch", type=int, default=8, help="most sessions in one forward pass (1: no batching)")
     batch.add_argument("--batch-wait-ms", type=float, default=2.0,
-                       help="longest a pass waits for others to join; it starts at once when every open session "
-                            "is waiting")
+                       help="longest a pass waits for others to join; it starts at once when every session that "
+                            "called in the last 0.2 s is waiting")
     batch.add_argument("--prefill-chunk", type=int, default=64,
                        help="prompt tokens per batch: a long prompt is prefilled in pieces between other sessions' "
                             "rounds")
