@@ -73,10 +73,6 @@ class BatchStats:
     items: int = 0  # calls (or prefill pieces) run
     largest: int = 0
 
-    @property
-    def mean_batch(self) -> float:
-        return self.items / self.batches if self.batches else 0.0
-
 
 ACTIVE_S = 0.2  # a sequence that has not called for this long is not waited for
 REFUSALS = (BatchRefused, ResourceExhausted)  # raised before a pass stages anything

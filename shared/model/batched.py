@@ -137,14 +137,17 @@ def _stage(g: _Group, slots: list[GDNSlot], xs: Tensor, full: Tensor, k_log: Ten
     torch._foreach_copy_(dsts, srcs)
 
 
+def _packed(outs: list[Tensor], plan: _Plan) -> Tensor:
+    """The groups' outputs, each `(G T, ...)`, back in the packed tokens' order (padding dropped)."""
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out if plan.unpad is None else out.index_select(0, plan.unpad)
+
+
 def _gdn(m: GatedDeltaNet, f: fused.FusedGDN, h: Tensor, residual: Tensor, slots: list[GDNSlot],
          plan: _Plan) -> Tensor:
     mixed, z, b, a = fused.gdn_inputs(f, h)
     outs = [_gdn_core(m, f, g, mixed, b, a, [slots[i] for i in g.members]) for g in plan.groups]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    if plan.unpad is not None:
-        out = out.index_select(0, plan.unpad)
-    return fused.gdn_output(m, f, out, z, residual)
+    return fused.gdn_output(m, f, _packed(outs, plan), z, residual)
 
 
 def _attend_group(m: Attention, g: _Group, q: Tensor, k: Tensor, v: Tensor, states: list[AttnLayerState],
@@ -163,7 +166,8 @@ def _attend_group(m: Attention, g: _Group, q: Tensor, k: Tensor, v: Tensor, stat
         srcs += (nk, nv) if n == T else (nk[:, :n], nv[:, :n])
     torch._foreach_copy_(dsts, srcs)
     torch._foreach_copy_([c[:, :end] for c, end in zip(cache_k + cache_v, ends + ends)],
-                         [st.k[:, :end] for st, end in zip(states, ends)] + [st.v[:, :end] for st, end in zip(states, ends)])
+                         [st.k[:, :end] for st, end in zip(states, ends)]
+                         + [st.v[:, :end] for st, end in zip(states, ends)])
     query_at = torch.tensor(starts, device=q.device)[:, None] + torch.arange(T, device=q.device)  # (G, T)
     mask = torch.arange(L, device=q.device) <= query_at[..., None]  # (G, T, L)
     out = F.scaled_dot_product_attention(_take(q, g).transpose(1, 2), torch.stack(cache_k), torch.stack(cache_v),
@@ -182,10 +186,7 @@ def _attention(m: Attention, f: fused.FusedAttention, h: Tensor, residual: Tenso
             outs.append(fused.attend(m, members[0], q[o:o + T], k[o:o + T], v[o:o + T], start))
         else:
             outs.append(_attend_group(m, g, q, k, v, members, [plan.starts[i] for i in g.members]))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    if plan.unpad is not None:
-        out = out.index_select(0, plan.unpad)
-    return fused.attention_output(f, out, q_gate, residual)
+    return fused.attention_output(f, _packed(outs, plan), q_gate, residual)
 
 
 @torch.inference_mode()
@@ -209,8 +210,7 @@ def forward_batch(model: HybridLM, items: Sequence[tuple[Tensor, ModelState]]) -
     lengths = [t.numel() for t, _ in items]
     starts = [st.length + st.staged for _, st in items]
     for (_, st), start, T in zip(items, starts, lengths):
-        for attn in st.attn:
-            attn.ensure_capacity(start + T)
+        st.ensure_positions(start + T)
     plan = _plan(lengths, starts, device)
     positions = torch.tensor([p for s, T in zip(starts, lengths) for p in range(s, s + T)], device=device)
     x = model.model.embed_tokens(ids)

@@ -11,8 +11,8 @@ leading slot axis, and leaves the rest of the budget to K/V:
   the slots in use and what a session takes; nothing is allocated then;
 - growth (`AttnLayerState.ensure_capacity`) pays for all the sequence's attention layers at once:
   doubling when the budget allows, else what is left, else `ResourceExhausted`. A forward reserves its
-  positions before its first layer runs (`ensure_positions`, a forward pre-hook set by `attach`), so a
-  refused pass changes nothing and the session goes on once other sessions free memory;
+  positions before its first layer runs (`ModelState.ensure_positions`, a forward pre-hook set by
+  `attach`), so a refused pass changes nothing and the session goes on once other sessions free memory;
 - a slot and its K/V come back when the `ModelState` holding them is garbage (`weakref.finalize`):
   closing, expiring or finishing a session drops its last reference, and only then can no late call
   still write the slot. Admission that finds the pool full first collects reference cycles (at most
@@ -153,18 +153,10 @@ class StatePool:
             self._free.append(lease.index)
 
 
-def ensure_positions(state: ModelState, needed: int) -> None:
-    """Grow every attention layer's K/V to `needed` positions before a forward stages anything: a pooled
-    state's growth is paid in full by the first layer, or refused (`ResourceExhausted`) with the state unchanged."""
-    with torch.inference_mode():
-        for layer in state.attn:
-            layer.ensure_capacity(needed)
-
-
 def _reserve_positions(model: HybridLM, args: tuple, kwargs: dict) -> None:
     ids = args[0] if args else kwargs["ids"]
     state = args[1] if len(args) > 1 else kwargs["state"]
-    ensure_positions(state, state.length + state.staged + ids.numel())
+    state.ensure_positions(state.length + state.staged + ids.numel())
 
 
 def attach(model: HybridLM, pool: StatePool) -> None:

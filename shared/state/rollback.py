@@ -279,6 +279,13 @@ class ModelState:
                                     torch.zeros(shape, device=device, dtype=dtype), lease)
                      for kind in self.kinds if kind == "full_attention"]
 
+    def ensure_positions(self, needed: int) -> None:
+        """Grow every attention layer's K/V to `needed` positions before a forward stages anything: a pooled
+        state's growth is paid in full by the first layer, or refused (`ResourceExhausted`) with the state unchanged."""
+        with torch.inference_mode():
+            for layer in self.attn:
+                layer.ensure_capacity(needed)
+
     def layer_views(self) -> list[GDNSlot | AttnLayerState]:
         """Per-layer state for one forward pass, in layer order."""
         gdn, attn = iter(range(len(self.gdn.conv))), iter(self.attn)
