@@ -13,7 +13,7 @@ from opentelemetry import trace
 
 from deltaspec.v1 import draft_service_pb2 as pb
 from deltaspec.v1 import draft_service_pb2_grpc
-from shared.decoding.batcher import BatchConfig, BatchedModel
+from shared.decoding.batcher import BatchConfig, serving
 from shared.decoding.draft_session import DraftSession, Outcome
 from shared.decoding.session_table import Limits, SessionTable
 from shared.decoding.target import MAX_DRAFT_TOKENS
@@ -21,7 +21,6 @@ from shared.model.hybrid import HybridLM
 from shared.rpc.convert import probs_to_proto, sampling_from_proto
 from shared.rpc.security import caller
 from shared.rpc.server import Service
-from shared.state.pool import attach as attach_pool, server_pool
 from shared.telemetry import Telemetry
 from shared.telemetry import attributes as attr
 
@@ -38,12 +37,7 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
         self.telemetry.metrics.watch_sessions([self.sessions])
 
     def load(self) -> None:
-        self.model = self._load()
-        pool = server_pool(self.model, self.limits)  # session states in slots, within the budget
-        attach_pool(self.model, pool)
-        self.telemetry.metrics.watch_state_pool(pool)
-        if self.batching is not None and self.batching.max_batch > 1:  # concurrent proposals' steps run together
-            self.model = BatchedModel(self.model, self.batching, self.telemetry.metrics.batch)  # type: ignore[assignment]
+        self.model = serving(self._load(), self.limits, self.batching, self.telemetry.metrics)
 
     async def CreateSession(self, request: pb.DraftServiceCreateSessionRequest,
                             context) -> pb.DraftServiceCreateSessionResponse:

@@ -19,7 +19,7 @@ from opentelemetry import trace
 
 from deltaspec.v1 import draft_service_pb2_grpc, sampling_pb2, target_service_pb2_grpc
 from deltaspec.v1 import target_service_pb2 as pb
-from shared.decoding.batcher import BatchConfig, BatchedModel
+from shared.decoding.batcher import BatchConfig, serving
 from shared.decoding.drafters import attach, make_drafter
 from shared.decoding.pipelined import decode_pipelined
 from shared.decoding.sampling import SamplingParams
@@ -33,7 +33,6 @@ from shared.rpc.convert import probs_from_proto, sampling_from_proto, stats_to_p
 from shared.rpc.remote_drafter import RemoteDrafter
 from shared.rpc.security import ClientSecurity, caller
 from shared.rpc.server import Service
-from shared.state.pool import attach as attach_pool, server_pool
 from shared.telemetry import Telemetry
 from shared.telemetry import attributes as attr
 
@@ -64,12 +63,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         self.metrics.watch_sessions([self.sessions])
 
     def load(self) -> None:
-        self.model, self.tokenizer = self._load()
-        pool = server_pool(self.model, self.limits)  # session states in slots, within the budget
-        attach_pool(self.model, pool)
-        self.metrics.watch_state_pool(pool)
-        if self.batching is not None and self.batching.max_batch > 1:  # concurrent sessions' passes run together
-            self.model = BatchedModel(self.model, self.batching, self.metrics.batch)  # type: ignore[assignment]
+        model, self.tokenizer = self._load()
+        self.model = serving(model, self.limits, self.batching, self.metrics)
         self.vocab_size = self.model.config.vocab_size
         self.eos = set(self.model.config.eos_token_id)
         self.draft_stub = (draft_service_pb2_grpc.DraftServiceStub(

@@ -33,10 +33,13 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from shared.decoding.session_table import Limits
 from shared.errors import ResourceExhausted
 from shared.model.batched import BatchRefused, forward_batch
 from shared.model.hybrid import HybridLM
+from shared.state.pool import attach, server_pool
 from shared.state.rollback import ModelState
+from shared.telemetry.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,17 @@ class BatchStats:
 
 ACTIVE_S = 0.2  # a sequence that has not called for this long is not waited for
 REFUSALS = (BatchRefused, ResourceExhausted)  # raised before a pass stages anything
+
+
+def serving(model: HybridLM, limits: Limits, batching: BatchConfig | None, metrics: Metrics) -> HybridLM:
+    """A loaded model as a server runs it: its sessions' state in a pool within the memory budget, and (unless
+    `batching` is None or max_batch 1) their forward passes batched. Both services load through this."""
+    pool = server_pool(model, limits)
+    attach(model, pool)
+    metrics.watch_state_pool(pool)
+    if batching is None or batching.max_batch == 1:
+        return model
+    return BatchedModel(model, batching, metrics.batch)  # type: ignore[return-value]
 
 
 def _restore(state: ModelState, staged: int) -> bool:
