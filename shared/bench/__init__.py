@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 from pathlib import Path
@@ -34,7 +35,7 @@ from shared.telemetry.overhead import tracing_overhead
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
 SECTIONS = ("steps", "acceptance", "generations", "grpc", "tracing", "rollback", "memory", "pipeline", "load",
-            "sessions", "gpu")
+            "sessions", "compiled", "gpu")
 
 
 def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
@@ -66,7 +67,8 @@ def run(args: argparse.Namespace) -> dict:
     steps = [s for s in SECTIONS if s in (args.only or SECTIONS) and (s != "gpu" or torch.cuda.is_available())]
     result: dict = {}
     repeats = 1 if quick else 2
-    generations = len(lengths) * len(long_prompts) * repeats if "generations" in steps else 1
+    generations = len(lengths) * len(long_prompts) * repeats
+    generations = generations * ("generations" in steps) + generations * ("compiled" in steps) or 1
     with tqdm(total=len(steps) - 1 + generations, desc="bench") as bar:
         if "steps" in steps:
             result["steps"] = step_costs.step_costs({"embedded target": target, "embedded draft": draft},
@@ -103,6 +105,14 @@ def run(args: argparse.Namespace) -> dict:
         if "sessions" in steps:
             result["sessions"] = session_memory.rows()
             bar.update()
+        if "compiled" in steps:  # last of the CPU sections: compiling takes minutes the first time
+            models = {"embedded target": target, "embedded draft": draft}
+            result["compiled"] = {"steps": step_costs.step_costs(models, blocks=3 if quick else 7,
+                                                                 paths=("fused", "compiled"))}
+            fast = {name: copy.deepcopy(model).compile(warm_up=True) for name, model in models.items()}
+            result["compiled"]["generations"] = generation.long_generations(
+                fast["embedded target"], DEFAULT_TARGET, fast["embedded draft"], long_prompts, lengths, repeats,
+                bar.update)
         if "gpu" in steps:
             result["gpu"] = {"memory_bound": memory_bound_ratio(device="cuda"),
                              "load": load.load(DEFAULT_TARGET, DEFAULT_DRAFT, quick, device="cuda")}
@@ -121,6 +131,9 @@ def print_tables(result: dict) -> None:
                   f"{r['speedup']:>9.2f} {r['identical']}")
     if "generations" in result:
         generation.print_rows(result["generations"])
+    if "compiled" in result:
+        step_costs.print_rows(result["compiled"]["steps"])
+        generation.print_rows(result["compiled"]["generations"], "compiled passes (target and draft)")
     if "grpc" in result:
         g = result["grpc"]["ratio_to_in_process"]
         print(f"\ngRPC loopback over in-process tokens/s: server loop {g['server_loop']:.2f}, "

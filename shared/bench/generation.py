@@ -126,9 +126,9 @@ def _ours(g: Generation) -> tuple[list[int], float, Generation]:
     return g.token_ids, g.stats.seconds, g
 
 
-def print_rows(rows: list[dict]) -> None:
+def print_rows(rows: list[dict], path: str = "eager fused path") -> None:
     r0 = rows[0]
-    print(f"\nLong generations (greedy, {r0['prompts']} held-out prompts x {r0['repeats']}, warmed, alternated; median "
+    print(f"\nLong generations, {path} (greedy, {r0['prompts']} held-out prompts x {r0['repeats']}, warmed, alternated; median "
           f"[min-max] over runs). spec: {SPECULATIVE['speculative']}; dynamic: {SPECULATIVE['dynamic']}")
     print(f"{'tokens':>6} {'spec tok/s':>11} {'dyn tok/s':>11} {'target tok/s':>12} {'HF tok/s':>9} {'spec/target':>17} "
           f"{'dynamic/target':>17} {'target/HF':>17} {'spec/HF':>17} identical")

@@ -129,7 +129,12 @@ def gdn_gates(m: GatedDeltaNet, f: FusedGDN, full: Tensor, b: Tensor,
               a: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Conv, l2-normed q and k, v, beta and log decay g from `full = [window; x]` `(..., K-1+T, conv_dim)` and b, a
     `(..., T, Hv)`; any leading axes (a batch of sequences). q, k `(..., T, Hv, Dk)`, v `(..., T, Hv, Dv)`, float32."""
-    conv = F.silu((full.unfold(-2, f.conv_taps.shape[1], 1) * f.conv_taps).sum(-1))  # windows (..., T, conv_dim, K)
+    taps = f.conv_taps
+    if torch.compiler.is_compiling():  # a sum of shifted rows: unfold's shape checks would split a symbolic T in ranges
+        T = full.shape[-2] - taps.shape[1] + 1
+        conv = F.silu(sum(full[..., j:j + T, :] * taps[:, j] for j in range(taps.shape[1])))
+    else:
+        conv = F.silu((full.unfold(-2, taps.shape[1], 1) * taps).sum(-1))  # windows (..., T, conv_dim, K)
     if conv.dtype != torch.float32:  # the delta rule runs in float32 (no cast, no dispatch, for float32 models)
         conv, b, a = conv.float(), b.float(), a.float()
     lead, key_dim = conv.shape[:-1], m.n_k * m.d_k
@@ -150,6 +155,17 @@ def gdn_output(m: GatedDeltaNet, f: FusedGDN, out: Tensor, z: Tensor, residual: 
     return torch.addmm(residual, out.view(T, -1), f.out_t)
 
 
+def recurrent_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, state: Tensor,
+                   out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """One token's delta rule: q, k `(1, H, Dk)`, v `(1, H, Dv)`, beta and g `(1, H)`, state `(H, Dk, Dv)`; returns the
+    output and delta `(1, H, Dv)` and the state after, written into `out` when given."""
+    H, Dk, Dv = state.shape
+    state = state * g.view(H, 1, 1).exp()
+    delta = (v.view(H, 1, Dv) - torch.bmm(k.view(H, 1, Dk), state)) * beta.view(H, 1, 1)  # (H, 1, Dv)
+    state = torch.baddbmm(state, k.view(H, Dk, 1), delta, out=out)
+    return torch.bmm(q.view(H, 1, Dk), state).view(1, H, Dv), delta.view(1, H, Dv), state
+
+
 def _gdn(m: GatedDeltaNet, f: FusedGDN, h: Tensor, residual: Tensor, st: GDNSlot) -> Tensor:
     T = h.shape[0]
     mixed, z, b, a = gdn_inputs(f, h)
@@ -157,12 +173,8 @@ def _gdn(m: GatedDeltaNet, f: FusedGDN, h: Tensor, residual: Tensor, st: GDNSlot
     q, k, v, beta, g = gdn_gates(m, f, full, b, a)  # (T, Hv, D) and (T, Hv)
     if T == 1 and m.kernel_name in ("auto", "recurrent") and not h.is_cuda:
         # one recurrent step, the new state written straight into the staging buffer
-        H, Dk, Dv = m.n_v, m.d_k, m.d_v
-        state = st.initial_state() * g.view(H, 1, 1).exp()  # (H, Dk, Dv)
-        delta = (v.view(H, 1, Dv) - torch.bmm(k.view(H, 1, Dk), state)) * beta.view(H, 1, 1)  # (H, 1, Dv)
-        state = torch.baddbmm(state, k.view(H, Dk, 1), delta, out=st.state_out())
-        out = torch.bmm(q.view(H, 1, Dk), state).view(1, H, Dv)
-        st.stage(mixed, k, delta.view(1, H, Dv), g, None, full)
+        out, delta, _ = recurrent_step(q, k, v, beta, g, st.initial_state(), out=st.state_out())
+        st.stage(mixed, k, delta, g, None, full)
     elif T <= CHUNK_SIZE and m.kernel_name in ("auto", "chunk") and not h.is_cuda:
         # a verify pass: one chunk, heads first, straight into the chunked form (no batch axis, casts or slices)
         out, delta, final = one_chunk_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shared.model import fused
+from shared.model.compiled import CompiledPasses
 from shared.model.config import ModelConfig
 from shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
 from shared.state.rollback import ModelState
@@ -32,6 +33,7 @@ class HybridLM(nn.Module):
         self.mtp: dict[str, Tensor] = {}  # the checkpoint's mtp.* tensors, kept for the MTP drafter
         self.fused: fused.FusedStack | None = None  # set by `fuse()`: forward takes the fused path
         self.rope_table: tuple[Tensor, Tensor, Tensor] | None = None  # cos, sin, signed sin by position (`rope`)
+        self.compiled: CompiledPasses | None = None  # set by `compile()`: passes that fit the logs run compiled
 
     @property
     def device(self) -> torch.device:
@@ -55,9 +57,24 @@ class HybridLM(nn.Module):
         attention biases (not Qwen3.5's) stay on the layer path.
         """
         if not enable or self.config.attention_bias:
-            self.fused = None
+            self.fused = self.compiled = None
         elif self.fused is None:
             self.fused = fused.fuse_stack(self.model)
+        return self
+
+    def compile(self, enable: bool = True, warm_up: bool = False) -> HybridLM:
+        """Run decode and verify passes as compiled graphs (`shared.model.compiled`) from now on, or stop.
+
+        On the fused path only. Each graph compiles on its first pass (seconds to a minute on a CPU, less when
+        Inductor's on-disk cache has it); `warm_up` compiles them all now."""
+        if not enable:
+            self.compiled = None
+        elif self.compiled is None:
+            if self.fused is None:
+                raise ValueError("compile() needs the fused path: call fuse() first")
+            self.compiled = CompiledPasses(self.device)
+        if warm_up and self.compiled is not None:
+            self.compiled.warm_up(self)
         return self
 
     def set_gdn_kernel(self, name: str) -> None:
@@ -91,6 +108,10 @@ class HybridLM(nn.Module):
             for layer, st in zip(self.model.layers, state.layer_views()):
                 x = layer(x, st, start, (cos, sin))
             normed = self.model.norm(x)
+        elif self.compiled is not None and self.compiled.fits(state, ids.numel()):
+            logits, x = self.compiled(self, x, state, (cos, signed_sin))
+            state.staged += ids.numel()
+            return logits, x
         else:
             rope = (cos, signed_sin)
             for layer, f, st in zip(self.model.layers, self.fused.layers, state.layer_views()):

@@ -257,7 +257,7 @@ class AttnLayerState:
             new_capacity = self.lease.grow(needed, new_capacity)
         for name in ("k", "v"):
             old = getattr(self, name)
-            grown = old.new_empty(old.shape[0], new_capacity, old.shape[2])
+            grown = old.new_zeros(old.shape[0], new_capacity, old.shape[2])  # finite: compiled passes read it masked
             grown[:, :capacity] = old
             setattr(self, name, grown)
 

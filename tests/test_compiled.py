@@ -1,0 +1,96 @@
+"""Compiled passes (`shared.model.compiled`) against the fused path they compile.
+
+Random weights and ids, the awkward config of `test_fused` (value heads != key heads, d_k != d_v, attention
+first, partial rotary, untied) and a second, differently shaped model compiled in the same process (the
+draft beside its target: each must run its own graphs). Every forward of a session (one-token decode,
+verify of 2..9 tokens from the head and on top of a staging, a pipelined round after `mark`) must give the
+same logits, hidden states, staged logs and, after partial, full, zero and marked commits, the same head.
+Compiling takes a while (four graphs a model), so the models are compiled once for the module.
+"""
+import copy
+
+import pytest
+import torch
+
+from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.decoding.speculative import generate
+from shared.model.checkpoint import hf_config, random_model
+from tests.test_fused import AWKWARD, assert_same_head, close
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = random_model(AWKWARD, seed=11).fuse()
+    draft = random_model(hf_config(vocab_size=AWKWARD["vocab_size"], layer_types=["linear_attention", "full_attention"]), seed=12).fuse()
+    return {"target": (target, copy.deepcopy(target).compile()), "draft": (draft, copy.deepcopy(draft).compile())}
+
+
+def assert_same_staging(state, ref) -> None:
+    for name in ("window", "spare"):
+        assert close(getattr(state.gdn, name), getattr(ref.gdn, name)), name
+    n = state.staged
+    if not state.gdn.logged:
+        return
+    for name, axis in (("x", 1), ("k", 3), ("delta", 2), ("g", 2)):
+        assert close(getattr(state.gdn, name).narrow(axis, 0, n), getattr(ref.gdn, name).narrow(axis, 0, n)), name
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_every_pass_and_commit_matches_the_fused_path(models, which):
+    eager, compiled = models[which]
+    gen = torch.Generator().manual_seed(5)
+    vocab = eager.config.vocab_size
+    ref, state = eager.new_state(capacity=8), compiled.new_state(capacity=8)  # small: the K/V buffers grow
+    # (tokens, then a pass on top or None, what to keep): 40 tokens do not fit the logs (eager); the rest runs compiled
+    plan = [(40, None, 40), (1, None, 1), (1, 1, 2), (5, None, 2), (1, None, 0), (9, None, 9), (3, 2, 4),
+            (2, 3, None), (1, 1, 1), (6, None, 6), (4, 1, 3)]
+    for T, more, keep in plan:
+        for n in (T, more):
+            if n:
+                ids = torch.randint(0, vocab, (n,), generator=gen)
+                want, got = eager(ids, ref), compiled(ids, state)
+                assert close(got[0], want[0]) and close(got[1], want[1]), f"forward of {n} tokens"
+                assert_same_staging(state, ref)
+        if keep is None:
+            ref.revert(), state.revert()
+        else:
+            ref.commit(keep), state.commit(keep)
+        assert_same_head(state, ref)
+    assert compiled.compiled is not None
+
+
+def test_a_pipelined_round_matches(models):
+    """`mark`, a chained pass on top, then `commit_marked` or `drop_marked`, as the pipelined loops do."""
+    eager, compiled = models["target"]
+    gen = torch.Generator().manual_seed(9)
+    ref, state = eager.new_state(), compiled.new_state()
+    prompt = torch.randint(0, eager.config.vocab_size, (30,), generator=gen)
+    for model, st in ((eager, ref), (compiled, state)):
+        model(prompt, st), st.commit(30)
+    for finish in ("commit_marked", "drop_marked", "commit_marked"):
+        ids, chained = (torch.randint(0, eager.config.vocab_size, (n,), generator=gen) for n in (5, 5))
+        for model, st in ((eager, ref), (compiled, state)):
+            model(ids, st), st.mark()
+        want, got = eager(chained, ref), compiled(chained, state)
+        assert close(got[0], want[0])
+        getattr(ref, finish)(), getattr(state, finish)()
+        assert_same_staging(state, ref)
+        ref.commit(ref.staged), state.commit(state.staged)
+        assert_same_head(state, ref)
+
+
+def test_speculative_decoding_with_compiled_models_equals_target_only(models):
+    target, compiled_target = models["target"]
+    draft, compiled_draft = models["draft"]
+    prompt = torch.randint(0, target.config.vocab_size, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    want = generate(target, prompt, 40).token_ids
+    assert generate(compiled_target, prompt, 40).token_ids == want
+    assert generate(compiled_target, prompt, 40, ModelDrafter(compiled_draft), 4).token_ids == want
+    assert generate(target, prompt, 40, ModelDrafter(compiled_draft), 8).token_ids == want
+
+
+def test_compile_needs_the_fused_path():
+    model = random_model(hf_config(), seed=1).fuse(False)
+    with pytest.raises(ValueError, match="fused path"):
+        model.compile()
+    assert model.fuse().compile().fuse(False).compiled is None
