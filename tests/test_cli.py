@@ -50,4 +50,4 @@ def test_bad_checkpoint_is_one_clear_error(tmp_path):
 def test_compile_is_refused_where_it_would_do_nothing():
     out = run("generate", "--prompt", "x", "--target-addr", "127.0.0.1:1", "--compile")
     assert out.returncode == 2
-    assert "serve-target/serve-draft --compile" in out.stderr and "Traceback" not in out.stderr
+    assert "serve-draft --compile" in out.stderr and "Traceback" not in out.stderr

@@ -1,8 +1,8 @@
 """Compiled passes (`shared.model.compiled`) against the fused path they compile.
 
-Random weights and ids, the awkward config of `test_fused` (value heads != key heads, d_k != d_v, attention
-first, partial rotary, untied) and a second, differently shaped model compiled in the same process (the
-draft beside its target: each must run its own graphs). Every forward of a session (one-token decode,
+Random weights and ids, the awkward sizes of `test_fused` (value heads != key heads, d_k != d_v, attention
+first, partial rotary, untied) and a second, differently shaped model compiled in the same process (each
+must run its own graphs); two layers each, since compiling takes time per layer. Every forward of a session (one-token decode,
 verify of 2..9 tokens from the head and on top of a staging, a pipelined round after `mark`) must give the
 same logits, hidden states, staged logs and, after partial, full, zero and marked commits, the same head.
 Compiling takes a while (four graphs a model), so the models are compiled once for the module.
@@ -20,7 +20,7 @@ from tests.test_fused import AWKWARD, assert_same_head, close
 
 @pytest.fixture(scope="module")
 def models():
-    target = random_model(AWKWARD, seed=11).fuse()
+    target = random_model(hf_config(**{**AWKWARD, "layer_types": ["full_attention", "linear_attention"]}), seed=11).fuse()
     draft = random_model(hf_config(vocab_size=AWKWARD["vocab_size"], layer_types=["linear_attention", "full_attention"]), seed=12).fuse()
     return {"target": (target, copy.deepcopy(target).compile()), "draft": (draft, copy.deepcopy(draft).compile())}
 

@@ -85,7 +85,8 @@ class GDNStates:
             if slot is not None:
                 return slot[name].zero_()
             shape, kind = shapes[name]
-            return torch.zeros(shape, device=device, dtype=kind)
+            with torch.inference_mode(False):  # normal tensors, wherever the state is made: commits write them
+                return torch.zeros(shape, device=device, dtype=kind)
 
         self.conv = buffer("conv")  # committed window
         self.window = buffer("window")  # window after everything staged
@@ -156,7 +157,8 @@ class GDNStates:
     def mark(self) -> None:
         """Snapshot the window and state after everything staged (the one extra staging of a chained round)."""
         if "marked_state" not in self.layers:
-            self.marked_window, self.marked_state = torch.empty_like(self.conv), torch.empty_like(self.recurrent)
+            with torch.inference_mode(False):
+                self.marked_window, self.marked_state = torch.empty_like(self.conv), torch.empty_like(self.recurrent)
             self.layers["marked_window"] = list(self.marked_window.unbind(0))
             self.layers["marked_state"] = list(self.marked_state.unbind(0))
         self.marked_window.copy_(self.window)
@@ -257,8 +259,9 @@ class AttnLayerState:
             new_capacity = self.lease.grow(needed, new_capacity)
         for name in ("k", "v"):
             old = getattr(self, name)
-            grown = old.new_zeros(old.shape[0], new_capacity, old.shape[2])  # finite: compiled passes read it masked
-            grown[:, :capacity] = old
+            with torch.inference_mode(False):  # like every state buffer (a compiled pass's graph expects it)
+                grown = old.new_zeros(old.shape[0], new_capacity, old.shape[2])  # finite: compiled passes read it all
+                grown[:, :capacity] = old
             setattr(self, name, grown)
 
 
@@ -275,9 +278,10 @@ class ModelState:
         self.gdn = GDNStates(config, self.kinds.count("linear_attention"), device, dtype,
                              lease.buffers if lease is not None else None)
         shape = (config.num_key_value_heads, capacity, config.head_dim)
-        self.attn = [AttnLayerState(torch.zeros(shape, device=device, dtype=dtype),
-                                    torch.zeros(shape, device=device, dtype=dtype), lease)
-                     for kind in self.kinds if kind == "full_attention"]
+        with torch.inference_mode(False):
+            self.attn = [AttnLayerState(torch.zeros(shape, device=device, dtype=dtype),
+                                        torch.zeros(shape, device=device, dtype=dtype), lease)
+                         for kind in self.kinds if kind == "full_attention"]
 
     def ensure_positions(self, needed: int) -> None:
         """Grow every attention layer's K/V to `needed` positions before a forward stages anything: a pooled
