@@ -223,7 +223,7 @@ def cmd_serve_draft(args: argparse.Namespace) -> int:
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
 
 
-COMPILE_HELP = ("run the draft model's decode and verify passes as torch.compile (Inductor) graphs: 2.5-3x faster "
+COMPILE_HELP = ("run the draft model's decode and verify passes as torch.compile (Inductor) graphs: about 2x faster "
                 "passes (`deltaspec bench --only compiled`), compiled at start-up (about a minute on a CPU the first "
                 "time, seconds once Inductor's cache under /tmp has them; needs a C++ compiler on a CPU)")
 
