@@ -14,14 +14,19 @@ import torch
 
 from shared.decoding.drafters.model_drafter import ModelDrafter
 from shared.decoding.speculative import generate
-from shared.model.checkpoint import hf_config, random_model
+from shared.model.checkpoint import hf_config, random_model, save_checkpoint
+from shared.rpc.client import generate_client_driven, generate_on_server
+from test_rpc_servers import Served
 from tests.test_fused import AWKWARD, assert_same_head, close
+
+
+TARGET = hf_config(**{**AWKWARD, "layer_types": ["full_attention", "linear_attention"]})
+DRAFT = hf_config(vocab_size=AWKWARD["vocab_size"], layer_types=["linear_attention", "full_attention"])
 
 
 @pytest.fixture(scope="module")
 def models():
-    target = random_model(hf_config(**{**AWKWARD, "layer_types": ["full_attention", "linear_attention"]}), seed=11).fuse()
-    draft = random_model(hf_config(vocab_size=AWKWARD["vocab_size"], layer_types=["linear_attention", "full_attention"]), seed=12).fuse()
+    target, draft = random_model(TARGET, seed=11).fuse(), random_model(DRAFT, seed=12).fuse()
     return {"target": (target, copy.deepcopy(target).compile()), "draft": (draft, copy.deepcopy(draft).compile())}
 
 
@@ -87,6 +92,25 @@ def test_speculative_decoding_with_compiled_models_equals_target_only(models):
     assert generate(compiled_target, prompt, 40).token_ids == want
     assert generate(compiled_target, prompt, 40, ModelDrafter(compiled_draft), 4).token_ids == want
     assert generate(target, prompt, 40, ModelDrafter(compiled_draft), 8).token_ids == want
+
+
+def test_a_compiled_draft_service_serves_target_only_tokens(models, tmp_path):
+    """`serve-draft --compile` as a real process (its graphs compile at start-up), both loops over gRPC."""
+    target, draft = models["target"][0], models["draft"][0]
+    drafted = Served("serve-draft", save_checkpoint(draft, tmp_path / "draft"), "--compile")
+    served = Served("serve-target", save_checkpoint(target, tmp_path / "target"), "--draft-addr", drafted.address)
+    try:
+        drafted.wait_serving(), served.wait_serving()
+        prompt = torch.randint(0, target.config.vocab_size, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+        want = generate(target, prompt, 32).token_ids
+        on_server = generate_on_server(served.address, prompt, "", 32, 4)[0]
+        client = generate_client_driven(served.address, drafted.address, prompt, "", 32, 4, draft_timeout_s=30.0)[0]
+        assert on_server.token_ids == want and client.token_ids == want
+        assert on_server.stats.drafted > 0 and client.stats.drafted > 0
+    finally:
+        for process in (served, drafted):
+            process.proc.kill()
+            process.proc.wait()
 
 
 def test_compile_needs_the_fused_path():
