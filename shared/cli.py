@@ -225,7 +225,7 @@ def cmd_serve_draft(args: argparse.Namespace) -> int:
 
 COMPILE_HELP = ("run the draft model's decode and verify passes as torch.compile (Inductor) graphs: about 2x faster "
                 "passes (`deltaspec bench --only compiled`), compiled at start-up (about a minute on a CPU the first "
-                "time, seconds once Inductor's cache under /tmp has them; needs a C++ compiler on a CPU)")
+                "time, about 10 s once Inductor's cache under /tmp has them; needs a C++ compiler on a CPU)")
 
 
 def _add_server(p: argparse.ArgumentParser, model: str) -> None:
