@@ -218,8 +218,7 @@ def cmd_serve_draft(args: argparse.Namespace) -> int:
     _torch_threads(args)
     telemetry = Telemetry.from_env(DRAFT)
     svc = service(lambda: load_model(model_dir, device=args.device).compile(args.compile, warm_up=True), _limits(args),
-                  telemetry, _batching(args),
-                  args.stop_below)
+                  telemetry, _batching(args), args.stop_below)
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
 
 

@@ -16,8 +16,8 @@ from shared.decoding.drafters.model_drafter import ModelDrafter
 from shared.decoding.speculative import generate
 from shared.model.checkpoint import hf_config, random_model, save_checkpoint
 from shared.rpc.client import generate_client_driven, generate_on_server
+from test_fused import AWKWARD, assert_same_head, close
 from test_rpc_servers import Served
-from tests.test_fused import AWKWARD, assert_same_head, close
 
 
 TARGET = hf_config(**{**AWKWARD, "layer_types": ["full_attention", "linear_attention"]})

@@ -67,9 +67,8 @@ def run(args: argparse.Namespace) -> dict:
     steps = [s for s in SECTIONS if s in (args.only or SECTIONS) and (s != "gpu" or torch.cuda.is_available())]
     result: dict = {}
     repeats = 1 if quick else 2
-    generations = len(lengths) * len(long_prompts) * repeats
-    generations = generations * ("generations" in steps) + generations * ("compiled" in steps) or 1
-    with tqdm(total=len(steps) - 1 + generations, desc="bench") as bar:
+    long = sum(section in steps for section in ("generations", "compiled"))  # a tick per generation, not per section
+    with tqdm(total=len(steps) + long * (len(lengths) * len(long_prompts) * repeats - 1), desc="bench") as bar:
         if "steps" in steps:
             result["steps"] = step_costs.step_costs({"embedded target": target, "embedded draft": draft},
                                                     blocks=3 if quick else 7)

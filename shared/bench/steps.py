@@ -34,7 +34,8 @@ def _step(model: HybridLM, state, ids: torch.Tensor) -> None:
     state.commit(max(1, len(ids) // 2))
 
 
-PATHS = {"layers": lambda m: m.fuse(False), "fused": lambda m: m.fuse(), "compiled": lambda m: m.fuse().compile(warm_up=True)}
+PATHS = {"layers": lambda m: m.fuse(False), "fused": lambda m: m.fuse(),
+         "compiled": lambda m: m.fuse().compile(warm_up=True)}
 
 
 def step_costs(models: dict[str, HybridLM], k: int = 4, context: int = 64, blocks: int = 7, steps: int = 20,

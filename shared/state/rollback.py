@@ -286,9 +286,8 @@ class ModelState:
     def ensure_positions(self, needed: int) -> None:
         """Grow every attention layer's K/V to `needed` positions before a forward stages anything: a pooled
         state's growth is paid in full by the first layer, or refused (`ResourceExhausted`) with the state unchanged."""
-        with torch.inference_mode():
-            for layer in self.attn:
-                layer.ensure_capacity(needed)
+        for layer in self.attn:
+            layer.ensure_capacity(needed)
 
     def layer_views(self) -> list[GDNSlot | AttnLayerState]:
         """Per-layer state for one forward pass, in layer order."""
