@@ -49,7 +49,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.target_addr and args.compile:
-        raise ValueError("--compile is for generating in process; the draft service takes it: serve-draft --compile")
+        raise ValueError("--compile is for generating in process; the services take it: serve-target --compile, "
+                         "serve-draft --compile")
     if args.target_addr:
         return _generate_remote(args)
     if args.draft_addr:
@@ -65,11 +66,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(target_dir)
     prompt = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
     sampling = _sampling(args)
-    target = load_model(target_dir)
+    target = load_model(target_dir).compile(args.compile, warm_up=True)
     drafter = make_drafter(draft, target, sampling, args.stop_below)
-    if args.compile:
-        if not isinstance(drafter, ModelDrafter):
-            raise ValueError(f"--compile compiles a draft model's passes; --draft {draft} is not a draft model")
+    if args.compile and isinstance(drafter, ModelDrafter):
         drafter.model.compile(warm_up=True)
     result = generate(target, prompt, args.max_new_tokens, drafter, args.num_draft_tokens, sampling)
     _print_generation(result, tokenizer.decode(result.token_ids), args.json)
@@ -202,7 +201,8 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
         raise ValueError("serve-target takes --draft-addr or --draft, not both")
     if args.pipeline_depth not in (0, 1):
         raise ValueError(f"--pipeline-depth is 0 or 1, not {args.pipeline_depth}")
-    svc = service(lambda: (load_model(model_dir, device=args.device), load_tokenizer(model_dir)), _limits(args),
+    svc = service(lambda: (load_model(model_dir, device=args.device).compile(args.compile, warm_up=True),
+                           load_tokenizer(model_dir)), _limits(args),
                   draft, args.advertise_address, telemetry, args.draft, args.pipeline_depth, _batching(args))
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
 
@@ -222,9 +222,10 @@ def cmd_serve_draft(args: argparse.Namespace) -> int:
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
 
 
-COMPILE_HELP = ("run the draft model's decode and verify passes as torch.compile (Inductor) graphs: about 2x faster "
-                "passes (`deltaspec bench --only compiled`), compiled at start-up (about a minute on a CPU the first "
-                "time, about 10 s once Inductor's cache under /tmp has them; needs a C++ compiler on a CPU)")
+COMPILE_HELP = ("run the model's decode and verify passes as torch.compile (Inductor) graphs, faster passes "
+                "(`deltaspec bench --only compiled`), compiled at start-up (up to a minute or two per model on a "
+                "CPU the first time, seconds once Inductor's cache under /tmp has them; needs a C++ compiler on a "
+                "CPU)")
 
 
 def _add_server(p: argparse.ArgumentParser, model: str) -> None:
@@ -342,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", type=_ids)
     p.add_argument("--max-new-tokens", type=int, default=64)
     _add_sampling(p)
-    p.add_argument("--compile", action="store_true", help=COMPILE_HELP + " (in process, with a draft model)")
+    p.add_argument("--compile", action="store_true", help=COMPILE_HELP + " (in process: the target and a draft model)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     p.add_argument("--target-addr", help="HOST:PORT of a target service: generate there instead of in process")
     p.add_argument("--draft-addr", help="HOST:PORT of a draft service: drive the loop from here (with --target-addr)")
@@ -363,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-depth", type=int, default=1,
                    help="pipelined rounds a session may stage on top of its pending round (0 or 1; 0: serial "
                         "rounds only: Generate's own loop and clients)")
+    p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--draft-timeout", type=float, default=1.0,
                    help="seconds one draft proposal may take before the round goes on without it")
     p.add_argument("--advertise-address", default=os.environ.get("DELTASPEC_ADVERTISE_ADDRESS", ""),

@@ -2,7 +2,8 @@
 
 Random weights and ids, the awkward sizes of `test_fused` (value heads != key heads, d_k != d_v, attention
 first, partial rotary, untied) and a second, differently shaped model compiled in the same process (each
-must run its own graphs); two layers each, since compiling takes time per layer. Every forward of a session (one-token decode,
+must run its own graphs). The target has 5 layers (compiled per layer kind), the draft 2 (one whole-model
+graph), so both ways of compiling are checked. Every forward of a session (one-token decode,
 verify of 2..9 tokens from the head and on top of a staging, a pipelined round after `mark`) must give the
 same logits, hidden states, staged logs and, after partial, full, zero and marked commits, the same head.
 Compiling takes a while (four graphs a model), so the models are compiled once for the module.
@@ -20,14 +21,17 @@ from test_fused import AWKWARD, assert_same_head, close
 from test_rpc_servers import Served
 
 
-TARGET = hf_config(**{**AWKWARD, "layer_types": ["full_attention", "linear_attention"]})
+TARGET = hf_config(**{**AWKWARD, "layer_types": ["full_attention", "linear_attention", "linear_attention",
+                                                 "full_attention", "linear_attention"]})
 DRAFT = hf_config(vocab_size=AWKWARD["vocab_size"], layer_types=["linear_attention", "full_attention"])
 
 
 @pytest.fixture(scope="module")
 def models():
     target, draft = random_model(TARGET, seed=11).fuse(), random_model(DRAFT, seed=12).fuse()
-    return {"target": (target, copy.deepcopy(target).compile()), "draft": (draft, copy.deepcopy(draft).compile())}
+    pairs = {"target": (target, copy.deepcopy(target).compile()), "draft": (draft, copy.deepcopy(draft).compile())}
+    assert [pair[1].compiled.per_layer for pair in pairs.values()] == [True, False]  # both ways of compiling
+    return pairs
 
 
 def assert_same_staging(state, ref) -> None:
@@ -94,11 +98,13 @@ def test_speculative_decoding_with_compiled_models_equals_target_only(models):
     assert generate(target, prompt, 40, ModelDrafter(compiled_draft), 8).token_ids == want
 
 
-def test_a_compiled_draft_service_serves_target_only_tokens(models, tmp_path):
-    """`serve-draft --compile` as a real process (its graphs compile at start-up), both loops over gRPC."""
+def test_compiled_services_serve_target_only_tokens(models, tmp_path):
+    """`serve-draft --compile` and `serve-target --compile` as real processes (their graphs compile at start-up),
+    both loops over gRPC."""
     target, draft = models["target"][0], models["draft"][0]
     drafted = Served("serve-draft", save_checkpoint(draft, tmp_path / "draft"), "--compile")
-    served = Served("serve-target", save_checkpoint(target, tmp_path / "target"), "--draft-addr", drafted.address)
+    served = Served("serve-target", save_checkpoint(target, tmp_path / "target"), "--draft-addr", drafted.address,
+                    "--compile")
     try:
         drafted.wait_serving(), served.wait_serving()
         prompt = torch.randint(0, target.config.vocab_size, (9,), generator=torch.Generator().manual_seed(4)).tolist()

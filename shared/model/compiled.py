@@ -1,4 +1,4 @@
-"""Compiled passes: a decode or verify pass of the fused path as one `torch.compile` (Inductor) graph.
+"""Compiled passes: a decode or verify pass of the fused path as `torch.compile` (Inductor) graphs.
 
 Even fused, an eager step of these small models is mostly dispatch: the draft model's decode step is about
 110 ATen calls for a few microseconds of arithmetic each. Inductor fuses the elementwise work into a few
@@ -12,14 +12,16 @@ each for a pass from the head and one on top of a staging (the two read differen
 longer than the logs (prefill) take the eager path. The fused path stays the truth: `tests/test_compiled.py`
 compares logits and every state buffer of both on random weights.
 
-Compiling takes time with depth (Inductor's passes over the whole graph): about a minute for the 2-layer
-embedded draft on a CPU, and the 12-layer target had not finished after 15 minutes; so the command line
-compiles draft models only.
+A shallow model (the 2-layer embedded draft) runs each pass as one graph. A whole graph's compile time grows
+with depth (Inductor's passes over all of it: the 12-layer target's had not finished after 15 minutes), so a
+deeper model compiles one graph per layer kind instead, shared by every layer of that kind and called layer by
+layer: a few more calls per pass, and a compile time that does not depend on depth.
 """
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,69 +33,101 @@ from shared.state.rollback import LOG_CAPACITY, ModelState
 
 if TYPE_CHECKING:
     from shared.model.hybrid import HybridLM
+    from shared.model.layers import DecoderLayer
+
+WHOLE_GRAPH_LAYERS = 4  # deeper stacks compile per layer kind (a whole 12-layer graph was not compiled after 15 min)
 
 
-def _pass(model: HybridLM, x: Tensor, cos: Tensor, signed_sin: Tensor, positions: Tensor, slots: Tensor,
-          conv_in: Tensor, state_in: Tensor, window: Tensor, spare: Tensor, logs: tuple[Tensor, Tensor, Tensor, Tensor],
-          kv: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """`HybridLM.forward` on the fused path from the embeddings `x (T, hidden)`, with every state write in the graph.
+def _gdn_layer(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, conv_in: Tensor, state_in: Tensor,
+               window: Tensor, spare: Tensor, log_x: Tensor, log_k: Tensor, log_delta: Tensor, log_g: Tensor,
+               slots: Tensor) -> Tensor:
+    """One Gated DeltaNet layer and its MLP, writing this layer's window, state and logs (`GDNSlot.stage`'s writes).
 
-    conv_in, state_in: the stacked GDN window and state before the pass (the head's, or the staging's when the pass
-    goes on top of one); window, spare: where the staging's go; logs: `GDNStates` x, k, delta, g; kv: each attention
-    layer's K/V buffers; positions (T,) and slots (T,): where the tokens go in K/V and in the logs."""
+    conv_in, state_in: the window and state before the pass (the head's, or the staging's on top of one); window,
+    spare: where the staging's go; slots (T,): the tokens' log slots."""
     T = x.shape[0]
-    log_x, log_k, log_delta, log_g = logs
-    rope = (cos, signed_sin)
+    h = F.rms_norm(x, x.shape[-1:], f.input_norm, layer.input_layernorm.eps)
+    m, fm = layer.linear_attn, f.mixer
+    mixed, z, b, a = fused.gdn_inputs(fm, h)
+    full = torch.cat([conv_in, mixed], dim=0)
+    q, k, v, beta, g = fused.gdn_gates(m, fm, full, b, a)
+    if T == 1:
+        out, delta, final = fused.recurrent_step(q, k, v, beta, g, state_in)
+        delta = delta.transpose(0, 1)
+    else:
+        out, delta, final = one_chunk_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                       g.t(), beta.t(), state_in)
+        out = out.transpose(0, 1)
+    spare.copy_(final)
+    window.copy_(full[-window.shape[0]:])
+    log_x.index_copy_(0, slots, mixed)
+    log_k.index_copy_(2, slots, k.permute(1, 2, 0))
+    log_delta.index_copy_(1, slots, delta)
+    log_g.index_copy_(1, slots, g.t())
+    return fused.mlp(layer, f, fused.gdn_output(m, fm, out, z, x))
+
+
+def _attention_layer(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, k_cache: Tensor, v_cache: Tensor,
+                     positions: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """One attention layer and its MLP: K/V written at `positions (T,)`, the whole buffer read under a position mask."""
+    h = F.rms_norm(x, x.shape[-1:], f.input_norm, layer.input_layernorm.eps)
+    m, fa = layer.self_attn, f.mixer
+    q_gate, q, k, v = fused.attention_inputs(m, fa, h, (cos, signed_sin))
+    k_cache.index_copy_(1, positions, k.transpose(0, 1))
+    v_cache.index_copy_(1, positions, v.transpose(0, 1))
+    mask = torch.arange(k_cache.shape[1], device=x.device)[None, :] <= positions[:, None]  # (T, capacity)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache[None], v_cache[None], attn_mask=mask,
+                                         enable_gqa=m.n_heads != m.n_kv)[0].transpose(0, 1)
+    return fused.mlp(layer, f, fused.attention_output(fa, out, q_gate, x))
+
+
+def _layers(model: HybridLM, x: Tensor, cos: Tensor, signed_sin: Tensor, positions: Tensor, slots: Tensor,
+            gdn: dict[str, Sequence[Tensor]], kv: list[tuple[Tensor, Tensor]],
+            gdn_layer: Callable[..., Tensor] = _gdn_layer,
+            attention_layer: Callable[..., Tensor] = _attention_layer) -> Tensor:
+    """Every layer on the embeddings `x (T, hidden)`. gdn: per-layer sequences (a stacked tensor or a list of its
+    views) under conv_in, state_in, window, spare, x, k, delta, g; kv: each attention layer's K/V buffers."""
     i = j = 0
     for layer, f in zip(model.model.layers, model.fused.layers):
-        h = F.rms_norm(x, x.shape[-1:], f.input_norm, layer.input_layernorm.eps)
         if layer.kind == "linear_attention":
-            m, fm = layer.linear_attn, f.mixer
-            mixed, z, b, a = fused.gdn_inputs(fm, h)
-            full = torch.cat([conv_in[i], mixed], dim=0)
-            q, k, v, beta, g = fused.gdn_gates(m, fm, full, b, a)
-            if T == 1:
-                out, delta, final = fused.recurrent_step(q, k, v, beta, g, state_in[i])
-                delta = delta.transpose(0, 1)
-            else:
-                out, delta, final = one_chunk_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                               g.t(), beta.t(), state_in[i])
-                out = out.transpose(0, 1)
-            spare[i].copy_(final)
-            window[i].copy_(full[-window.shape[1]:])
-            log_x[i].index_copy_(0, slots, mixed)
-            log_k[i].index_copy_(2, slots, k.permute(1, 2, 0))
-            log_delta[i].index_copy_(1, slots, delta)
-            log_g[i].index_copy_(1, slots, g.t())
-            x = fused.gdn_output(m, fm, out, z, x)
+            x = gdn_layer(layer, f, x, *(gdn[name][i] for name in _GDN_ARGS), slots)
             i += 1
         else:
-            m, fa = layer.self_attn, f.mixer
-            q_gate, q, k, v = fused.attention_inputs(m, fa, h, rope)
-            k_cache, v_cache = kv[j]
-            k_cache.index_copy_(1, positions, k.transpose(0, 1))
-            v_cache.index_copy_(1, positions, v.transpose(0, 1))
-            mask = torch.arange(k_cache.shape[1], device=x.device)[None, :] <= positions[:, None]  # (T, capacity)
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache[None], v_cache[None], attn_mask=mask,
-                                                 enable_gqa=m.n_heads != m.n_kv)[0].transpose(0, 1)
-            x = fused.attention_output(fa, out, q_gate, x)
+            x = attention_layer(layer, f, x, *kv[j], positions, cos, signed_sin)
             j += 1
-        x = fused.mlp(layer, f, x)
+    return x
+
+
+def _head(model: HybridLM, x: Tensor) -> tuple[Tensor, Tensor]:
     normed = F.rms_norm(x, x.shape[-1:], model.fused.final_norm, model.model.norm.eps)
     return model.lm_head(normed).float(), x
 
 
-class CompiledPasses:
-    """The compiled `_pass` of one model, and the bookkeeping around it that `HybridLM.forward` would do."""
+def _pass(model: HybridLM, x: Tensor, cos: Tensor, signed_sin: Tensor, positions: Tensor, slots: Tensor,
+          gdn: dict[str, Tensor], kv: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """`HybridLM.forward` on the fused path from the embeddings, every state write in the graph (a whole-model graph)."""
+    return _head(model, _layers(model, x, cos, signed_sin, positions, slots, gdn, kv))
 
-    def __init__(self, device: torch.device) -> None:
-        # A code object of its own: dynamo keeps graphs per code object, so this model's graphs are the only ones it
-        # looks up, and their guards can skip the module's attributes (the model's structure does not change).
-        own = types.FunctionType(_pass.__code__.replace(), _pass.__globals__, _pass.__name__)
+
+_GDN_ARGS = ("conv_in", "state_in", "window", "spare", "x", "k", "delta", "g")
+
+
+class CompiledPasses:
+    """The compiled passes of one model, and the bookkeeping around them that `HybridLM.forward` would do.
+
+    Up to `WHOLE_GRAPH_LAYERS` layers the pass is one graph (`_pass`); deeper stacks compile one graph per layer kind
+    (`_gdn_layer`, `_attention_layer`), called layer by layer: compile time no longer grows with depth."""
+
+    def __init__(self, device: torch.device, n_layers: int) -> None:
         options: dict = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         if device.type == "cpu":
             options["cpp_wrapper"] = True  # the kernels called from generated C++: no Python per kernel
-        self.fn: Callable[..., tuple[Tensor, Tensor]] = torch.compile(own, fullgraph=True, options=options)
+        self.per_layer = n_layers > WHOLE_GRAPH_LAYERS
+        if self.per_layer:
+            self.gdn_layer, self.attention_layer = (_token_count_dynamic(_compile(fn, options))
+                                                    for fn in (_gdn_layer, _attention_layer))
+        else:
+            self.fn: Callable[..., tuple[Tensor, Tensor]] = _compile(_pass, options)
 
     @staticmethod
     def fits(state: ModelState, T: int) -> bool:
@@ -105,16 +139,22 @@ class CompiledPasses:
         state.ensure_positions(start + T)
         positions = torch.arange(start, start + T, device=x.device)
         slots = positions - state.length
-        on_head = state.staged == 0
         if T > 1:  # one graph for every verify length
             for t in (x, *rope, positions, slots):
                 torch._dynamo.mark_dynamic(t, 0, min=2, max=LOG_CAPACITY)
-        for layer in state.attn:  # and for every K/V capacity
-            torch._dynamo.maybe_mark_dynamic(layer.k, 1)
-            torch._dynamo.maybe_mark_dynamic(layer.v, 1)
-        return self.fn(model, x, *rope, positions, slots, gdn.conv if on_head else gdn.window,
-                       gdn.recurrent if on_head else gdn.spare, gdn.window, gdn.spare, (gdn.x, gdn.k, gdn.delta, gdn.g),
-                       [(layer.k, layer.v) for layer in state.attn])
+        kv = [(layer.k, layer.v) for layer in state.attn]
+        for k_cache, v_cache in kv:  # and for every K/V capacity
+            torch._dynamo.maybe_mark_dynamic(k_cache, 1)
+            torch._dynamo.maybe_mark_dynamic(v_cache, 1)
+        # a stacked tensor per name for the whole graph (indexed in it), per-layer views (made once) layer by layer
+        buffers = gdn.layers if self.per_layer else vars(gdn)
+        on_head = state.staged == 0
+        args = {"conv_in": buffers["conv" if on_head else "window"], "state_in": buffers["recurrent" if on_head else "spare"],
+                **{name: buffers[name] for name in _GDN_ARGS[2:]}}
+        if self.per_layer:
+            return _head(model, _layers(model, x, *rope, positions, slots, args, kv, self.gdn_layer,
+                                        self.attention_layer))
+        return self.fn(model, x, *rope, positions, slots, args, kv)
 
     @staticmethod
     def warm_up(model: HybridLM) -> None:
@@ -126,3 +166,19 @@ class CompiledPasses:
             model(ids[:first], state)
             model(ids[:second], state)
             state.revert()
+
+
+def _compile(fn: Callable, options: dict) -> Callable:
+    # A code object of its own: dynamo keeps graphs per code object, so this model's graphs are the only ones it
+    # looks up, and their guards can skip the module's attributes (the model's structure does not change).
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+    return torch.compile(own, fullgraph=True, options=options)
+
+
+def _token_count_dynamic(layer_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """A compiled layer whose input `x`'s token count is symbolic from 2 tokens on (each layer's `x` is a new tensor)."""
+    def call(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, *rest: Tensor) -> Tensor:
+        if x.shape[0] > 1:
+            torch._dynamo.mark_dynamic(x, 0, min=2, max=LOG_CAPACITY)
+        return layer_fn(layer, f, x, *rest)
+    return call

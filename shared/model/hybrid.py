@@ -72,7 +72,7 @@ class HybridLM(nn.Module):
         elif self.compiled is None:
             if self.fused is None:
                 raise ValueError("compile() needs the fused path: call fuse() first")
-            self.compiled = CompiledPasses(self.device)
+            self.compiled = CompiledPasses(self.device, self.config.num_hidden_layers)
         if warm_up and self.compiled is not None:
             self.compiled.warm_up(self)
         return self

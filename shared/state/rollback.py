@@ -95,7 +95,8 @@ class GDNStates:
         self.x, self.k, self.delta, self.g = buffer("x"), buffer("k"), buffer("delta"), buffer("g")
         self.logged = True  # the logs cover every staged token
         # per-layer views, made once: indexing costs a dispatch per index in every layer of every step
-        self.layers = {name: list(getattr(self, name).unbind(0)) for name in ("conv", "window", "recurrent", "spare")}
+        self.layers = {name: list(getattr(self, name).unbind(0))
+                       for name in ("conv", "window", "recurrent", "spare", "x", "k", "delta", "g")}
         if slot is not None:
             self.marked_window, self.marked_state = buffer("marked_window"), buffer("marked_state")
             self.layers["marked_window"] = list(self.marked_window.unbind(0))
