@@ -31,10 +31,10 @@ LOOPS = ("client", "server")
 
 def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, prompts: list[list[int]] | None = None,
             max_new_tokens: int = 96, num_draft_tokens: int = 4, delays_ms: tuple[float, ...] = (0, 1, 5),
-            repeats: int = 1, compile_draft: bool = False) -> list[dict]:
+            repeats: int = 1, compile: bool = False) -> list[dict]:
     """One row per (delay, loop): tokens/s serial and pipelined, their ratio, bytes staged per round.
 
-    `compile_draft`: the draft service runs `--compile` (its passes as compiled graphs)."""
+    `compile`: both services run `--compile` (their passes as compiled graphs)."""
     from shared.model.loader import load_model
     from shared.rpc.client import generate_client_driven, generate_on_server
 
@@ -42,7 +42,8 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
     expected = target_only_outputs(load_model(target_dir), prompts, max_new_tokens)
     rows = []
     with ExitStack() as stack:
-        draft_server = Server("serve-draft", "--model", str(draft_dir), *(["--compile"] if compile_draft else []))
+        compiled = ["--compile"] if compile else []
+        draft_server = Server("serve-draft", "--model", str(draft_dir), *compiled)
         stack.callback(draft_server.stop)
         draft = draft_server.address
         to_draft = TcpProxy([draft])
@@ -50,7 +51,7 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
         targets = {}
         for depth in (0, 1):
             server = Server("serve-target", "--model", str(target_dir), "--draft-addr", to_draft.address,
-                            "--draft-timeout", "30", "--pipeline-depth", str(depth))
+                            "--draft-timeout", "30", "--pipeline-depth", str(depth), *compiled)
             stack.callback(server.stop)
             targets[depth] = server.address
         client_draft = TcpProxy([draft])
@@ -132,14 +133,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--compile-draft", action="store_true", help="the draft service runs with --compile")
+    parser.add_argument("--compile", action="store_true", help="both services run with --compile")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--save", type=Path, help="write pipeline.txt and pipeline.png to this folder (e.g. docs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = compare(prompts=PROMPTS[:2] if args.quick else PROMPTS,
                    max_new_tokens=64 if args.quick else args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-                   repeats=1 if args.quick else args.repeats, compile_draft=args.compile_draft)
+                   repeats=1 if args.quick else args.repeats, compile=args.compile)
     print(json.dumps(rows)) if args.json else print_rows(rows)
     if args.save:
         report.save(args.save, "pipeline", rows, print_rows, plot)
