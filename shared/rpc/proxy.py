@@ -85,7 +85,10 @@ class TcpProxy:
             return
         self.upstream_ports.add(up_writer.get_extra_info("sockname")[1])
         self._writers.setdefault(endpoint, []).extend([writer, up_writer])
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        try:
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        except asyncio.CancelledError:  # `close`: end quietly (Python 3.11's streams log a cancelled connection task)
+            pass
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Read chunks as they come; a second task passes each one on `delay_s` after it arrived."""
