@@ -6,10 +6,10 @@ generated loops, leaves the matmuls to ATen, and on the CPU calls it all from ge
 
 Nothing in the graph depends on where the pass sits: positions and log slots enter as index tensors (K/V
 and the GDN logs are written with `index_copy_`), attention reads the whole K/V buffer under a position
-mask, and the token count is symbolic. So a new position, round or cache size never recompiles; a model
-gets one graph for one token (the recurrent update) and one for 2..`LOG_CAPACITY` tokens (one chunk),
-each for a pass from the head and one on top of a staging (the two read different buffers). Passes
-longer than the logs (prefill) take the eager path. The fused path stays the truth: `tests/test_compiled.py`
+mask, and the token count is symbolic. So a new position, round or cache size never recompiles: a model
+(or a layer kind) gets one graph for one token (the recurrent update) and one for 2..`LOG_CAPACITY` tokens
+(one chunk), each for a pass from the head and one on top of a staging (the two read different buffers).
+Passes longer than the logs (prefill) take the eager path. The fused path stays the truth: `tests/test_compiled.py`
 compares logits and every state buffer of both on random weights.
 
 A shallow model (the 2-layer embedded draft) runs each pass as one graph. A whole graph's compile time grows
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from shared.model.layers import DecoderLayer
 
 WHOLE_GRAPH_LAYERS = 4  # deeper stacks compile per layer kind (a whole 12-layer graph was not compiled after 15 min)
+_GDN_ARGS = ("conv_in", "state_in", "window", "spare", "x", "k", "delta", "g")  # a GDN layer's state arguments
 
 
 def _gdn_layer(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, conv_in: Tensor, state_in: Tensor,
@@ -107,9 +108,6 @@ def _pass(model: HybridLM, x: Tensor, cos: Tensor, signed_sin: Tensor, positions
           gdn: dict[str, Tensor], kv: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """`HybridLM.forward` on the fused path from the embeddings, every state write in the graph (a whole-model graph)."""
     return _head(model, _layers(model, x, cos, signed_sin, positions, slots, gdn, kv))
-
-
-_GDN_ARGS = ("conv_in", "state_in", "window", "spare", "x", "k", "delta", "g")
 
 
 class CompiledPasses:
