@@ -19,6 +19,7 @@ layer: a few more calls per pass, and a compile time that does not depend on dep
 """
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
 
 WHOLE_GRAPH_LAYERS = 4  # deeper stacks compile per layer kind (a whole 12-layer graph was not compiled after 15 min)
 _GDN_ARGS = ("conv_in", "state_in", "window", "spare", "x", "k", "delta", "g")  # a GDN layer's state arguments
+
+# Inductor warns, once per graph, that the chunk kernel's triangular solve has no C shim and runs through its
+# proxy executor under the C++ wrapper. Expected (and no slower here than the Python wrapper): off the terminal.
+logging.getLogger("torch._inductor.ir").addFilter(
+    lambda record: "linalg_solve_triangular" not in record.getMessage())
 
 
 def _gdn_layer(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, conv_in: Tensor, state_in: Tensor,
