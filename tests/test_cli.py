@@ -1,7 +1,10 @@
 """The command line as a user runs it: a real process, real files."""
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from shared.decoding.speculative import generate
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -9,8 +12,9 @@ from shared.model.checkpoint import hf_config, random_model, save_checkpoint
 from shared.model.loader import load_model
 
 
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True, timeout=300)
+def run(*args, env: dict[str, str] | None = None):
+    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
 
 
 def test_models_json():
@@ -45,6 +49,19 @@ def test_bad_checkpoint_is_one_clear_error(tmp_path):
     out = run("generate", "--target", str(tmp_path), "--prompt", "x")
     assert out.returncode == 2
     assert "unknown model_type None" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve-draft", "--port", "0"]])
+def test_compile_without_a_cpp_compiler_is_refused_clearly(command):
+    out = run(*command, "--compile", env={"CXX": "/nonexistent/c++"})
+    assert out.returncode == 2
+    assert "need a C++ compiler" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_server_whose_model_fails_to_load_exits_with_one_message(tmp_path):
+    out = run("serve-target", "--port", "0", "--model", str(tmp_path))
+    assert out.returncode == 2
+    assert "no config.json" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_compile_is_refused_where_it_would_do_nothing():

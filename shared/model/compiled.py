@@ -125,6 +125,7 @@ class CompiledPasses:
     def __init__(self, device: torch.device, n_layers: int) -> None:
         options: dict = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         if device.type == "cpu":
+            _require_cpp_compiler()
             options["cpp_wrapper"] = True  # the kernels called from generated C++: no Python per kernel
         self.per_layer = n_layers > WHOLE_GRAPH_LAYERS
         if self.per_layer:
@@ -170,6 +171,18 @@ class CompiledPasses:
             model(ids[:first], state)
             model(ids[:second], state)
             state.revert()
+
+
+def _require_cpp_compiler() -> None:
+    """Inductor builds CPU kernels with a C++ compiler: refuse up front, and say so, where there is none."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler:
+        raise ValueError("compiled passes on a CPU need a C++ compiler (g++ on the PATH, or one named by $CXX) and "
+                         "none was found: install one, or run without --compile") from None
 
 
 def _compile(fn: Callable, options: dict) -> Callable:

@@ -141,7 +141,11 @@ def serve(services: list[Service], listen: Listen, grace_s: float = 10.0, teleme
         auth = "bearer tokens" if listen.security.tokens else "no caller authentication"
         print(f"{tls}, {auth}", file=sys.stderr, flush=True)
         print(f"listening on {host}:{bound}", file=sys.stderr, flush=True)
-        await server.load()
+        try:
+            await server.load()
+        except BaseException:  # the model would not load: close the port here, before the error is reported
+            await server.server.stop(None)
+            raise
         print(f"serving {', '.join(s.name for s in services)}", file=sys.stderr, flush=True)
         await server.server.wait_for_termination()
 
