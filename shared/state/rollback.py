@@ -94,15 +94,29 @@ class GDNStates:
         self.spare = buffer("spare")  # S after everything staged
         self.x, self.k, self.delta, self.g = buffer("x"), buffer("k"), buffer("delta"), buffer("g")
         self.logged = True  # the logs cover every staged token
-        # per-layer views, made once: indexing costs a dispatch per index in every layer of every step
-        self.layers = {name: list(getattr(self, name).unbind(0))
-                       for name in ("conv", "window", "recurrent", "spare", "x", "k", "delta", "g")}
+        # views made once, since indexing costs a dispatch per index: per layer (every layer of every step), and
+        # what a partial commit reads of a window or writes of a state (`_make_views`); they follow swaps
+        self.layers: dict[str, list[Tensor]] = {}
+        self.tails: dict[str, list[Tensor]] = {}
+        self.flat: dict[str, Tensor] = {}
+        for name in ("conv", "window", "recurrent", "spare", "x", "k", "delta", "g"):
+            self._make_views(name)
         if slot is not None:
             self.marked_window, self.marked_state = buffer("marked_window"), buffer("marked_state")
-            self.layers["marked_window"] = list(self.marked_window.unbind(0))
-            self.layers["marked_state"] = list(self.marked_state.unbind(0))
+            self._make_views("marked_window")
+            self._make_views("marked_state")
         self._log_views: dict[tuple[int, int, int], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         self._prefixes: dict[int, CommitPlan] = {}
+
+    def _make_views(self, name: str) -> None:
+        """Buffer `name`'s per-layer views; for a window, what stays of it after n < K-1 new tokens (`tails[name][n]`);
+        for a state, its `(L H, Dk, Dv)` view (`flat`)."""
+        t = getattr(self, name)
+        self.layers[name] = list(t.unbind(0))
+        if name in ("conv", "window", "marked_window"):
+            self.tails[name] = [t[:, n:] for n in range(t.shape[1])]
+        elif name in ("recurrent", "spare", "marked_state"):
+            self.flat[name] = t.view(-1, *t.shape[2:])
 
     def log_views(self, i: int, start: int, end: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Layer i's log slots for staged tokens start..end-1: x `(T, C)`, k `(H, Dk, T)`, delta `(H, T, Dv)`, g `(H, T)`."""
@@ -130,7 +144,7 @@ class GDNStates:
     def prepare_commit(self, n: int, staged: int) -> tuple[Tensor, Tensor]:
         """(window, recurrent) of the head after keeping n of `staged` tokens; writes only spare buffers.
 
-        Seven calls whatever the depth: every operand and output but the swapped state is a view made once per n."""
+        Six calls whatever the depth: every operand and output is a view made once (per n, or per buffer)."""
         if n == staged:
             return self.window, self.spare
         if not self.logged:
@@ -139,15 +153,14 @@ class GDNStates:
         if n >= self.conv.shape[1]:
             self.window.copy_(p.x_tail)
         else:
-            torch.cat([self.conv[:, n:], p.x_tail], dim=1, out=self.window)
+            torch.cat([self.tails["conv"][n], p.x_tail], dim=1, out=self.window)
         # [exp(G_n), exp(G_n - G_0), ..., exp(G_n - G_{n-1})] per (layer, head), G_t = g_0 + ... + g_t
         torch.mm(p.g, p.sums, out=p.exps).exp_()
-        L, H, Dk, Dv = self.recurrent.shape
         # spare <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T, one batched matmul over (layer, head),
         # written in place (a state-sized temporary would cost an allocation and its page faults)
         torch.mul(self.recurrent, p.exp_total, out=self.spare)
         torch.mul(p.k, p.decays, out=p.scaled_k)
-        self.spare.view(L * H, Dk, Dv).baddbmm_(p.scaled_k_flat, p.delta)
+        self.flat["spare"].baddbmm_(p.scaled_k_flat, p.delta)
         return self.window, self.spare
 
     def swap_in(self) -> None:
@@ -160,8 +173,8 @@ class GDNStates:
         if "marked_state" not in self.layers:
             with torch.inference_mode(False):
                 self.marked_window, self.marked_state = torch.empty_like(self.conv), torch.empty_like(self.recurrent)
-            self.layers["marked_window"] = list(self.marked_window.unbind(0))
-            self.layers["marked_state"] = list(self.marked_state.unbind(0))
+            self._make_views("marked_window")
+            self._make_views("marked_state")
         self.marked_window.copy_(self.window)
         self.marked_state.copy_(self.spare)
 
@@ -186,7 +199,9 @@ class GDNStates:
         ta, tb = getattr(self, a), getattr(self, b)
         setattr(self, a, tb)
         setattr(self, b, ta)
-        self.layers[a], self.layers[b] = self.layers[b], self.layers[a]
+        for views in (self.layers, self.tails, self.flat):
+            if a in views:
+                views[a], views[b] = views[b], views[a]
 
 
 @dataclass
