@@ -5,7 +5,8 @@ first, partial rotary, untied) and a second, differently shaped model compiled i
 must run its own graphs). The target has 5 layers (compiled per layer kind), the draft 2 (one whole-model
 graph), so both ways of compiling are checked. Every forward of a session (one-token decode,
 verify of 2..9 tokens from the head and on top of a staging, a pipelined round after `mark`) must give the
-same logits, hidden states, staged logs and, after partial, full, zero and marked commits, the same head.
+same logits, hidden states, staged logs and, after partial, full, zero and marked commits, the same head; in
+bf16, the same logits to bf16 rounding.
 Compiling takes a while (four graphs a model), so the models are compiled once for the module.
 """
 import copy
@@ -124,3 +125,28 @@ def test_compile_needs_the_fused_path():
     with pytest.raises(ValueError, match="fused path"):
         model.compile()
     assert model.fuse().compile().fuse(False).compiled is None
+
+
+def test_bfloat16_compiled_passes_match_the_fused_path():
+    """bf16 weights, both ways of compiling: logits agree with the fused path to bf16 rounding through decode, verify
+    from the head and on a staging, and commits; the state stays float32; speculative output equals target-only."""
+    pairs = {name: (model, copy.deepcopy(model).compile())
+             for name, model in (("target", random_model(TARGET, seed=21).to(torch.bfloat16).fuse()),
+                                 ("draft", random_model(DRAFT, seed=22).to(torch.bfloat16).fuse()))}
+    gen = torch.Generator().manual_seed(6)
+    for eager, compiled in pairs.values():
+        ref, state = eager.new_state(), compiled.new_state()
+        for T, keep in ((20, 20), (1, 1), (5, 2), (3, None), (4, 4)):
+            ids = torch.randint(0, eager.config.vocab_size, (T,), generator=gen)
+            want, got = eager(ids, ref)[0], compiled(ids, state)[0]
+            assert (got - want).norm() / want.norm() < 3e-2, f"forward of {T} tokens"
+            if T == 3:  # a pass on top of a staging, then drop both
+                want, got = eager(ids[:2], ref)[0], compiled(ids[:2], state)[0]
+                assert (got - want).norm() / want.norm() < 3e-2, "forward on a staging"
+                ref.revert(), state.revert()
+            else:
+                ref.commit(keep), state.commit(keep)
+        assert state.gdn.recurrent.dtype == torch.float32
+    target, draft = pairs["target"][1], pairs["draft"][1]
+    prompt = torch.randint(0, target.config.vocab_size, (10,), generator=gen).tolist()
+    assert generate(target, prompt, 32, ModelDrafter(draft), 4).token_ids == generate(target, prompt, 32).token_ids
