@@ -6,8 +6,9 @@ HF transformers' generate(), alternated, with each round's phases); the gRPC pat
 tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over decode 1);
 pipelined vs serial rounds over gRPC with 0, 1 and 5 ms of network delay (`shared.bench.pipeline`); load
 (1 to 32 concurrent sessions over loopback gRPC, `shared.bench.load`); memory per session against
-context and sessions per GiB (`shared.bench.session_memory`, computed from the configs); and, only where
-CUDA is present, the same on the GPU. `--only` runs some sections. Plots go to docs/; a full run's tables
+context and sessions per GiB (`shared.bench.session_memory`, computed from the configs); compiled passes
+(steps fused vs compiled, and the long generations again with both models compiled); and, only where CUDA is
+present, the same on the GPU. `--only` runs some sections. Plots go to docs/; a full run's tables
 also go to docs/bench.txt (all sections) and docs/load.txt (the load section, whenever it runs in full).
 """
 from __future__ import annotations
