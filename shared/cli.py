@@ -302,7 +302,7 @@ def _add_client_security(p: argparse.ArgumentParser, prefix: str, peer: str):
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from shared.bench import main as bench_main
+    from shared.bench.suite import main as bench_main
 
     return bench_main(args)
 

@@ -1,0 +1,229 @@
+"""`deltaspec bench`: every figure measured side by side in one run, reported as ratios.
+
+Sections: the cost of one step (ATen calls and time, layer path vs fused path); acceptance and
+speed-up by drafter and k; long generations (96 to 1024 tokens: speculative, our target-only and
+HF transformers' generate(), alternated, with each round's phases); the gRPC path over in-process;
+tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over decode 1);
+pipelined vs serial rounds over gRPC with 0, 1 and 5 ms of network delay (`shared.bench.pipeline`); load
+(1 to 32 concurrent sessions over loopback gRPC, `shared.bench.load`); memory per session against
+context and sessions per GiB (`shared.bench.session_memory`, computed from the configs); compiled passes
+(steps fused vs compiled, and the long generations again with both models compiled); and, only where CUDA is
+present, the same on the GPU. `--only` runs some sections. Plots go to docs/; a full run's tables
+also go to docs/bench.txt (all sections) and docs/load.txt (the load section, whenever it runs in full).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from shared.bench import generation, load, pipeline, report, session_memory, steps as step_costs
+from shared.bench.rollback import compare
+from shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
+from shared.decoding.drafters import make_drafter
+from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from shared.model.checkpoint import hf_config, random_model
+from shared.model.loader import load_model
+from shared.telemetry.overhead import tracing_overhead
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
+SECTIONS = ("steps", "acceptance", "generations", "grpc", "tracing", "rollback", "memory", "pipeline", "load",
+            "sessions", "compiled", "gpu")
+
+
+def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
+    wide = hf_config(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                     head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                     linear_value_head_dim=64, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    models = {"embedded target": load_model(DEFAULT_TARGET), "random 512-wide": random_model(wide, seed=0)}
+    rows = []
+    for model_name, model in models.items():
+        for k in ks:
+            costs = compare(model, PROMPT, k, rounds)
+            base = costs["closed_form"].round_s
+            rows += [{"model": model_name, "k": k, "strategy": name, "round_ms": 1000 * cost.round_s,
+                      "round_vs_ours": cost.round_s / base, "rollback_share": cost.rollback_share,
+                      "staged_kib_per_round": cost.bytes_per_round / 1024} for name, cost in costs.items()]
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    quick = args.quick
+    target, draft = load_model(DEFAULT_TARGET), load_model(DEFAULT_DRAFT)
+    drafters = {"draft model": lambda: ModelDrafter(draft), "mtp": lambda: make_drafter("mtp", target),
+                "ngram": lambda: make_drafter("ngram", target)}
+    prompts = heldout_prompts(2 if quick else 3)
+    ks = (2, 4) if quick else (1, 2, 4, 8)
+    new_tokens = 48 if quick else 96
+    lengths = args.lengths or ((96, 384) if quick else (96, 384, 1024))
+    long_prompts = heldout_prompts(args.prompts or (2 if quick else 5))
+    steps = [s for s in SECTIONS if s in (args.only or SECTIONS) and (s != "gpu" or torch.cuda.is_available())]
+    result: dict = {}
+    repeats = 1 if quick else 2
+    long = sum(section in steps for section in ("generations", "compiled"))  # a tick per generation, not per section
+    with tqdm(total=len(steps) + long * (len(lengths) * len(long_prompts) * repeats - 1), desc="bench") as bar:
+        if "steps" in steps:
+            result["steps"] = step_costs.step_costs({"embedded target": target, "embedded draft": draft},
+                                                    blocks=3 if quick else 7)
+            bar.update()
+        if "acceptance" in steps:
+            result["acceptance"] = acceptance_and_speedup(target, drafters, ks, prompts, new_tokens)
+            bar.update()
+        if "generations" in steps:
+            result["generations"] = generation.long_generations(target, DEFAULT_TARGET, draft, long_prompts, lengths,
+                                                                repeats, bar.update)
+        if "grpc" in steps:
+            from shared.rpc.overhead import measure
+
+            result["grpc"] = measure(max_new_tokens=new_tokens, repeats=2 if quick else 3)
+            bar.update()
+        if "tracing" in steps:
+            result["tracing"] = tracing_overhead(target, ModelDrafter(draft), prompts[0], new_tokens,
+                                                 repeats=3 if quick else 7)
+            bar.update()
+        if "rollback" in steps:
+            result["rollback"] = rollback_rows(10 if quick else args.rounds, (4,) if quick else (2, 4, 8))
+            bar.update()
+        if "memory" in steps:
+            result["memory_bound"] = memory_bound_ratio(repeats=3 if quick else 7)
+            bar.update()
+        if "pipeline" in steps:
+            result["pipeline"] = pipeline.compare(prompts=pipeline.PROMPTS[:2] if quick else pipeline.PROMPTS,
+                                                  max_new_tokens=64 if quick else 96, repeats=1 if quick else 2)
+            bar.update()
+        if "load" in steps:
+            result["load"] = load.load(DEFAULT_TARGET, DEFAULT_DRAFT, quick)
+            bar.update()
+        if "sessions" in steps:
+            result["sessions"] = session_memory.rows()
+            bar.update()
+        if "compiled" in steps:  # both models' passes compiled: speculative and target-only alike
+            result["compiled"] = {"steps": step_costs.step_costs({"embedded target": target, "embedded draft": draft},
+                                                                 blocks=3 if quick else 7, paths=("fused", "compiled"))}
+            result["compiled"]["generations"] = generation.long_generations(
+                copy.deepcopy(target).compile(warm_up=True), DEFAULT_TARGET, copy.deepcopy(draft).compile(warm_up=True),
+                long_prompts, lengths, repeats, bar.update)
+        if "gpu" in steps:
+            result["gpu"] = {"memory_bound": memory_bound_ratio(device="cuda"),
+                             "load": load.load(DEFAULT_TARGET, DEFAULT_DRAFT, quick, device="cuda")}
+            bar.update()
+    return result
+
+
+def print_tables(result: dict) -> None:
+    if "steps" in result:
+        step_costs.print_rows(result["steps"])
+    if "acceptance" in result:
+        print("\nAcceptance and speed-up (held-out text, greedy, warmed; speed-up = tokens/s over target-only)")
+        print(f"{'drafter':<14} {'k':>2} {'accept':>7} {'mean len':>9} {'speed-up':>9} identical")
+        for r in result["acceptance"]:
+            print(f"{r['drafter']:<14} {r['k']:>2} {r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>9.2f} "
+                  f"{r['speedup']:>9.2f} {r['identical']}")
+    if "generations" in result:
+        generation.print_rows(result["generations"])
+    if "compiled" in result:
+        step_costs.print_rows(result["compiled"]["steps"])
+        generation.print_rows(result["compiled"]["generations"], "both models' passes compiled")
+    if "grpc" in result:
+        g = result["grpc"]["ratio_to_in_process"]
+        print(f"\ngRPC loopback over in-process tokens/s: server loop {g['server_loop']:.2f}, "
+              f"client-driven {g['client_driven']:.2f}")
+    if "tracing" in result:
+        t = result["tracing"]
+        print(f"Tracing off vs compiled out: {t['off_tokens_per_s']:.1f} vs {t['compiled_out_tokens_per_s']:.1f} "
+              f"tok/s (cost {100 * t['off_cost']:.1f} %, from the loop's added time per round "
+              f"{100 * t['off_cost_from_added_time']:.2f} %)")
+    if "rollback" in result:
+        print("\nRollback strategies (medians; rollback share = commit/revert/copies/replay over round time)")
+        print(f"{'model':<18} {'k':>2} {'strategy':<18} {'round ms':>9} {'x ours':>7} {'rollback %':>10} "
+              f"{'staged KiB':>10}")
+        for r in result["rollback"]:
+            print(f"{r['model']:<18} {r['k']:>2} {r['strategy']:<18} {r['round_ms']:>9.2f} "
+                  f"{r['round_vs_ours']:>7.2f} {100 * r['rollback_share']:>10.2f} {r['staged_kib_per_round']:>10.1f}")
+    if "memory_bound" in result:
+        m = result["memory_bound"]
+        print(f"\nMemory-bound regime ({m['params_m']:.0f}M-parameter random target): verify {m['k'] + 1} tokens "
+              f"{m['verify_k1_ms']:.1f} ms / decode 1 {m['decode_1_ms']:.1f} ms = {m['ratio']:.2f}")
+    if "pipeline" in result:
+        pipeline.print_rows(result["pipeline"])
+    if "load" in result:
+        load.print_rows(result["load"])
+    if "sessions" in result:
+        session_memory.print_rows(result["sessions"])
+    if "gpu" in result:
+        print(f"GPU: verify/decode ratio {result['gpu']['memory_bound']['ratio']:.2f}")
+        print("GPU: load (both servers --device cuda)", end="")
+        load.print_rows(result["gpu"]["load"])
+
+
+def plot(result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4))
+    for name in sorted({r["drafter"] for r in result["acceptance"]}):
+        rows = [r for r in result["acceptance"] if r["drafter"] == name]
+        left.plot([r["k"] for r in rows], [r["acceptance_rate"] for r in rows], marker="o", label=f"{name}: acceptance")
+        left.plot([r["k"] for r in rows], [r["speedup"] for r in rows], marker="s", ls="--", label=f"{name}: speed-up")
+    left.set_xlabel("draft tokens k")
+    left.set_title("Acceptance and speed-up over target-only")
+    left.legend()
+    rows = result["generations"]
+    lengths = [r["length"] for r in rows]
+    for name, label in (("speculative", "speculative"), ("dynamic", f"speculative, {generation.SPECULATIVE['dynamic']}"),
+                        ("target_only", "our target-only"), ("hf", "HF generate()")):
+        stats = [r["tokens_per_s"][name] for r in rows]
+        medians = [s["median"] for s in stats]
+        middle.errorbar(lengths, medians, yerr=[[m - s["min"] for m, s in zip(medians, stats)],
+                                                [s["max"] - m for m, s in zip(medians, stats)]],
+                        marker="o", capsize=3, label=label)
+    middle.set_xscale("log")
+    middle.set_xticks(lengths, [str(n) for n in lengths])
+    middle.set_xlabel("new tokens (greedy, held-out prompts)")
+    middle.set_ylabel("tokens/s (median, min-max)")
+    middle.set_title("Long generations, one CPU thread")
+    middle.legend()
+    wide = [r for r in result["rollback"] if r["model"] == "random 512-wide"]
+    for strategy in ("closed_form", "snapshots", "checkpoint_replay"):
+        rows = [r for r in wide if r["strategy"] == strategy]
+        right.plot([r["k"] for r in rows], [r["staged_kib_per_round"] for r in rows], marker="o", label=strategy)
+    right.set_xlabel("draft tokens k")
+    right.set_ylabel("KiB staged per round")
+    right.set_title("Rollback memory per round (512-wide model)")
+    right.legend()
+    fig.tight_layout()
+    DOCS.mkdir(exist_ok=True)
+    fig.savefig(DOCS / "bench.png", dpi=110)
+
+
+def main(args: argparse.Namespace) -> int:
+    unknown = set(args.only or ()) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"--only: unknown section(s) {', '.join(sorted(unknown))} (sections: {', '.join(SECTIONS)})")
+    torch.set_num_threads(args.threads)
+    result = run(args)
+    tables = io.StringIO()
+    with contextlib.redirect_stdout(tables):
+        print_tables(result)
+    print(json.dumps(result) if args.json else tables.getvalue().rstrip("\n"))
+    if not args.quick and not args.only:  # the figures in docs/ come from full runs only
+        DOCS.mkdir(exist_ok=True)
+        (DOCS / "bench.txt").write_text(tables.getvalue())
+        plot(result)
+    if not args.quick and "pipeline" in result:
+        report.save(DOCS, "pipeline", result["pipeline"], pipeline.print_rows, pipeline.plot)
+    if not args.quick and "load" in result:
+        report.save(DOCS, "load", result["load"], load.print_rows, load.plot)
+    if "sessions" in result:  # computed, not timed: the same in quick runs
+        report.save(DOCS, "memory_per_session", result["sessions"], session_memory.print_rows, session_memory.plot)
+    return 0
