@@ -7,7 +7,8 @@ graph), so both ways of compiling are checked. Every forward of a session (one-t
 verify of 2..9 tokens from the head and on top of a staging, a pipelined round after `mark`) must give the
 same logits, hidden states, staged logs and, after partial, full, zero and marked commits, the same head; in
 bf16, the same logits to bf16 rounding.
-Compiling takes a while (four graphs a model), so the models are compiled once for the module.
+Compiling takes a while (up to four graphs a model or layer kind), so the models are compiled once for the
+module.
 """
 import copy
 

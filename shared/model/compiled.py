@@ -8,7 +8,8 @@ Nothing in the graph depends on where the pass sits: positions and log slots ent
 and the GDN logs are written with `index_copy_`), attention reads the whole K/V buffer under a position
 mask, and the token count is symbolic. So a new position, round or cache size never recompiles: a model
 (or a layer kind) gets one graph for one token (the recurrent update) and one for 2..`LOG_CAPACITY` tokens
-(one chunk), each for a pass from the head and one on top of a staging (the two read different buffers).
+(one chunk), each for a pass from the head and one on top of a staging (the two read different GDN buffers:
+an attention layer kind has just the first two).
 Passes longer than the logs (prefill) take the eager path. The fused path stays the truth: `tests/test_compiled.py`
 compares logits and every state buffer of both on random weights.
 
