@@ -18,6 +18,7 @@ from shared.decoding.draft_session import DraftSession, Outcome
 from shared.decoding.session_table import Limits, SessionTable
 from shared.decoding.target import MAX_DRAFT_TOKENS
 from shared.model.hybrid import HybridLM
+from shared.state.rollback import CHAIN_LOG_CAPACITY
 from shared.rpc.convert import probs_to_proto, sampling_from_proto
 from shared.rpc.security import caller
 from shared.rpc.server import Service
@@ -37,7 +38,7 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
         self.telemetry.metrics.watch_sessions([self.sessions])
 
     def load(self) -> None:
-        self.model = serving(self._load(), self.limits, self.batching, self.telemetry.metrics)
+        self.model = serving(self._load(), self.limits, self.batching, self.telemetry.metrics, CHAIN_LOG_CAPACITY)
 
     async def CreateSession(self, request: pb.DraftServiceCreateSessionRequest,
                             context) -> pb.DraftServiceCreateSessionResponse:

@@ -428,7 +428,7 @@ def test_draft_speculates_ahead_once_asked():
     assert c.proposal.tokens == serial.propose("c", 3, partial).proposal.tokens
     made = wait_ahead(piped)
     d = piped.propose("d", 3, partial, speculative=True)  # names c by the outcome that opened it
-    assert d.proposal is made[3] and d.guess == made[2] and piped.ahead is None
+    assert d.proposal is made[3] and d.guess == made[2] and (piped.ahead is None or piped.ahead[0] is d)
     assert d.proposal.tokens == serial.propose("d", 3, Outcome("c", 3, d.guess)).proposal.tokens
     miss = Outcome("d", 0, 11)
     e = piped.propose("e", 3, miss)
@@ -442,3 +442,45 @@ def test_draft_speculates_ahead_once_asked():
     wait_ahead(piped)
     last = Outcome("g", 2, 17)  # an outcome before any request: the speculation made ahead is dropped
     assert piped.propose("h", 3, last).proposal.tokens == serial.propose("h", 3, last).proposal.tokens
+
+
+def serial_proposal(history: list[int], rounds: list[tuple[str, int, Outcome | None]]) -> list[int]:
+    """The last of `rounds` (id, k, the previous round's outcome) proposed by a fresh serial draft session."""
+    session = DraftSession(NOISY, history)
+    for round_id, k, previous in rounds:
+        rnd = session.propose(round_id, k, previous)
+    return rnd.proposal.tokens
+
+
+def test_draft_second_speculation_made_ahead():
+    """On top of a speculative round the draft speculates once more in the background (the drafter's second level):
+    taken when the open round's outcome confirms the first, equal to the serial proposal; dropped by an outcome that
+    does not, by another k, or by reverting the round under it; the proposals after each equal the serial ones."""
+    history = [1, 2, 3, 4, 5]
+    piped = DraftSession(NOISY, history)
+    a = piped.propose("a", 3)
+    assert a.proposal.tokens == serial_proposal(history, [("a", 3, None)])
+    b = piped.propose("b", 3, None, speculative=True)
+    made = wait_ahead(piped)
+    assert made[0] is b and len(piped.drafter.chain) == 2
+    c = piped.propose("c", 3, Outcome("a", 3, b.guess), speculative=True)
+    assert c.proposal is made[3] and c.guess == made[2]
+    kept = [("a", 3, None), ("b", 3, Outcome("a", 3, b.guess))]
+    assert b.proposal.tokens == serial_proposal(history, kept)
+    assert c.proposal.tokens == serial_proposal(history, [*kept, ("c", 3, Outcome("b", 3, c.guess))])
+    assert wait_ahead(piped)[0] is c
+    miss = Outcome("b", 2, 11)  # b keeps two drafts: c and the round made ahead on it are dropped
+    d = piped.propose("d", 2, miss)
+    kept.append(("d", 2, miss))
+    assert d.proposal.tokens == serial_proposal(history, kept)
+    e = piped.propose("e", 2, miss, speculative=True)  # the background speculation on d (same k) is taken
+    kept.append(("e", 2, Outcome("d", 2, e.guess)))
+    assert e.proposal.tokens == serial_proposal(history, kept)
+    assert wait_ahead(piped)[0] is e
+    f = piped.propose("f", 1, Outcome("d", 2, e.guess), speculative=True)  # confirms e; another k: made afresh
+    assert f.proposal.tokens == serial_proposal(history, [*kept, ("f", 1, Outcome("e", 2, f.guess))])
+    assert wait_ahead(piped)[0] is f
+    piped.revert("f")  # drops f and what was made on it; e stays open
+    assert piped.ahead is None and piped.drafter.chain == [] and piped.round is e
+    g = piped.propose("g", 3, Outcome("e", 2, 5))
+    assert g.proposal.tokens == serial_proposal(history, [*kept, ("g", 3, Outcome("e", 2, 5))])

@@ -21,7 +21,7 @@ from shared.decoding.speculative import generate
 from shared.decoding.target import TargetSession
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from shared.model.checkpoint import hf_config, random_model
-from shared.state.rollback import GDNSlot, ModelState
+from shared.state.rollback import CHAIN_LOG_CAPACITY, GDNSlot, ModelState
 
 TOL = 1e-5  # rollback of one layer on identical inputs
 MODEL_RTOL = 1e-4  # whole model: verify pass vs one-token run
@@ -176,6 +176,55 @@ def test_draft_model_rolls_back_exactly():
         consumed = history[: len(history) - len(drafter.pending)]
         assert drafter.pending == history[len(consumed):]
         assert_same_head(drafter.state, sequential_state(draft_ref, consumed))
+
+
+def staged_state(tokens: list[int], n: int | None = None) -> ModelState:
+    """The committed prompt, then `tokens` staged in passes of 3 (a mark after the first n when given)."""
+    state = sequential_state(MODEL, PROMPT, MODEL.new_state(log_capacity=CHAIN_LOG_CAPACITY))
+    for i in range(0, len(tokens), 3):
+        if n is not None and i == n:
+            state.mark()
+        MODEL(torch.tensor(tokens[i:i + 3]), state)
+    return state
+
+
+def assert_same_staging(state: ModelState, want: ModelState) -> None:
+    """Same staged window and state after everything staged (what the next pass starts from)."""
+    assert state.staged == want.staged
+    for got, ref in ((state.gdn.window, want.gdn.window), (state.gdn.spare, want.gdn.spare)):
+        assert (got - ref).abs().max() <= MODEL_RTOL * ref.abs().max(), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 9, 15], ids=lambda n: f"n{n}")
+def test_mark_and_truncate_anywhere_from_the_logs(n):
+    """Three rounds' worth of staged tokens (more than a target logs): `mark(n)` computed from the logs equals a
+    snapshot taken after n tokens, `truncate(n)` equals staging only n, and the tokens after a mark stay staged
+    through `commit_marked`: the head and the staging then equal a run that committed n tokens."""
+    tokens = CONTINUATION[:45]
+    assert len(tokens) > 36
+    late, early = staged_state(tokens), staged_state(tokens[:n])
+    late.mark(n)
+    assert late.marked == n and late.staged == len(tokens)
+    for got, ref in ((late.gdn.marked_window, early.gdn.window), (late.gdn.marked_state, early.gdn.spare)):
+        assert (got - ref).abs().max() <= MODEL_RTOL * ref.abs().max()
+    late.commit_marked()  # the first n tokens become the head, the rest stays staged
+    want = sequential_state(REFERENCE, PROMPT + tokens[:n])
+    assert late.length == want.length
+    for got, ref in ((late.gdn.conv, want.gdn.conv), (late.gdn.recurrent, want.gdn.recurrent)):
+        assert (got - ref).abs().max() <= MODEL_RTOL * ref.abs().max()
+    rest = staged_state(tokens)
+    rest.commit(n)
+    MODEL(torch.tensor(tokens[n:]), rest)
+    assert_same_staging(late, rest)
+    cut = staged_state(tokens, n=3)
+    cut.truncate(n + 3)  # keeps the mark at 3 (within what stays)
+    assert cut.marked == 3
+    assert_same_staging(cut, staged_state(tokens[:n + 3]))
+    cut.truncate(3)  # back to the mark: a pointer swap
+    assert cut.marked == 0
+    assert_same_staging(cut, staged_state(tokens[:3]))
+    with pytest.raises(ValueError):
+        cut.mark(4)
 
 
 def test_bf16_weights_keep_float32_state_and_exact_speculation():

@@ -32,7 +32,7 @@ from shared.model.checkpoint import hf_config, random_model
 from shared.model.hybrid import HybridLM
 from shared.model.loader import load_model
 from shared.state.pool import MIN_CONTEXT, StatePool, attach, gdn_bytes, kv_bytes_per_position
-from shared.state.rollback import GDNStates, ModelState
+from shared.state.rollback import CHAIN_LOG_CAPACITY, LOG_CAPACITY, GDNStates, ModelState
 from shared.telemetry.metrics import Metrics
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
                               target_service, target_stub)
@@ -193,10 +193,12 @@ def test_kv_growth_past_the_budget_is_refused_cleanly_and_works_after_a_session_
     assert session.generated[:200] == want and pool.in_use == 1
 
 
-def session_budget(directory, sessions: int) -> int:
-    """Bytes for exactly `sessions` sessions of a server's model with short prompts (256 positions each)."""
+def session_budget(directory, sessions: int, log_capacity: int = LOG_CAPACITY) -> int:
+    """Bytes for exactly `sessions` sessions of a server's model with short prompts (256 positions each); a draft
+    server's logs hold `CHAIN_LOG_CAPACITY` tokens."""
     cfg = load_model(directory).config
-    return sessions * (gdn_bytes(cfg, torch.float32) + MIN_CONTEXT * kv_bytes_per_position(cfg, torch.float32))
+    return sessions * (gdn_bytes(cfg, torch.float32, log_capacity)
+                       + MIN_CONTEXT * kv_bytes_per_position(cfg, torch.float32))
 
 
 def open_session(stub) -> str:
@@ -254,7 +256,8 @@ def test_expired_sessions_give_their_slots_back(pair):
 
 
 def test_full_draft_pool_refuses_and_a_closed_session_frees_its_slot(pair):
-    with start(draft_service(pair[1], Limits(state_memory_bytes=session_budget(pair[1], 1)))) as server:
+    budget = session_budget(pair[1], 1, CHAIN_LOG_CAPACITY)
+    with start(draft_service(pair[1], Limits(state_memory_bytes=budget))) as server:
         stub = draft_stub(server.address)
         request = dpb.DraftServiceCreateSessionRequest(token_ids=PROMPT)
         sid = stub.CreateSession(request).session_id

@@ -38,7 +38,7 @@ from shared.errors import ResourceExhausted
 from shared.model.batched import BatchRefused, forward_batch
 from shared.model.hybrid import HybridLM
 from shared.state.pool import attach, server_pool
-from shared.state.rollback import ModelState
+from shared.state.rollback import LOG_CAPACITY, ModelState
 from shared.telemetry.metrics import Metrics
 
 
@@ -81,10 +81,12 @@ ACTIVE_S = 0.2  # a sequence that has not called for this long is not waited for
 REFUSALS = (BatchRefused, ResourceExhausted)  # raised before a pass stages anything
 
 
-def serving(model: HybridLM, limits: Limits, batching: BatchConfig | None, metrics: Metrics) -> HybridLM:
+def serving(model: HybridLM, limits: Limits, batching: BatchConfig | None, metrics: Metrics,
+            log_capacity: int = LOG_CAPACITY) -> HybridLM:
     """A loaded model as a server runs it: its sessions' state in a pool within the memory budget, and (unless
-    `batching` is None or max_batch 1) their forward passes batched. Both services load through this."""
-    pool = server_pool(model, limits)
+    `batching` is None or max_batch 1) their forward passes batched. Both services load through this (the draft's
+    states log `CHAIN_LOG_CAPACITY` tokens: it speculates two rounds ahead)."""
+    pool = server_pool(model, limits, log_capacity)
     attach(model, pool)
     metrics.watch_state_pool(pool)
     if batching is None or batching.max_batch == 1:

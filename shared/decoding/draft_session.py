@@ -16,9 +16,11 @@ proposal may carry again the outcome that opened the open round (already applied
 that round only, and is refused when a newer one is open, so a speculative call answered late (the
 caller did not wait for it) cannot land on a round it did not mean.
 
-Once a session has been asked for a speculative round, every plain proposal is followed, in the
-background, by the speculation on top of it (same k): the caller's speculative request, which comes
-a network round trip later, then finds it made instead of waiting for k+1 forward passes.
+Once a session has been asked for a speculative round, every proposal, plain or speculative, is
+followed in the background by the speculation on top of it (same k): the caller's next speculative
+request, which comes a network round trip later, then finds it made instead of waiting for k+1
+forward passes. On top of a speculative round that makes a second one (the drafter's chain), kept
+when the outcome that arrives with the request confirms the first and dropped by any other.
 """
 from __future__ import annotations
 
@@ -68,7 +70,8 @@ class DraftSession:
         self.speculative: DraftRound | None = None  # a round proposed on top of the open one
         self.earlier: DraftRound | None = None  # the round before, or the last dropped one (for retries)
         self.pipelining = False  # the caller has asked for a speculative round
-        self.ahead: tuple[DraftRound, int, int, Proposal] | None = None  # (on round, k, guess, proposal) made ahead
+        # (on round, k, guess, proposal) made ahead: on the open round, or on the speculative one (a second level)
+        self.ahead: tuple[DraftRound, int, int, Proposal] | None = None
         self.lock = threading.RLock()
 
     def propose(self, round_id: str, k: int, previous: Outcome | None = None,
@@ -110,18 +113,24 @@ class DraftSession:
                     self.drafter.discard_speculation()
                     guess, proposal = self.drafter.speculate(k)
                 self.speculative = DraftRound(round_id, k, previous, proposal, guess)
+                self._ahead_of(self.speculative, k)
                 return self.speculative
             self._drop_speculative()
             self.ahead = None
             self.round = DraftRound(round_id, k, previous, self.drafter.propose(k), opened_by=previous)
-            if self.pipelining and k:
-                threading.Thread(target=self._speculate_ahead, args=(self.round, k), daemon=True).start()
+            self._ahead_of(self.round, k)
             return self.round
 
+    def _ahead_of(self, rnd: DraftRound, k: int) -> None:
+        if self.pipelining and k:
+            threading.Thread(target=self._speculate_ahead, args=(rnd, k), daemon=True).start()
+
     def _speculate_ahead(self, rnd: DraftRound, k: int) -> None:
-        """Speculate on `rnd` before the caller asks, if it is still the open round with nothing on top."""
+        """Speculate on `rnd` before the caller asks, if it is still the newest round (the open one with nothing on
+        top, or the speculative one) and there is room."""
         with self.lock:
-            if self.round is rnd and rnd.state == "proposed" and self.speculative is None and self.ahead is None:
+            newest = self.speculative or self.round
+            if newest is rnd and rnd.state == "proposed" and self.ahead is None and self.drafter.can_speculate(k):
                 self.ahead = (rnd, k, *self.drafter.speculate(k))
 
     def commit(self, outcome: Outcome) -> None:
@@ -136,7 +145,7 @@ class DraftSession:
                 raise FailedPrecondition(f"round {round_id!r} is already committed", "round_id")
             if rnd is self.speculative:
                 self.drafter.discard_speculation()
-                self.speculative = None
+                self.speculative = self.ahead = None
             elif rnd.state == "proposed":
                 self._drop_speculative()
             rnd.state = "reverted"  # the next proposal starts again from the same history
@@ -164,15 +173,15 @@ class DraftSession:
         return True
 
     def _apply(self, outcome: Outcome) -> None:
-        if self.ahead is not None:  # made ahead, never asked for: the outcome ends it
-            self.ahead = None
-            self.drafter.discard_speculation()
         rnd, spec = self.round, self.speculative
         if spec is not None and outcome.round_id == spec.round_id:  # the open round kept all, then the guess
             implied = Outcome(rnd.round_id, len(rnd.proposal.tokens), spec.guess)  # type: ignore[union-attr,arg-type]
             self._apply(implied)
             rnd, spec = self.round, None
         promoted = self._promotes(outcome)
+        if self.ahead is not None and not (promoted and self.ahead[0] is spec):
+            self.ahead = None  # made ahead, never asked for, and not on the round the outcome keeps: it ends
+            self.drafter.discard_last()
         self.drafter.advance(outcome.accepted, outcome.next_token)  # keeps or drops the speculation
         self.length += outcome.accepted + 1
         rnd.state, rnd.outcome = "committed", outcome  # type: ignore[union-attr]

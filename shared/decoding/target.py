@@ -28,7 +28,6 @@ from shared.decoding.sampling import SamplingParams, probabilities
 from shared.decoding.verify import Verdict, accept_greedy, accept_rejection
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from shared.model.hybrid import HybridLM
-from shared.state.rollback import LOG_CAPACITY
 
 MAX_DRAFT_TOKENS = 16
 
@@ -168,8 +167,9 @@ class TargetSession:
             raise FailedPrecondition(f"base version {base_version} is not the one after round {parent!r} "
                                      f"({rnd.base_version + 1})", "base_version")
         self._check_input(drafts, draft_probs)
-        if self.state.staged + len(drafts) + 1 > LOG_CAPACITY:
-            raise FailedPrecondition(f"rounds {parent!r} and {round_id!r} together stage more than {LOG_CAPACITY} "
+        capacity = self.state.gdn.log_capacity
+        if self.state.staged + len(drafts) + 1 > capacity:
+            raise FailedPrecondition(f"rounds {parent!r} and {round_id!r} together stage more than {capacity} "
                                      "tokens", "draft_tokens")
         self.state.mark()
         logits, hidden = self.model(torch.tensor([guess, *drafts]), self.state)

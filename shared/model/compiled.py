@@ -7,7 +7,7 @@ generated loops, leaves the matmuls to ATen, and on the CPU calls it all from ge
 Nothing in the graph depends on where the pass sits: positions and log slots enter as index tensors (K/V
 and the GDN logs are written with `index_copy_`), attention reads the whole K/V buffer under a position
 mask, and the token count is symbolic. So a new position, round or cache size never recompiles: a model
-(or a layer kind) gets one graph for one token (the recurrent update) and one for 2..`LOG_CAPACITY` tokens
+(or a layer kind) gets one graph for one token (the recurrent update) and one for 2..`CHAIN_LOG_CAPACITY` tokens
 (one chunk), each for a pass from the head and one on top of a staging (the two read different GDN buffers:
 an attention layer kind has just the first two).
 Passes longer than the logs (prefill) take the eager path. The fused path stays the truth: `tests/test_compiled.py`
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from shared.kernels.chunk import one_chunk_gated_delta_rule
 from shared.model import fused
-from shared.state.rollback import LOG_CAPACITY, ModelState
+from shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
 
 if TYPE_CHECKING:
     from shared.model.hybrid import HybridLM
@@ -138,7 +138,7 @@ class CompiledPasses:
     @staticmethod
     def fits(state: ModelState, T: int) -> bool:
         """Whether a pass of T tokens is one the graphs cover: its GDN steps land in the logs."""
-        return state.gdn.logged and state.staged + T <= LOG_CAPACITY
+        return state.gdn.logged and state.staged + T <= state.gdn.log_capacity
 
     def __call__(self, model: HybridLM, x: Tensor, state: ModelState, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         T, start, gdn = x.shape[0], state.length + state.staged, state.gdn
@@ -147,7 +147,7 @@ class CompiledPasses:
         slots = positions - state.length
         if T > 1:  # one graph for every verify length
             for t in (x, *rope, positions, slots):
-                torch._dynamo.mark_dynamic(t, 0, min=2, max=LOG_CAPACITY)
+                torch._dynamo.mark_dynamic(t, 0, min=2, max=CHAIN_LOG_CAPACITY)
         kv = [(layer.k, layer.v) for layer in state.attn]
         for k_cache, v_cache in kv:  # and for every K/V capacity
             torch._dynamo.maybe_mark_dynamic(k_cache, 1)
@@ -197,6 +197,6 @@ def _token_count_dynamic(layer_fn: Callable[..., Tensor]) -> Callable[..., Tenso
     """A compiled layer whose input `x`'s token count is symbolic from 2 tokens on (each layer's `x` is a new tensor)."""
     def call(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, *rest: Tensor) -> Tensor:
         if x.shape[0] > 1:
-            torch._dynamo.mark_dynamic(x, 0, min=2, max=LOG_CAPACITY)
+            torch._dynamo.mark_dynamic(x, 0, min=2, max=CHAIN_LOG_CAPACITY)
         return layer_fn(layer, f, x, *rest)
     return call

@@ -9,7 +9,7 @@ from shared.model import fused
 from shared.model.compiled import CompiledPasses
 from shared.model.config import ModelConfig
 from shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
-from shared.state.rollback import ModelState
+from shared.state.rollback import LOG_CAPACITY, ModelState
 
 
 class HybridStack(nn.Module):
@@ -43,12 +43,14 @@ class HybridLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def new_state(self, capacity: int = 256) -> ModelState:
-        """A fresh sequence state; in a slot of the model's state pool when one is attached (`shared.state.pool`)."""
+    def new_state(self, capacity: int = 256, log_capacity: int = LOG_CAPACITY) -> ModelState:
+        """A fresh sequence state; in a slot of the model's state pool when one is attached (`shared.state.pool`),
+        whose logs are the pool's size."""
         pool = getattr(self, "state_pool", None)
         if pool is not None:
             return pool.new_state(capacity)
-        return ModelState(self.config, device=self.device, dtype=self.dtype, capacity=capacity)
+        return ModelState(self.config, device=self.device, dtype=self.dtype, capacity=capacity,
+                          log_capacity=log_capacity)
 
     def fuse(self, enable: bool = True) -> HybridLM:
         """Take the fused path (`shared.model.fused`) from now on, or go back to the layer path.

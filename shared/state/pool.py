@@ -30,7 +30,7 @@ import torch
 
 from shared.errors import ResourceExhausted
 from shared.model.config import ModelConfig
-from shared.state.rollback import GDNStates, ModelState
+from shared.state.rollback import LOG_CAPACITY, GDNStates, ModelState
 
 if TYPE_CHECKING:
     from shared.decoding.session_table import Limits
@@ -41,9 +41,9 @@ FIELD = "state_memory"  # what a refusal names (QuotaFailure subject)
 COLLECT_INTERVAL_S = 1.0  # a full pool collects reference cycles at most this often (a flood of refusals costs no more)
 
 
-def gdn_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+def gdn_bytes(cfg: ModelConfig, dtype: torch.dtype, log_capacity: int = LOG_CAPACITY) -> int:
     """Bytes of one sequence's GDN state: constant, whatever the context length."""
-    shapes = GDNStates.buffers(cfg, cfg.layer_types.count("linear_attention"), dtype).values()
+    shapes = GDNStates.buffers(cfg, cfg.layer_types.count("linear_attention"), dtype, log_capacity).values()
     return sum(torch.Size(shape).numel() * kind.itemsize for shape, kind in shapes)
 
 
@@ -71,12 +71,15 @@ class Lease:
 
 
 class StatePool:
-    """Slots for up to `max_slots` sequences of one model shape within `budget` bytes (GDN slots + K/V)."""
+    """Slots for up to `max_slots` sequences of one model shape within `budget` bytes (GDN slots + K/V); each slot's
+    round logs hold `log_capacity` staged tokens."""
 
     def __init__(self, config: ModelConfig, budget: int, max_slots: int | None = None,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 log_capacity: int = LOG_CAPACITY) -> None:
         self.config, self.device, self.dtype, self.budget = config, device, dtype, budget
-        self.gdn_bytes, self.kv_per_position = gdn_bytes(config, dtype), kv_bytes_per_position(config, dtype)
+        self.gdn_bytes = gdn_bytes(config, dtype, log_capacity)
+        self.kv_per_position = kv_bytes_per_position(config, dtype)
         session = self.gdn_bytes + MIN_CONTEXT * self.kv_per_position
         self.slots = budget // session if max_slots is None else min(max_slots, budget // session)
         if self.slots < 1:
@@ -85,7 +88,7 @@ class StatePool:
         self.kv_budget = budget - self.slots * self.gdn_bytes
         self.kv_used = 0
         self.refusals = 0  # admissions and growths refused (a metric)
-        shapes = GDNStates.buffers(config, config.layer_types.count("linear_attention"), dtype)
+        shapes = GDNStates.buffers(config, config.layer_types.count("linear_attention"), dtype, log_capacity)
         with torch.inference_mode(False):  # normal tensors: a slot is zeroed outside inference mode
             self.tensors = {name: torch.empty(self.slots, *shape, device=device, dtype=kind)
                             for name, (shape, kind) in shapes.items()}
@@ -167,14 +170,15 @@ def attach(model: HybridLM, pool: StatePool) -> None:
     model.register_forward_pre_hook(_reserve_positions, with_kwargs=True)
 
 
-def server_pool(model: HybridLM, limits: Limits) -> StatePool:
+def server_pool(model: HybridLM, limits: Limits, log_capacity: int = LOG_CAPACITY) -> StatePool:
     """The pool a server attaches: `limits.state_memory_bytes` for at most `limits.max_sessions` sessions, or
     (0) room for `max_sessions` sessions of `auto_context(max_prompt_tokens)` positions each."""
     budget, cfg, dtype = limits.state_memory_bytes, model.config, model.dtype
     if budget == 0:
         positions = auto_context(limits.max_prompt_tokens)
-        budget = limits.max_sessions * (gdn_bytes(cfg, dtype) + positions * kv_bytes_per_position(cfg, dtype))
-    return StatePool(cfg, budget, limits.max_sessions, model.device, dtype)
+        budget = limits.max_sessions * (gdn_bytes(cfg, dtype, log_capacity)
+                                        + positions * kv_bytes_per_position(cfg, dtype))
+    return StatePool(cfg, budget, limits.max_sessions, model.device, dtype, log_capacity)
 
 
 def auto_context(max_prompt_tokens: int) -> int:

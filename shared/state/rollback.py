@@ -22,7 +22,10 @@ longer stagings (prefill) keep only the spare and the window, and commit all or 
 
 A pipelined round is staged on top of the round before it (`mark`, then more staging): the
 snapshot after the first round's tokens is the one extra staging. `commit_marked` makes it the head
-by a pointer swap and keeps the later round staged; `drop_marked` drops the later round only.
+by a pointer swap and keeps the later round staged; `drop_marked` drops the later round only. The
+same algebra gives the state after any logged prefix without a snapshot: `mark(n)` takes the mark
+after the first n staged tokens and `truncate(n)` drops everything after them, so a draft can stage
+a third round on top of two (`CHAIN_LOG_CAPACITY`) and still keep or drop each one exactly.
 
 Cost per sequence: one extra state (the spare) plus O(T (conv_dim + H (Dk + Dv))) logged
 numbers per GDN layer and round; no forward pass is ever re-run.
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
     from shared.state.pool import Lease
 
 LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one on top) of k <= 16 drafts plus inputs
+CHAIN_LOG_CAPACITY = 51  # a draft's: its open round and two speculations on top, 3 x (k + 1) for k <= 16
 
 
 class CommitPlan(NamedTuple):
@@ -62,24 +66,27 @@ class GDNStates:
     """The GDN state of every linear-attention layer of one sequence, stacked on a leading layer axis."""
 
     @staticmethod
-    def buffers(cfg: ModelConfig, n_layers: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of every buffer one sequence's GDN state holds, the mark snapshot included."""
+    def buffers(cfg: ModelConfig, n_layers: int, dtype: torch.dtype,
+                log_capacity: int = LOG_CAPACITY) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of every buffer one sequence's GDN state holds, the mark snapshot included; the logs
+        hold `log_capacity` staged tokens."""
         H, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         window = ((n_layers, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype)
         state = ((n_layers, H, Dk, Dv), torch.float32)
         return {"conv": window, "window": window, "marked_window": window,
                 "recurrent": state, "spare": state, "marked_state": state,
-                "x": ((n_layers, LOG_CAPACITY, cfg.conv_dim), dtype),
+                "x": ((n_layers, log_capacity, cfg.conv_dim), dtype),
                 # logs laid out so the commit matmul reads them as they are: (L, H, Dk, T) and (L, H, T, Dv)
-                "k": ((n_layers, H, Dk, LOG_CAPACITY), torch.float32),
-                "delta": ((n_layers, H, LOG_CAPACITY, Dv), torch.float32),
-                "g": ((n_layers, H, LOG_CAPACITY), torch.float32)}
+                "k": ((n_layers, H, Dk, log_capacity), torch.float32),
+                "delta": ((n_layers, H, log_capacity, Dv), torch.float32),
+                "g": ((n_layers, H, log_capacity), torch.float32)}
 
     def __init__(self, cfg: ModelConfig, n_layers: int, device: torch.device | str, dtype: torch.dtype,
-                 slot: dict[str, Tensor] | None = None) -> None:
+                 slot: dict[str, Tensor] | None = None, log_capacity: int = LOG_CAPACITY) -> None:
         """`slot`: preallocated buffers, one per name of `buffers` (a `shared.state.pool.StatePool` slot), zeroed
-        and used in place of fresh tensors, the mark snapshot's too; without one `mark` allocates that snapshot."""
-        shapes = self.buffers(cfg, n_layers, dtype)
+        and used in place of fresh tensors, the mark snapshot's too (its logs' size wins over `log_capacity`);
+        without one `mark` allocates that snapshot."""
+        shapes = self.buffers(cfg, n_layers, dtype, log_capacity)
 
         def buffer(name: str) -> Tensor:
             if slot is not None:
@@ -93,6 +100,7 @@ class GDNStates:
         self.recurrent = buffer("recurrent")  # committed S
         self.spare = buffer("spare")  # S after everything staged
         self.x, self.k, self.delta, self.g = buffer("x"), buffer("k"), buffer("delta"), buffer("g")
+        self.log_capacity = self.x.shape[1]
         self.logged = True  # the logs cover every staged token
         # views made once, since indexing costs a dispatch per index: per layer (every layer of every step), and
         # what a partial commit reads of a window or writes of a state (`_make_views`); they follow swaps
@@ -141,40 +149,47 @@ class GDNStates:
                 scaled_k=scaled, scaled_k_flat=scaled.view(L * H, Dk, n), delta=self.delta[:, :, :n].view(L * H, n, Dv))
         return plan
 
-    def prepare_commit(self, n: int, staged: int) -> tuple[Tensor, Tensor]:
-        """(window, recurrent) of the head after keeping n of `staged` tokens; writes only spare buffers.
+    def prepare_commit(self, n: int, staged: int, into: tuple[str, str] = ("window", "spare")) -> tuple[Tensor, Tensor]:
+        """(window, recurrent) of the head after keeping n of `staged` tokens, written into the buffers named by
+        `into` (the staging's by default; never the head's).
 
         Six calls whatever the depth: every operand and output is a view made once (per n, or per buffer)."""
-        if n == staged:
+        window, state = into
+        if n == staged and into == ("window", "spare"):
             return self.window, self.spare
         if not self.logged:
-            raise ValueError(f"partial commit ({n} of {staged}) of a staging longer than {LOG_CAPACITY} tokens")
+            raise ValueError(f"partial commit ({n} of {staged}) of a staging longer than {self.log_capacity} tokens")
         p = self._prefix(n)
+        out_window, out_state = getattr(self, window), getattr(self, state)
         if n >= self.conv.shape[1]:
-            self.window.copy_(p.x_tail)
+            out_window.copy_(p.x_tail)
         else:
-            torch.cat([self.tails["conv"][n], p.x_tail], dim=1, out=self.window)
+            torch.cat([self.tails["conv"][n], p.x_tail], dim=1, out=out_window)
         # [exp(G_n), exp(G_n - G_0), ..., exp(G_n - G_{n-1})] per (layer, head), G_t = g_0 + ... + g_t
         torch.mm(p.g, p.sums, out=p.exps).exp_()
-        # spare <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T, one batched matmul over (layer, head),
+        # state <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T, one batched matmul over (layer, head),
         # written in place (a state-sized temporary would cost an allocation and its page faults)
-        torch.mul(self.recurrent, p.exp_total, out=self.spare)
+        torch.mul(self.recurrent, p.exp_total, out=out_state)
         torch.mul(p.k, p.decays, out=p.scaled_k)
-        self.flat["spare"].baddbmm_(p.scaled_k_flat, p.delta)
-        return self.window, self.spare
+        self.flat[state].baddbmm_(p.scaled_k_flat, p.delta)
+        return out_window, out_state
 
     def swap_in(self) -> None:
         self._swap("conv", "window")
         self._swap("recurrent", "spare")
         self.logged = True
 
-    def mark(self) -> None:
-        """Snapshot the window and state after everything staged (the one extra staging of a chained round)."""
+    def mark(self, n: int, staged: int) -> None:
+        """Snapshot the window and state after the first n of `staged` tokens (the one extra staging of a chained
+        round): copied when n is everything staged, else computed from the logs."""
         if "marked_state" not in self.layers:
             with torch.inference_mode(False):
                 self.marked_window, self.marked_state = torch.empty_like(self.conv), torch.empty_like(self.recurrent)
             self._make_views("marked_window")
             self._make_views("marked_state")
+        if n < staged:
+            self.prepare_commit(n, staged, into=("marked_window", "marked_state"))
+            return
         self.marked_window.copy_(self.window)
         self.marked_state.copy_(self.spare)
 
@@ -227,7 +242,7 @@ class GDNSlot:
         """Where this pass's T tokens are logged: x `(T, C)`, k `(H, Dk, T)`, delta `(H, T, Dv)`, g `(H, T)`; none
         (and the staging no longer logged) when they do not fit."""
         s, end = self.states, self.offset + T
-        if s.logged and end <= LOG_CAPACITY:
+        if s.logged and end <= s.log_capacity:
             return s.log_views(self.i, self.offset, end)
         s.logged = False
         return ()
@@ -285,14 +300,16 @@ class ModelState:
     """One sequence's state for a whole hybrid stack: the committed head and at most one staged round."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 capacity: int = 256, lease: Lease | None = None) -> None:
-        """`lease`: a slot of a `shared.state.pool.StatePool` (GDN buffers, K/V paid for `capacity` positions)."""
+                 capacity: int = 256, lease: Lease | None = None, log_capacity: int = LOG_CAPACITY) -> None:
+        """`lease`: a slot of a `shared.state.pool.StatePool` (GDN buffers, K/V paid for `capacity` positions; its
+        logs' size is the pool's); `log_capacity`: staged tokens a partial commit can keep (`CHAIN_LOG_CAPACITY`
+        for a draft that speculates two rounds ahead)."""
         self.length = 0  # tokens in the committed head
         self.staged = 0  # tokens staged on top of it
         self.marked = 0  # with `mark`: staged tokens the snapshot covers (a chained round stages after them)
         self.kinds = config.layer_types
         self.gdn = GDNStates(config, self.kinds.count("linear_attention"), device, dtype,
-                             lease.buffers if lease is not None else None)
+                             lease.buffers if lease is not None else None, log_capacity)
         shape = (config.num_key_value_heads, capacity, config.head_dim)
         with torch.inference_mode(False):
             self.attn = [AttnLayerState(torch.zeros(shape, device=device, dtype=dtype),
@@ -328,12 +345,31 @@ class ModelState:
         self.staged = self.marked = 0
         self.gdn.logged = True
 
-    def mark(self) -> None:
-        """Remember the state after everything staged so far; a chained round then stages on top of it."""
-        if not self.staged:
-            raise ValueError("nothing is staged to mark")
-        self.gdn.mark()
-        self.marked = self.staged
+    def mark(self, n: int | None = None) -> None:
+        """Remember the state after the first n staged tokens (default: all); a chained round then stages on top of
+        them. n < staged computes it from the logs (the tokens after n stay staged)."""
+        n = self.staged if n is None else n
+        if not 0 < n <= self.staged:
+            raise ValueError(f"mark after {n} tokens, but {self.staged} are staged")
+        self.gdn.mark(n, self.staged)
+        self.marked = n
+
+    def truncate(self, n: int) -> None:
+        """Drop the staged tokens after the first n, keeping those (and a mark within them) staged."""
+        if not 0 <= n <= self.staged:
+            raise ValueError(f"truncate to {n} tokens, but {self.staged} are staged")
+        if n == self.staged:
+            return
+        if n == 0:
+            self.revert()
+            return
+        if n == self.marked:
+            self.drop_marked()
+            return
+        self.gdn.prepare_commit(n, self.staged)
+        self.staged = n
+        if self.marked > n:
+            self.marked = 0
 
     def commit_marked(self) -> None:
         """Keep the tokens staged before `mark` (a pointer swap); the tokens staged after it stay staged."""
@@ -356,4 +392,4 @@ class ModelState:
         if not self.gdn.logged:
             return 0
         per_token = sum(t.numel() * t.element_size() for t in (self.gdn.x, self.gdn.k, self.gdn.delta, self.gdn.g))
-        return per_token // LOG_CAPACITY * self.staged + (self.gdn.marked_bytes() if self.marked else 0)
+        return per_token // self.gdn.log_capacity * self.staged + (self.gdn.marked_bytes() if self.marked else 0)

@@ -8,9 +8,12 @@ first, so a round's staging stays within the state's log capacity.
 
 `speculate(k)` proposes the next round before this one's outcome is known (pipelined rounds): it
 feeds the rest of this round, guesses the target's next token (the draft's most likely one), marks
-the state there and proposes from the guess, on top of this round's staging. `advance` keeps that
-proposal when every draft was accepted and the guess was right (a pointer swap), and drops it
-otherwise. Its random draws are keyed by the same positions as the serial run's.
+the state there and proposes from the guess, on top of this round's staging. Called again, it
+proposes a second round on top of the first in the same way (unmarked: `CHAIN_LOG_CAPACITY` logs
+let the state find that round's start when it is needed). `advance` keeps the first speculation
+when every draft was accepted and the guess was right (a pointer swap; a second one stays on top),
+and drops them otherwise; `discard_last` drops the newest alone. Random draws are keyed by the same
+positions as the serial run's.
 """
 from __future__ import annotations
 
@@ -19,13 +22,16 @@ import torch
 from shared.decoding.drafters import Proposal
 from shared.decoding.sampling import SamplingParams, draw, probabilities
 from shared.model.hybrid import HybridLM
-from shared.state.rollback import ModelState
+from shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
 
 # Dynamic draft length with k up to 16: the best threshold on the embedded pair (0.3-0.4 alike; `deltaspec bench
 # --only generations` compares it with k = 8). Not the default (0: exactly k drafts): it cuts drafts per round from
 # 7.9 to 4.8 but tokens per round from 4.9 to 4.5; 0-11 % less round time per token at 384 and 1024 tokens in two
 # runs, within the noise of the per-run ratios on a shared machine.
 STOP_BELOW = 0.3
+
+
+MAX_SPECULATIONS = 2  # rounds proposed on top of the open one, each on the one before
 
 
 class ModelDrafter:
@@ -36,17 +42,17 @@ class ModelDrafter:
         self.model, self.sampling, self.stop_below = model, sampling, stop_below
         self.pending: list[int] = []
         self.proposed: list[int] = []
-        self.speculation: tuple[int, list[int]] | None = None  # (guess, proposal) of the next round, unsettled
-        self.guess = 0  # the most likely token after the open round (once it is fed)
+        self.chain: list[tuple[int, list[int]]] = []  # speculations (guess, proposal), each on the one before
+        self.guessed: tuple[int, int] | None = None  # (position, the most likely token there) once fed
         self.state: ModelState  # made by `start`: on a server each state takes a pool slot, none before it is needed
 
     def start(self, prompt_ids: list[int]) -> None:
-        self.state = self.model.new_state(capacity=max(256, 2 * len(prompt_ids)))
-        self.pending, self.proposed, self.speculation = list(prompt_ids), [], None
+        self.state = self.model.new_state(capacity=max(256, 2 * len(prompt_ids)), log_capacity=CHAIN_LOG_CAPACITY)
+        self.pending, self.proposed, self.chain, self.guessed = list(prompt_ids), [], [], None
 
     def propose(self, k: int) -> Proposal:
         self.state.revert()
-        self.proposed, self.speculation = [], None
+        self.proposed, self.chain = [], []
         if len(self.pending) > 2:  # a prompt, or inputs piled up by zero-draft rounds: prefill all but the last
             self.model(torch.tensor(self.pending[:-1]), self.state)
             self.state.commit(self.state.staged)
@@ -55,18 +61,31 @@ class ModelDrafter:
         self.proposed = list(proposal.tokens)
         return proposal
 
+    def _inputs(self) -> list[int]:
+        """Everything the open round and the speculations feed, from the head on."""
+        return self.pending + self.proposed + [t for guess, tokens in self.chain for t in (guess, *tokens)]
+
+    def can_speculate(self, k: int) -> bool:
+        """Whether one more round of k drafts fits on top (the chain's length, the state's logs)."""
+        unfed = len(self._inputs()) - self.state.staged
+        return len(self.chain) < MAX_SPECULATIONS and self.state.staged + unfed + k <= self.state.gdn.log_capacity
+
     def speculate(self, k: int) -> tuple[int, Proposal]:
-        """The next round's proposal if this one keeps every draft, and the token it assumes after them."""
-        unfed = (self.pending + self.proposed)[self.state.staged:]
+        """The next round's proposal if the newest one (open or speculative) keeps every draft, and the token it
+        assumes after them."""
+        if not self.can_speculate(k):
+            raise ValueError(f"no room for another speculation of {k} drafts")
+        unfed = self._inputs()[self.state.staged:]
         if unfed:  # else a speculation was dropped: the round is fed already and its guess stands
             logits, _ = self.model(torch.tensor(unfed), self.state)
-            self.guess = int(logits[-1].argmax())
-        guess = self.guess
-        self.state.mark()
+            self.guessed = (self.state.length + self.state.staged, int(logits[-1].argmax()))
+        assert self.guessed is not None and self.guessed[0] == self.state.length + self.state.staged
+        guess = self.guessed[1]
+        if not self.chain:
+            self.state.mark()
         proposal = self._draw([guess], k, self.state.length + self.state.staged + 1)
-        self.speculation = (guess, list(proposal.tokens))
+        self.chain.append((guess, list(proposal.tokens)))
         return guess, proposal
-
     def _draw(self, inputs: list[int], k: int, position: int) -> Proposal:
         """Up to k tokens, one forward each, from `inputs`; draws keyed by the first proposal's position.
 
@@ -94,18 +113,31 @@ class ModelDrafter:
         return Proposal(tokens, None if greedy or not tokens else torch.stack(dists))
 
     def discard_speculation(self) -> None:
-        if self.speculation is not None:
+        """Drop every speculation (back to the mark after the open round)."""
+        if self.chain:
             self.state.drop_marked()
-            self.speculation = None
+            self.guessed = (self.state.length + self.state.staged, self.chain[0][0])
+            self.chain = []
+
+    def discard_last(self) -> None:
+        """Drop the newest speculation, keep the others."""
+        if len(self.chain) == 1:
+            self.discard_speculation()
+        elif self.chain:
+            guess, _ = self.chain.pop()
+            self.state.truncate(len(self._inputs()))
+            self.guessed = (self.state.length + self.state.staged, guess)
 
     def advance(self, accepted: int, next_token: int) -> None:
-        """Commit pending + the accepted proposals that were fed; the rest waits in `pending`. A speculation
-        whose assumption holds becomes the open round."""
-        if self.speculation is not None:
-            guess, tokens = self.speculation
+        """Commit pending + the accepted proposals that were fed; the rest waits in `pending`. A first speculation
+        whose assumption holds becomes the open round (a second one stays on top of it)."""
+        if self.chain:
+            guess, tokens = self.chain[0]
             if accepted == len(self.proposed) and next_token == guess:
                 self.state.commit_marked()
-                self.pending, self.proposed, self.speculation = [guess], tokens, None
+                self.pending, self.proposed, self.chain = [guess], tokens, self.chain[1:]
+                if self.chain:  # the next one stays staged on top: mark where it starts (from the logs)
+                    self.state.mark(1 + len(tokens))
                 return
             self.discard_speculation()
         kept = self.pending + self.proposed[:accepted]
