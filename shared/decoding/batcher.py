@@ -10,6 +10,9 @@ Policy:
   last `ACTIVE_S`) has a call waiting (nobody else is about to join: a single session never waits,
   nor do sessions that went quiet), or `max_wait_ms` after its first call arrived, whichever comes
   first.
+- A call of the only active sequence, with nothing queued, runs in the caller's own thread (a batch
+  of one, under the same lock as the batches): a lone session pays no hand-off to the batching
+  thread and back, which costs a scheduler wake-up each way per pass, milliseconds on a busy CPU.
 - Calls are served first come, first served; a batch takes at most `max_batch` of them, so a call
   waits at most (calls ahead of it) / max_batch batches: no session starves.
 - A long input (a prompt staged from the head) runs `prefill_chunk` tokens per batch and goes to the
@@ -115,6 +118,7 @@ class BatchedModel:
         self.stats = BatchStats()
         self._queue: deque[_Call] = deque()
         self._cv = threading.Condition()
+        self._stepping = threading.Lock()  # one pass at a time: the batching thread's, or a lone caller's
         self._last_call: weakref.WeakKeyDictionary[ModelState, float] = weakref.WeakKeyDictionary()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="deltaspec-batcher", daemon=True)
@@ -135,8 +139,13 @@ class BatchedModel:
             self._last_call[state] = call.queued_at
             if self._closed:
                 raise RuntimeError("the batcher is closed")
-            self._queue.append(call)
-            self._cv.notify()
+            alone = not self._queue and self._active() <= 1  # nobody to share a pass with
+            if not alone:
+                self._queue.append(call)
+                self._cv.notify()
+        if alone:
+            while not call.done.is_set():  # prefill pieces: other sessions' batches may run between them
+                self._step([call])
         call.done.wait()
         if call.error is not None:
             raise call.error
@@ -165,15 +174,25 @@ class BatchedModel:
                         break
                     self._cv.wait(left)
                 batch = [self._queue.popleft() for _ in range(min(cfg.max_batch, len(self._queue)))]
-            self._step(batch)
-            del batch  # while waiting, finished calls must not keep their states (and pool slots) alive
+            unfinished = self._step(batch)
+            if unfinished:
+                with self._cv:
+                    for c in unfinished:
+                        c.queued_at = time.monotonic()
+                    self._queue.extend(unfinished)
+            del batch, unfinished  # while waiting, finished calls must not keep their states (and pool slots) alive
 
     def _active(self) -> int:
         """Sequences that called recently: the ones worth waiting for."""
         since = time.monotonic() - ACTIVE_S
         return sum(t > since for t in self._last_call.values())
 
-    def _step(self, batch: list[_Call]) -> None:
+    def _step(self, batch: list[_Call]) -> list[_Call]:
+        """Run one pass for `batch`; returns the calls with input left (prefill pieces)."""
+        with self._stepping:
+            return self._step_locked(batch)
+
+    def _step_locked(self, batch: list[_Call]) -> list[_Call]:
         chunk = self.batching.prefill_chunk
         started = time.monotonic()
         pieces = [(c.piece(chunk), c.state) for c in batch]
@@ -209,8 +228,4 @@ class BatchedModel:
                 unfinished.append(c)
             else:
                 c.done.set()
-        if unfinished:
-            with self._cv:
-                for c in unfinished:
-                    c.queued_at = time.monotonic()
-                self._queue.extend(unfinished)
+        return unfinished

@@ -20,7 +20,9 @@ Once a session has been asked for a speculative round, every proposal, plain or 
 followed in the background by the speculation on top of it (same k): the caller's next speculative
 request, which comes a network round trip later, then finds it made instead of waiting for k+1
 forward passes. On top of a speculative round that makes a second one (the drafter's chain), kept
-when the outcome that arrives with the request confirms the first and dropped by any other.
+when the outcome that arrives with the request confirms the first and dropped by any other. A plain
+proposal (the caller's answer to a miss) stops a background speculation between two forward
+passes instead of waiting for it to finish.
 """
 from __future__ import annotations
 
@@ -70,13 +72,17 @@ class DraftSession:
         self.speculative: DraftRound | None = None  # a round proposed on top of the open one
         self.earlier: DraftRound | None = None  # the round before, or the last dropped one (for retries)
         self.pipelining = False  # the caller has asked for a speculative round
+        self.waiting = False  # a plain proposal waits for the lock (read without it: a hint)
         # (on round, k, guess, proposal) made ahead: on the open round, or on the speculative one (a second level)
         self.ahead: tuple[DraftRound, int, int, Proposal] | None = None
         self.lock = threading.RLock()
 
     def propose(self, round_id: str, k: int, previous: Outcome | None = None,
                 speculative: bool = False) -> DraftRound:
+        if not speculative:
+            self.waiting = True  # a background speculation in progress stops at its next forward pass
         with self.lock:
+            self.waiting = False
             known = next((r for r in (self.round, self.speculative) if r and r.round_id == round_id), None)
             if known is not None:
                 if (known.k, known.previous, known.guess is not None) != (k, previous, speculative):
@@ -130,8 +136,14 @@ class DraftSession:
         top, or the speculative one) and there is room."""
         with self.lock:
             newest = self.speculative or self.round
-            if newest is rnd and rnd.state == "proposed" and self.ahead is None and self.drafter.can_speculate(k):
-                self.ahead = (rnd, k, *self.drafter.speculate(k))
+            if newest is not rnd or rnd.state != "proposed" or self.ahead is not None \
+                    or not self.drafter.can_speculate(k) or self.waiting:
+                return
+            made = self.drafter.speculate(k, lambda: self.waiting)
+            if self.waiting:
+                self.drafter.discard_last()  # a plain proposal is waiting: it would drop this one
+            else:
+                self.ahead = (rnd, k, *made)
 
     def commit(self, outcome: Outcome) -> None:
         with self.lock:

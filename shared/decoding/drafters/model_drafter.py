@@ -17,6 +17,8 @@ positions as the serial run's.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from shared.decoding.drafters import Proposal
@@ -70,9 +72,10 @@ class ModelDrafter:
         unfed = len(self._inputs()) - self.state.staged
         return len(self.chain) < MAX_SPECULATIONS and self.state.staged + unfed + k <= self.state.gdn.log_capacity
 
-    def speculate(self, k: int) -> tuple[int, Proposal]:
+    def speculate(self, k: int, stop: Callable[[], bool] | None = None) -> tuple[int, Proposal]:
         """The next round's proposal if the newest one (open or speculative) keeps every draft, and the token it
-        assumes after them."""
+        assumes after them. `stop()`, asked before each draft, ends it early (a proposal no longer wanted: the caller
+        drops it with `discard_last`)."""
         if not self.can_speculate(k):
             raise ValueError(f"no room for another speculation of {k} drafts")
         unfed = self._inputs()[self.state.staged:]
@@ -83,10 +86,10 @@ class ModelDrafter:
         guess = self.guessed[1]
         if not self.chain:
             self.state.mark()
-        proposal = self._draw([guess], k, self.state.length + self.state.staged + 1)
+        proposal = self._draw([guess], k, self.state.length + self.state.staged + 1, stop)
         self.chain.append((guess, list(proposal.tokens)))
         return guess, proposal
-    def _draw(self, inputs: list[int], k: int, position: int) -> Proposal:
+    def _draw(self, inputs: list[int], k: int, position: int, stop: Callable[[], bool] | None = None) -> Proposal:
         """Up to k tokens, one forward each, from `inputs`; draws keyed by the first proposal's position.
 
         Drafting stops after a token whose draft probability (the draft's top one) is below `stop_below`: the
@@ -95,6 +98,8 @@ class ModelDrafter:
         greedy, stop_below = self.sampling.greedy, self.stop_below
         generator = None if greedy else self.sampling.generator(position, stream=1)
         for _ in range(k):
+            if stop is not None and stop():
+                break
             logits = self.model(torch.tensor(inputs), self.state)[0][-1]
             if greedy:  # no distribution to return: the argmax, and the top probability only when it is read
                 if stop_below:
