@@ -60,6 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shared.decoding.speculative import generate
     from shared.model.loader import load_model
     from shared.model.tokenizer import load_tokenizer
+    from shared.state.rollback import CHAIN_LOG_CAPACITY
 
     target_dir = Path(args.target or DEFAULT_TARGET)
     draft = args.draft if args.draft is not None else (str(DEFAULT_DRAFT) if args.target is None else "none")
@@ -69,7 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target = load_model(target_dir).compile(args.compile, warm_up=True)
     drafter = make_drafter(draft, target, sampling, args.stop_below)
     if args.compile and isinstance(drafter, ModelDrafter):
-        drafter.model.compile(warm_up=True)
+        drafter.model.compile(warm_up=True, log_capacity=CHAIN_LOG_CAPACITY)
     result = generate(target, prompt, args.max_new_tokens, drafter, args.num_draft_tokens, sampling)
     _print_generation(result, tokenizer.decode(result.token_ids), args.json)
     return 0
@@ -211,14 +212,16 @@ def cmd_serve_draft(args: argparse.Namespace) -> int:
     from draft_service.servicer import service
     from shared.model.loader import load_model
     from shared.rpc.server import serve
+    from shared.state.rollback import CHAIN_LOG_CAPACITY
     from shared.telemetry import DRAFT, Telemetry
 
     model_dir = Path(args.model or DEFAULT_DRAFT)
     listen = _listen(args)
     _torch_threads(args)
     telemetry = Telemetry.from_env(DRAFT)
-    svc = service(lambda: load_model(model_dir, device=args.device).compile(args.compile, warm_up=True), _limits(args),
-                  telemetry, _batching(args), args.stop_below)
+    svc = service(lambda: load_model(model_dir, device=args.device).compile(args.compile, warm_up=True,
+                                                                             log_capacity=CHAIN_LOG_CAPACITY),
+                  _limits(args), telemetry, _batching(args), args.stop_below)
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
 
 

@@ -31,6 +31,7 @@ from shared.decoding.drafters.model_drafter import ModelDrafter
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.model.checkpoint import hf_config, random_model
 from shared.model.loader import load_model
+from shared.state.rollback import CHAIN_LOG_CAPACITY
 from shared.telemetry.overhead import tracing_overhead
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -109,7 +110,8 @@ def run(args: argparse.Namespace) -> dict:
             result["compiled"] = {"steps": step_costs.step_costs({"embedded target": target, "embedded draft": draft},
                                                                  blocks=3 if quick else 7, paths=("fused", "compiled"))}
             result["compiled"]["generations"] = generation.long_generations(
-                copy.deepcopy(target).compile(warm_up=True), DEFAULT_TARGET, copy.deepcopy(draft).compile(warm_up=True),
+                copy.deepcopy(target).compile(warm_up=True), DEFAULT_TARGET,
+                copy.deepcopy(draft).compile(warm_up=True, log_capacity=CHAIN_LOG_CAPACITY),
                 long_prompts, lengths, repeats, bar.update)
         if "gpu" in steps:
             result["gpu"] = {"memory_bound": memory_bound_ratio(device="cuda"),

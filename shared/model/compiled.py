@@ -7,8 +7,8 @@ generated loops, leaves the matmuls to ATen, and on the CPU calls it all from ge
 Nothing in the graph depends on where the pass sits: positions and log slots enter as index tensors (K/V
 and the GDN logs are written with `index_copy_`), attention reads the whole K/V buffer under a position
 mask, and the token count is symbolic. So a new position, round or cache size never recompiles: a model
-(or a layer kind) gets one graph for one token (the recurrent update) and one for 2..`CHAIN_LOG_CAPACITY` tokens
-(one chunk), each for a pass from the head and one on top of a staging (the two read different GDN buffers:
+(or a layer kind) gets one graph for one token (the recurrent update) and one for 2 tokens up to the state's log
+capacity (one chunk; a draft's states log more than a target's, so it has graphs of its own), each for a pass from the head and one on top of a staging (the two read different GDN buffers:
 an attention layer kind has just the first two).
 Passes longer than the logs (prefill) take the eager path. The fused path stays the truth: `tests/test_compiled.py`
 compares logits and every state buffer of both on random weights.
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from shared.kernels.chunk import one_chunk_gated_delta_rule
 from shared.model import fused
-from shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
+from shared.state.rollback import LOG_CAPACITY, ModelState
 
 if TYPE_CHECKING:
     from shared.model.hybrid import HybridLM
@@ -129,8 +129,9 @@ class CompiledPasses:
             _require_cpp_compiler()
             options["cpp_wrapper"] = True  # the kernels called from generated C++: no Python per kernel
         self.per_layer = n_layers > WHOLE_GRAPH_LAYERS
+        self.max_tokens = LOG_CAPACITY  # a pass's most tokens: the logs' capacity of the state it runs on
         if self.per_layer:
-            self.gdn_layer, self.attention_layer = (_token_count_dynamic(_compile(fn, options))
+            self.gdn_layer, self.attention_layer = (_token_count_dynamic(_compile(fn, options), self)
                                                     for fn in (_gdn_layer, _attention_layer))
         else:
             self.fn: Callable[..., tuple[Tensor, Tensor]] = _compile(_pass, options)
@@ -142,12 +143,13 @@ class CompiledPasses:
 
     def __call__(self, model: HybridLM, x: Tensor, state: ModelState, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         T, start, gdn = x.shape[0], state.length + state.staged, state.gdn
+        self.max_tokens = gdn.log_capacity  # a graph for each capacity a model's states have (a draft's: 51)
         state.ensure_positions(start + T)
         positions = torch.arange(start, start + T, device=x.device)
         slots = positions - state.length
         if T > 1:  # one graph for every verify length
             for t in (x, *rope, positions, slots):
-                torch._dynamo.mark_dynamic(t, 0, min=2, max=CHAIN_LOG_CAPACITY)
+                torch._dynamo.mark_dynamic(t, 0, min=2, max=self.max_tokens)
         kv = [(layer.k, layer.v) for layer in state.attn]
         for k_cache, v_cache in kv:  # and for every K/V capacity
             torch._dynamo.maybe_mark_dynamic(k_cache, 1)
@@ -163,10 +165,10 @@ class CompiledPasses:
         return self.fn(model, x, *rope, positions, slots, args, kv)
 
     @staticmethod
-    def warm_up(model: HybridLM) -> None:
+    def warm_up(model: HybridLM, log_capacity: int = LOG_CAPACITY) -> None:
         """Compile every graph now (a server does this before it serves): one and several tokens, from the head
-        and on top of a staging."""
-        state = model.new_state()
+        and on top of a staging, for states whose logs hold `log_capacity` tokens."""
+        state = model.new_state(log_capacity=log_capacity)
         ids = torch.arange(6, device=model.device) % model.config.vocab_size
         for first, second in ((1, 1), (3, 2)):
             model(ids[:first], state)
@@ -193,10 +195,10 @@ def _compile(fn: Callable, options: dict) -> Callable:
     return torch.compile(own, fullgraph=True, options=options)
 
 
-def _token_count_dynamic(layer_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+def _token_count_dynamic(layer_fn: Callable[..., Tensor], passes: CompiledPasses) -> Callable[..., Tensor]:
     """A compiled layer whose input `x`'s token count is symbolic from 2 tokens on (each layer's `x` is a new tensor)."""
     def call(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, *rest: Tensor) -> Tensor:
         if x.shape[0] > 1:
-            torch._dynamo.mark_dynamic(x, 0, min=2, max=CHAIN_LOG_CAPACITY)
+            torch._dynamo.mark_dynamic(x, 0, min=2, max=passes.max_tokens)
         return layer_fn(layer, f, x, *rest)
     return call

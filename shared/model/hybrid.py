@@ -64,11 +64,12 @@ class HybridLM(nn.Module):
             self.fused = fused.fuse_stack(self.model)
         return self
 
-    def compile(self, enable: bool = True, warm_up: bool = False) -> HybridLM:
+    def compile(self, enable: bool = True, warm_up: bool = False, log_capacity: int = LOG_CAPACITY) -> HybridLM:
         """Run decode and verify passes as compiled graphs (`shared.model.compiled`) from now on, or stop.
 
         On the fused path only. Each graph compiles on its first pass (seconds to a minute on a CPU, less when
-        Inductor's on-disk cache has it); `warm_up` compiles them all now."""
+        Inductor's on-disk cache has it); `warm_up` compiles them all now, for states whose logs hold `log_capacity`
+        tokens (a draft's: `CHAIN_LOG_CAPACITY`)."""
         if not enable:
             self.compiled = None
         elif self.compiled is None:
@@ -76,7 +77,7 @@ class HybridLM(nn.Module):
                 raise ValueError("compile() needs the fused path: call fuse() first")
             self.compiled = CompiledPasses(self.device, self.config.num_hidden_layers)
         if warm_up and self.compiled is not None:
-            self.compiled.warm_up(self)
+            self.compiled.warm_up(self, log_capacity)
         return self
 
     def set_gdn_kernel(self, name: str) -> None:
