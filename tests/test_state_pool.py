@@ -81,10 +81,10 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.parametrize("name", list(session_memory.models()))
 def test_what_the_pool_charges_is_what_a_pooled_session_holds(name):
     """The bench's figures (embedded pair, Qwen3.5-0.8B shape) are the bytes real pooled sessions hold."""
-    cfg, dtype = session_memory.models()[name]
+    cfg, dtype, log_capacity = session_memory.models()[name]
     for positions in (MIN_CONTEXT, 1000):
-        charged = gdn_bytes(cfg, dtype) + positions * kv_bytes_per_position(cfg, dtype)
-        assert session_memory.measured_bytes(cfg, dtype, positions) == charged
+        charged = gdn_bytes(cfg, dtype, log_capacity) + positions * kv_bytes_per_position(cfg, dtype)
+        assert session_memory.measured_bytes(cfg, dtype, positions, log_capacity) == charged
 
 
 def test_slots_are_independent_and_come_back_zeroed():

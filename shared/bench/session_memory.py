@@ -4,7 +4,8 @@ A session's GDN state (committed state, spare, mark snapshot, conv windows, roun
 size at any context; its attention K/V grows by a fixed amount per token. The figures come from
 the configs (`shared.state.pool.gdn_bytes`, `kv_bytes_per_position`: what a `StatePool` charges),
 for the embedded target and draft and for a Qwen3.5-0.8B-shaped config (no weights needed), and are
-checked against the bytes a real pooled session holds.
+checked against the bytes a real pooled session holds. A draft's round logs hold `CHAIN_LOG_CAPACITY`
+tokens (it speculates two rounds ahead), a target's `LOG_CAPACITY`.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.model.checkpoint import hf_config
 from shared.model.config import ModelConfig
 from shared.state.pool import MIN_CONTEXT, StatePool, gdn_bytes, kv_bytes_per_position
+from shared.state.rollback import CHAIN_LOG_CAPACITY, LOG_CAPACITY
 
 CONTEXTS = (256, 1024, 4096, 16384, 32768, 131072)
 GIB = 2**30
@@ -26,15 +28,18 @@ QWEN35_08B = hf_config(vocab_size=248320, hidden_size=1024, intermediate_size=35
                        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6)
 
 
-def models() -> dict[str, tuple[ModelConfig, torch.dtype]]:
-    return {"embedded target": (ModelConfig.from_file(DEFAULT_TARGET / "config.json"), torch.float32),
-            "embedded draft": (ModelConfig.from_file(DEFAULT_DRAFT / "config.json"), torch.float32),
-            "Qwen3.5-0.8B shape": (ModelConfig.from_dict(QWEN35_08B), torch.bfloat16)}
+def models() -> dict[str, tuple[ModelConfig, torch.dtype, int]]:
+    """Name: (config, dtype, log capacity of its sessions)."""
+    return {"embedded target": (ModelConfig.from_file(DEFAULT_TARGET / "config.json"), torch.float32, LOG_CAPACITY),
+            "embedded draft": (ModelConfig.from_file(DEFAULT_DRAFT / "config.json"), torch.float32,
+                               CHAIN_LOG_CAPACITY),
+            "Qwen3.5-0.8B shape": (ModelConfig.from_dict(QWEN35_08B), torch.bfloat16, LOG_CAPACITY)}
 
 
-def measured_bytes(cfg: ModelConfig, dtype: torch.dtype, positions: int) -> int:
+def measured_bytes(cfg: ModelConfig, dtype: torch.dtype, positions: int, log_capacity: int = LOG_CAPACITY) -> int:
     """Bytes one real pooled session holds at `positions` of K/V capacity: its slot's share of the pool and its K/V."""
-    pool = StatePool(cfg, gdn_bytes(cfg, dtype) + positions * kv_bytes_per_position(cfg, dtype), 1, dtype=dtype)
+    budget = gdn_bytes(cfg, dtype, log_capacity) + positions * kv_bytes_per_position(cfg, dtype)
+    pool = StatePool(cfg, budget, 1, dtype=dtype, log_capacity=log_capacity)
     state = pool.new_state(capacity=positions)
     slot = sum(t.nbytes for t in pool.tensors.values()) // pool.slots
     return slot + sum(t.nbytes for layer in state.attn for t in (layer.k, layer.v))
@@ -42,10 +47,10 @@ def measured_bytes(cfg: ModelConfig, dtype: torch.dtype, positions: int) -> int:
 
 def rows() -> list[dict]:
     out = []
-    for name, (cfg, dtype) in models().items():
-        gdn, per_token = gdn_bytes(cfg, dtype), kv_bytes_per_position(cfg, dtype)
+    for name, (cfg, dtype, log_capacity) in models().items():
+        gdn, per_token = gdn_bytes(cfg, dtype, log_capacity), kv_bytes_per_position(cfg, dtype)
         out.append({"model": name, "dtype": str(dtype).removeprefix("torch."),
-                    "measured_mib": measured_bytes(cfg, dtype, MIN_CONTEXT) / 2**20,  # equals session_mib[256]
+                    "measured_mib": measured_bytes(cfg, dtype, MIN_CONTEXT, log_capacity) / 2**20,  # = session_mib[256]
                     "gdn_layers": cfg.layer_types.count("linear_attention"),
                     "attention_layers": cfg.layer_types.count("full_attention"),
                     "gdn_mib": gdn / 2**20, "kv_kib_per_token": per_token / 2**10,
