@@ -20,8 +20,9 @@ same positions. The drafter must offer `speculate(k) -> (guess, Proposal) | None
 A remote drafter (`speculate_async`) works two rounds ahead: as soon as r's verdict keeps every
 draft, the request for r+2 leaves, carrying r's outcome, without waiting for r+1's proposal to come
 back; so with a network delay d the draft's round trip (2d plus its forwards) overlaps the target's
-verify instead of adding to it each round. The draft refuses r+2 when r's outcome does not confirm
-r+1, and nothing changes.
+verify instead of adding to it each round, and the draft service, which speculated r+2 on top of r+1 in
+the background after answering for r+1, answers at once. The draft refuses r+2 when r's outcome does not
+confirm r+1, and nothing changes.
 
 Target and draft calls overlap through a small thread pool; each call carries the caller's
 context, so RPC spans stay in the generation's trace.
