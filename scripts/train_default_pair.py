@@ -263,7 +263,6 @@ def train(args, train_ids: Tensor, val_ids: Tensor) -> tuple | None:
     gen = torch.Generator().manual_seed(args.seed)
     val_gen = torch.Generator().manual_seed(args.seed + 100)
     val_batch = batch(val_ids, args.val_batch, args.seq, val_gen)
-    alpha = args.kl_weight
     history: dict[str, list] = {"step": [], "target": [], "mtp": [], **{f"draft_{k}": [] for k in drafts}}
     val_history: dict[str, list] = {k: [] for k in history}
     first = 0
@@ -279,48 +278,15 @@ def train(args, train_ids: Tensor, val_ids: Tensor) -> tuple | None:
     last = min(total, first + args.chunk_steps) if args.chunk_steps else total
     bar = tqdm(range(first, last), desc="training", unit="step", dynamic_ncols=True, initial=first, total=total)
     for step in bar:
-        if step >= args.steps:
+        if step < args.steps:
+            losses = main_step(args, target, mtp, drafts, models, opts, lrs, step,
+                               batch(train_ids, args.batch, args.seq, gen))
+        else:
             losses = long_step(args, target, drafts, opts, lrs, batch(train_ids, args.batch, args.long_seq, gen))
-            history["step"].append(step)
-            for k in history.keys() - {"step"}:
-                history[k].append(losses.get(k, float("nan")))
-            bar.set_postfix({k.replace("draft_", "d_"): f"{v:.3f}" for k, v in losses.items()})
-            if args.state and ((step + 1) % args.save_every == 0 or step + 1 == last):
-                save_snapshot(args.state, models, opts, gen, history, val_history, step + 1)
-            continue
-        f = lr_factor(step, args.steps, args.warmup)
-        for name, opt in opts.items():
-            for group in opt.param_groups:
-                group["lr"] = lrs[name] * f
-        xb = batch(train_ids, args.batch, args.seq, gen)
-        x, y = xb[:, :-1], xb[:, 1:]
-        # target: CE on the next byte
-        hidden = target.model(input_ids=x, use_cache=False).last_hidden_state  # post final norm
-        logits = target.lm_head(hidden)
-        loss_t = ce(logits, y)
-        loss_t.backward()
-        teacher = logits.detach()
-        hidden = hidden.detach()
-        # MTP head: CE on x_{i+2} + KL to the target's distribution for that token (its logits at i+1)
-        m_logits = mtp_logits(target, mtp, x, hidden)
-        ce_m = ce(m_logits, y[:, 1:])
-        ((1 - alpha) * ce_m + alpha * kl(m_logits, teacher[:, 1:])).backward()
-        # drafts
-        losses = {"target": loss_t.item(), "mtp": ce_m.item()}
-        for key, draft in drafts.items():
-            d_logits = draft(input_ids=x, use_cache=False).logits
-            ce_d = ce(d_logits, y)
-            loss_d = ce_d if key == "ce_only" else (1 - alpha) * ce_d + alpha * kl(d_logits, teacher)
-            loss_d.backward()
-            losses[f"draft_{key}"] = ce_d.item()
-        for name, opt in opts.items():
-            torch.nn.utils.clip_grad_norm_(models[name].parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
         history["step"].append(step)
-        for k, v in losses.items():
-            history[k].append(v)
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+        for k in history.keys() - {"step"}:
+            history[k].append(losses.get(k, float("nan")))  # the second stage trains the drafts alone
+        if step < args.steps and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             vals = evaluate(target, mtp, drafts, val_batch)
             val_history["step"].append(step + 1)
             for k, v in vals.items():
@@ -333,6 +299,36 @@ def train(args, train_ids: Tensor, val_ids: Tensor) -> tuple | None:
     for m in models.values():
         m.eval()
     return target, mtp, drafts, history, val_history
+
+
+def main_step(args, target, mtp, drafts: dict, models: dict, opts: dict, lrs: dict, step: int,
+              xb: Tensor) -> dict[str, float]:
+    """One step of the main stage: target, MTP head and drafts together on `--seq` windows (cosine schedule)."""
+    f = lr_factor(step, args.steps, args.warmup)
+    for name, opt in opts.items():
+        for group in opt.param_groups:
+            group["lr"] = lrs[name] * f
+    x, y = xb[:, :-1], xb[:, 1:]
+    alpha = args.kl_weight
+    # target: CE on the next byte
+    hidden = target.model(input_ids=x, use_cache=False).last_hidden_state  # post final norm
+    logits = target.lm_head(hidden)
+    loss_t = ce(logits, y)
+    loss_t.backward()
+    teacher = logits.detach()
+    hidden = hidden.detach()
+    # MTP head: CE on x_{i+2} + KL to the target's distribution for that token (its logits at i+1)
+    m_logits = mtp_logits(target, mtp, x, hidden)
+    ce_m = ce(m_logits, y[:, 1:])
+    ((1 - alpha) * ce_m + alpha * kl(m_logits, teacher[:, 1:])).backward()
+    losses = {"target": loss_t.item(), "mtp": ce_m.item()}
+    for key, draft in drafts.items():
+        losses[f"draft_{key}"] = draft_backward(args, key, draft, x, y, teacher)
+    for name, opt in opts.items():
+        torch.nn.utils.clip_grad_norm_(models[name].parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
 
 
 def long_step(args, target, drafts: dict, opts: dict, lrs: dict, xb: Tensor) -> dict[str, float]:
@@ -348,21 +344,26 @@ def long_step(args, target, drafts: dict, opts: dict, lrs: dict, xb: Tensor) -> 
         opt = opts[f"draft_{key}"]
         for group in opt.param_groups:
             group["lr"] = lrs[f"draft_{key}"] * lr_factor(args.steps, args.steps, args.warmup)
-        d_logits = draft(input_ids=x, use_cache=False).logits
-        ce_d = ce(d_logits, y)
-        alpha = args.kl_weight
-        loss = ce_d if key == "ce_only" else (1 - alpha) * ce_d + alpha * kl(d_logits, teacher)
-        loss.backward()
+        losses[f"draft_{key}"] = draft_backward(args, key, draft, x, y, teacher)
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses[f"draft_{key}"] = ce_d.item()
     return losses
+
+
+def draft_backward(args, key: str, draft, x: Tensor, y: Tensor, teacher: Tensor) -> float:
+    """Backward of a draft's loss: (1 - a) CE + a KL(target || draft), or CE alone for `ce_only`; returns its CE."""
+    d_logits = draft(input_ids=x, use_cache=False).logits
+    ce_d = ce(d_logits, y)
+    alpha = args.kl_weight
+    (ce_d if key == "ce_only" else (1 - alpha) * ce_d + alpha * kl(d_logits, teacher)).backward()
+    return ce_d.item()
 
 
 def save_snapshot(path: Path, models: dict, opts: dict, gen: torch.Generator, history: dict, val_history: dict,
                   step: int) -> None:
-    snap = {"models": {n: m.state_dict() for n, m in models.items()}, "opts": {n: o.state_dict() for n, o in opts.items()},
+    snap = {"models": {n: m.state_dict() for n, m in models.items()},
+            "opts": {n: o.state_dict() for n, o in opts.items()},
             "gen": gen.get_state(), "history": history, "val_history": val_history, "step": step}
     torch.save(snap, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)
