@@ -7,10 +7,10 @@ generated loops, leaves the matmuls to ATen, and on the CPU calls it all from ge
 Nothing in the graph depends on where the pass sits: positions and log slots enter as index tensors (K/V
 and the GDN logs are written with `index_copy_`), attention reads the whole K/V buffer under a position
 mask, and the token count is symbolic. So a new position, round or cache size never recompiles: a model
-(or a layer kind) gets one graph for one token (the recurrent update) and one for 2 tokens up to the state's log
-capacity (one chunk; a draft's states log more than a target's, so it has graphs of its own), each for a pass from the head and one on top of a staging (the two read different GDN buffers:
-an attention layer kind has just the first two).
-Passes longer than the logs (prefill) take the eager path. The fused path stays the truth: `tests/test_compiled.py`
+(or a layer kind) gets one graph for one token (the recurrent update) and one for 2 tokens up to the state's
+log capacity (one chunk; a draft's states log more than a target's, so it has graphs of its own), each for a
+pass from the head and one on top of a staging (the two read different GDN buffers: an attention layer kind
+has just the first two). Passes longer than the logs (prefill) take the eager path. The fused path stays the truth: `tests/test_compiled.py`
 compares logits and every state buffer of both on random weights.
 
 A shallow model (the 2-layer embedded draft) runs each pass as one graph. A whole graph's compile time grows

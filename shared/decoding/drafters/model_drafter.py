@@ -69,8 +69,7 @@ class ModelDrafter:
 
     def can_speculate(self, k: int) -> bool:
         """Whether one more round of k drafts fits on top (the chain's length, the state's logs)."""
-        unfed = len(self._inputs()) - self.state.staged
-        return len(self.chain) < MAX_SPECULATIONS and self.state.staged + unfed + k <= self.state.gdn.log_capacity
+        return len(self.chain) < MAX_SPECULATIONS and len(self._inputs()) + k <= self.state.gdn.log_capacity
 
     def speculate(self, k: int, stop: Callable[[], bool] | None = None) -> tuple[int, Proposal]:
         """The next round's proposal if the newest one (open or speculative) keeps every draft, and the token it
@@ -89,6 +88,7 @@ class ModelDrafter:
         proposal = self._draw([guess], k, self.state.length + self.state.staged + 1, stop)
         self.chain.append((guess, list(proposal.tokens)))
         return guess, proposal
+
     def _draw(self, inputs: list[int], k: int, position: int, stop: Callable[[], bool] | None = None) -> Proposal:
         """Up to k tokens, one forward each, from `inputs`; draws keyed by the first proposal's position.
 
