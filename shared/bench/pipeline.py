@@ -7,7 +7,9 @@ Two target processes share the draft: one stages pipelined rounds and pipelines 
 loop (`--pipeline-depth 1`), one does neither (0), so the server-side loop runs both ways; the
 client-driven loop runs `pipeline=True` and `False` against them. Configurations alternate, and every
 output is checked against in-process target-only greedy decoding. Each row notes the machine's 1-minute
-load average when it ended: on a shared machine, other work takes the cores the overlap needs.
+load average when it ended: on a shared machine, other work takes the cores the overlap needs. It also
+says what a round costs in CPU time (the target process's and the draft process's, from /proc) and in the
+draft's forward passes (its own metrics): the overlap only pays while both fit on the machine's cores.
 Run: `python -m shared.bench.pipeline [--quick] [--save docs]`.
 """
 from __future__ import annotations
@@ -48,14 +50,14 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
         draft = draft_server.address
         to_draft = TcpProxy([draft])
         stack.callback(to_draft.close)
-        targets = {}
+        targets: dict[int, Server] = {}
         for depth in (0, 1):
-            server = Server("serve-target", "--model", str(target_dir), "--draft-addr", to_draft.address,
-                            "--draft-timeout", "30", "--pipeline-depth", str(depth), *compiled)
+            server = targets[depth] = Server("serve-target", "--model", str(target_dir), "--draft-addr",
+                                             to_draft.address, "--draft-timeout", "30", "--pipeline-depth", str(depth),
+                                             *compiled)
             stack.callback(server.stop)
-            targets[depth] = server.address
         client_draft = TcpProxy([draft])
-        client_target = {depth: TcpProxy([address]) for depth, address in targets.items()}
+        client_target = {depth: TcpProxy([server.address]) for depth, server in targets.items()}
         for proxy in (client_draft, *client_target.values()):
             stack.callback(proxy.close)
 
@@ -70,14 +72,18 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
             for proxy in (to_draft, client_draft, *client_target.values()):
                 proxy.delay_s = delay / 1000
             for loop in LOOPS:
-                totals = {mode: {"tokens": 0, "seconds": 0.0, "rounds": 0, "staged": 0} for mode in (False, True)}
+                totals = {mode: dict.fromkeys(("tokens", "seconds", "rounds", "staged", "target_cpu", "draft_cpu",
+                                               "draft_passes"), 0.0) for mode in (False, True)}
                 run(loop, False, prompts[0]), run(loop, True, prompts[0])  # warm: connections, sessions, caches
                 for _ in range(repeats):
                     for prompt, want in zip(prompts, expected):
                         for pipelined in (False, True):
+                            before = _costs(targets[int(pipelined)], draft_server)
                             gen = run(loop, pipelined, prompt)
                             check_greedy(gen.token_ids, want, f"{loop} loop, pipelined={pipelined}, {delay} ms")
                             t = totals[pipelined]
+                            for name, value in _costs(targets[int(pipelined)], draft_server).items():
+                                t[name] += value - before[name]
                             t["tokens"] += len(gen.token_ids)
                             t["seconds"] += gen.stats.seconds
                             t["rounds"] += gen.stats.rounds
@@ -88,8 +94,23 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                              "serial_staged_bytes_per_round": totals[False]["staged"] / totals[False]["rounds"],
                              "pipelined_staged_bytes_per_round": totals[True]["staged"] / totals[True]["rounds"],
                              "rounds": (totals[False]["rounds"], totals[True]["rounds"]), "identical_tokens": True,
+                             **_per_round(totals),
                              "load_average": os.getloadavg()[0]})
     return rows
+
+
+def _per_round(totals: dict[bool, dict[str, float]]) -> dict[str, tuple[float, float]]:
+    """(serial, pipelined) per round: wall and CPU milliseconds, the draft's passes."""
+    def both(name: str, scale: float = 1.0) -> tuple[float, float]:
+        return tuple(scale * totals[m][name] / totals[m]["rounds"] for m in (False, True))  # type: ignore[return-value]
+    return {"wall_ms_per_round": both("seconds", 1e3), "target_cpu_ms_per_round": both("target_cpu", 1e3),
+            "draft_cpu_ms_per_round": both("draft_cpu", 1e3), "draft_passes_per_round": both("draft_passes")}
+
+
+def _costs(target: Server, draft: Server) -> dict[str, float]:
+    """CPU seconds the two processes have used so far, and the draft's forward passes."""
+    return {"target_cpu": target.cpu_s(), "draft_cpu": draft.cpu_s(),
+            "draft_passes": draft.metric("deltaspec_batch_pass_seconds_count")}
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -101,6 +122,19 @@ def print_rows(rows: list[dict]) -> None:
         print(f"{r['delay_ms']:>8g} {r['loop']:>6} {r['serial_tokens_per_s']:>12.1f} "
               f"{r['pipelined_tokens_per_s']:>9.1f} {r['speedup']:>8.2f} {r['serial_staged_bytes_per_round']:>21.0f} "
               f"{r['pipelined_staged_bytes_per_round']:>9.0f} {r['load_average']:>5.1f}")
+    print("\nWhat a round costs, serial -> pipelined: wall time, CPU time of the target and draft processes (not the "
+          "bench's own: client and proxies), the draft's forward passes, and the cores those two processes kept busy")
+    print(f"{'delay ms':>8} {'loop':>6} {'wall ms':>13} {'target CPU ms':>13} {'draft CPU ms':>13} "
+          f"{'draft passes':>12} {'cores busy':>11}")
+    for r in rows:
+        wall, target, draft = r["wall_ms_per_round"], r["target_cpu_ms_per_round"], r["draft_cpu_ms_per_round"]
+        busy = tuple((target[i] + draft[i]) / wall[i] for i in (0, 1))
+        print(f"{r['delay_ms']:>8g} {r['loop']:>6} {_pair(wall):>13} {_pair(target):>13} {_pair(draft):>13} "
+              f"{_pair(r['draft_passes_per_round']):>12} {_pair(busy, 2):>11}")  # type: ignore[arg-type]
+
+
+def _pair(values: tuple[float, float], digits: int = 1) -> str:
+    return f"{values[0]:.{digits}f} -> {values[1]:.{digits}f}"
 
 
 def plot(rows: list[dict], path: Path) -> None:
