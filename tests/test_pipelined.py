@@ -372,11 +372,12 @@ def slow_draft(servers):
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_client_loop_two_speculations_in_flight(servers, slow_draft, k, monkeypatch):
-    """With a slow draft link the client asks for round r+2 before r+1's proposal is back; partial accepts and
-    wrong guesses occur; the tokens are target-only greedy's and the draft never counted as failed."""
+    """With a slow draft link the client asks for round r+2 before r+1's proposal is back, and after a miss for the
+    speculation on top of the new round right behind its plain request; partial accepts and wrong guesses occur;
+    the tokens are target-only greedy's and the draft never counted as failed."""
     t_addr, _, target = servers
-    sent, drafters = [], []
-    start_speculation = RemoteDrafter.speculate_async
+    sent, behind, drafters = [], [], []
+    start_speculation, start_both = RemoteDrafter.speculate_async, RemoteDrafter.propose_and_speculate
 
     def counting(self, k, after=None):
         drafters.append(self)
@@ -384,7 +385,13 @@ def test_client_loop_two_speculations_in_flight(servers, slow_draft, k, monkeypa
         sent.append((after, answer))
         return answer
 
+    def counting_both(self, k, k_next):
+        proposal, answer = start_both(self, k, k_next)
+        behind.append(answer)
+        return proposal, answer
+
     monkeypatch.setattr(RemoteDrafter, "speculate_async", counting)
+    monkeypatch.setattr(RemoteDrafter, "propose_and_speculate", counting_both)
     expected = generate(target, PROMPT, 40, None, 0).token_ids
     piped, _ = generate_client_driven(t_addr, slow_draft, PROMPT, "", 40, k, draft_timeout_s=10.0)
     serial, _ = generate_client_driven(t_addr, slow_draft, PROMPT, "", 40, k, draft_timeout_s=10.0, pipeline=False)
@@ -392,6 +399,7 @@ def test_client_loop_two_speculations_in_flight(servers, slow_draft, k, monkeypa
     assert piped.stats.rounds == serial.stats.rounds and 0 < piped.stats.accepted < piped.stats.drafted
     ahead = [answer.result() for after, answer in sent if after is not None]
     assert any(ahead) and drafters[0].failures == 0  # rounds r+2 asked for without waiting for r+1
+    assert len(behind) > 1 and any(answer.result() for answer in behind)  # the first round's, and after misses
 
 
 def test_client_loop_sampled_equals_serial_seed_for_seed(servers, slow_draft):

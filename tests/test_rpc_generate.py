@@ -39,12 +39,14 @@ class FlakyDraft(DraftServicer):
 
     def __init__(self, load) -> None:
         super().__init__(load)
-        self.faults: list[str] = []  # one per coming Propose: "slow", "garbage", "bad-probs" or "error"
+        # one per coming plain Propose: "slow", "garbage", "bad-probs" or "error" (one per round: a pipelined loop's
+        # speculative requests, which a plain one may have right behind it, pass)
+        self.faults: list[str] = []
         self.deadlines: list[float | None] = []
 
     async def Propose(self, request, context):
         self.deadlines.append(context.time_remaining())
-        fault = self.faults.pop(0) if self.faults else None
+        fault = self.faults.pop(0) if self.faults and not request.speculative else None
         if fault == "slow":
             await asyncio.sleep(0.6)
         if fault == "error":

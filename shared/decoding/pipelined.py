@@ -22,7 +22,9 @@ draft, the request for r+2 leaves, carrying r's outcome, without waiting for r+1
 back; so with a network delay d the draft's round trip (2d plus its forwards) overlaps the target's
 verify instead of adding to it each round, and the draft service, which speculated r+2 on top of r+1 in
 the background after answering for r+1, answers at once. The draft refuses r+2 when r's outcome does not
-confirm r+1, and nothing changes.
+confirm r+1, and nothing changes. After a miss, the request for the speculation on top of the new round
+leaves right behind the plain one (`propose_and_speculate`), so it is made while the new round is
+verified instead of a round trip after.
 
 Target and draft calls overlap through a small thread pool; each call carries the caller's
 context, so RPC spans stay in the generation's trace.
@@ -88,11 +90,27 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
         def k_after(room: int, parent_k: int) -> int:
             return min(num_draft_tokens, room - parent_k - 2)
 
+        def propose(room: int) -> tuple[Proposal, Future | None, int]:
+            """A plain proposal; from a remote drafter also the round after it, speculated at once: (proposal,
+            future of (guess, proposal) | None, k asked for it)."""
+            k = min(num_draft_tokens, room - 1)
+            k_next = k_after(room, k)
+            if k_next < 1 or not hasattr(drafter, "propose_and_speculate"):
+                return drafter.propose(k), None, 0
+            return (*drafter.propose_and_speculate(k, k_next), k_next)  # type: ignore[attr-defined]
+
+        def start(fresh: tuple[Proposal, Future | None, int]) -> tuple[_Planned, Future | None, int]:
+            """A fresh proposal verified on the head, and its speculation, if any, chained on it."""
+            proposal, guessed, k_next = fresh
+            planned = plan(proposal)
+            chained = None if guessed is None else submit(_chain, session, next(names), _done(planned), guessed, None,
+                                                          submit)
+            return planned, chained, k_next
+
         t = time.perf_counter()
-        cur = plan(drafter.propose(min(num_draft_tokens, max_new_tokens - len(out) - 1)))
+        # ahead: round cur+1, speculated, then staged on cur at the target; ahead_k: draft tokens requested for it
+        cur, ahead, ahead_k = start(propose(max_new_tokens - len(out)))
         propose_s = time.perf_counter() - t
-        ahead: Future | None = None  # round cur+1: speculated, then staged on cur at the target
-        ahead_k = 0  # draft tokens requested for it
         while True:
             with tracer.start_as_current_span("round") as span:
                 traced = span.is_recording()
@@ -134,7 +152,7 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                         if following_k >= 1:
                             following = speculate(_done(planned), following_k, None, committing)
                     elif not kept and room_after > 0 and next_token not in eos:
-                        proposal = drafter.propose(min(num_draft_tokens, room_after - 1))
+                        fresh = propose(room_after)
                 t4 = time.perf_counter()
                 with use_span(commit_span, end_on_exit=True):
                     version = committing.result()
@@ -161,7 +179,7 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                 cur.verifying = _or_verify(cur, session, submit)
                 ahead, ahead_k = following, following_k
             else:
-                cur, ahead = plan(proposal), None
+                cur, ahead, ahead_k = start(fresh)
 
 
 def _done(value) -> Future:

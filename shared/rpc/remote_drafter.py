@@ -80,6 +80,13 @@ class RemoteDrafter:
         self.skip = self.consecutive_failures = 0
 
     def propose(self, k: int) -> Proposal:
+        return self.propose_and_speculate(k, 0)[0]
+
+    def propose_and_speculate(self, k: int, k_next: int) -> tuple[Proposal, Future]:
+        """`propose(k)`, and with k_next > 0 the speculative request for the round after it (k_next tokens) sent right
+        behind it, before its answer is back: a future of (guess, proposal) | None. After a miss this saves the
+        caller a round trip: the speculation is made while the target verifies the new round, not after. The peer
+        answers it once the proposal is made, or refuses it (changing nothing) if it overtakes the proposal."""
         for spec in [*self.abandoned, *self.speculations]:  # a late speculation must not land on the new round
             if not spec.guarded:
                 spec.done.result()
@@ -91,23 +98,30 @@ class RemoteDrafter:
             self.skip = max(0, self.skip - 1)
             self.close()  # it misses this round's outcome: free it now (a dropped id would hold a slot until
             # its TTL; the last round of every generation has k = 0), rebuild it next time
-            return Proposal([])
+            return Proposal([]), _none()
         round_id = f"r{self.rounds}"
+        speculation = _none()
         try:
             if self.session_id is None:
                 self.session_id = self.stub.CreateSession(draft_service_pb2.DraftServiceCreateSessionRequest(
                     token_ids=self.history, sampling=sampling_to_proto(self.sampling)), timeout=timeout).session_id
                 self.previous = None
-            reply = self.stub.Propose(draft_service_pb2.ProposeRequest(
+            call = self.stub.Propose.future(draft_service_pb2.ProposeRequest(
                 session_id=self.session_id, round_id=round_id, k=k, previous=self.previous), timeout=self._timeout())
-            proposal = self._check(reply, k)
+            if k_next:
+                with self.lock:  # on top of the round asked for: named by the outcome that opens it, when there is one
+                    speculation = self._send_speculation(k_next, self.previous, self.previous is not None)
+            proposal = self._check(call.result(), k)
         except (grpc.RpcError, MalformedProposal) as e:
+            for spec in self.speculations:
+                spec.abandoned = True
+            self.abandoned, self.speculations = self.speculations, []
             self._failed(e)
-            return Proposal([])
+            return Proposal([]), _none()
         self.consecutive_failures = 0
         self.round_id, self.proposed = round_id, proposal.tokens
         self.opened_by, self.previous = self.previous, None  # the outcome is folded in
-        return proposal
+        return proposal, speculation
 
     def speculate(self, k: int) -> tuple[int, Proposal] | None:
         """The next round's proposal if the open one keeps every draft, and the token the peer assumes after them."""
@@ -119,20 +133,25 @@ class RemoteDrafter:
         is unanswered: the round on top of that speculation, if the outcome confirms it."""
         with self.lock:
             self.speculations = [s for s in self.speculations if not s.done.done() or s.answered]
-            timeout = self._timeout()
-            if (k == 0 or self.session_id is None or self.round_id is None or timeout <= 0
+            if (self.session_id is None or self.round_id is None
                     or len(self.speculations) != (0 if after is None else 1)):
-                done: Future = Future()
-                done.set_result(None)
-                return done
-            self.rounds += 1
+                return _none()
             previous = draft_service_pb2.RoundOutcome(round_id=self.round_id, accepted=after[0], next_token=after[1]) \
                 if after is not None else self.opened_by if self.previous is None else self.previous
-            spec = _Speculation(f"r{self.rounds}", previous, after is None and previous is not None)
-            self.speculations.append(spec)
-            call = self.stub.Propose.future(draft_service_pb2.ProposeRequest(
-                session_id=self.session_id, round_id=spec.round_id, k=k, previous=previous, speculative=True),
-                timeout=timeout)
+            return self._send_speculation(k, previous, after is None and previous is not None)
+
+    def _send_speculation(self, k: int, previous: draft_service_pb2.RoundOutcome | None, guarded: bool) -> Future:
+        """Send a speculative Propose carrying `previous` (under the lock); `guarded`: it names the round it goes on
+        top of by the outcome that opened it, so the peer refuses it if it arrives late."""
+        timeout = self._timeout()
+        if k == 0 or timeout <= 0:
+            return _none()
+        self.rounds += 1
+        spec = _Speculation(f"r{self.rounds}", previous, guarded)
+        self.speculations.append(spec)
+        call = self.stub.Propose.future(draft_service_pb2.ProposeRequest(
+            session_id=self.session_id, round_id=spec.round_id, k=k, previous=previous, speculative=True),
+            timeout=timeout)
         call.add_done_callback(lambda c: self._answered(spec, c, k))
         return spec.done
 
@@ -212,6 +231,12 @@ class RemoteDrafter:
             return Proposal(tokens, probs_from_proto(reply.draft_probs, tokens, self.vocab_size, "draft_probs"))
         except InvalidArgument as e:
             raise MalformedProposal(str(e)) from None
+
+
+def _none() -> Future:
+    done: Future = Future()
+    done.set_result(None)
+    return done
 
 
 def _describe(e: Exception) -> str:
