@@ -4,7 +4,8 @@ Sections: the cost of one step (ATen calls and time, layer path vs fused path); 
 speed-up by drafter and k; long generations (96 to 1024 tokens: speculative, our target-only and
 HF transformers' generate(), alternated, with each round's phases); the gRPC path over in-process;
 tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over decode 1);
-pipelined vs serial rounds over gRPC with 0, 1 and 5 ms of network delay (`shared.bench.pipeline`); load
+pipelined vs serial rounds over gRPC with 0, 1 and 5 ms of network delay, and what a round costs in CPU time
+and draft passes (`shared.bench.pipeline`); load
 (1 to 32 concurrent sessions over loopback gRPC, `shared.bench.load`); memory per session against
 context and sessions per GiB (`shared.bench.session_memory`, computed from the configs); compiled passes
 (steps fused vs compiled, and the long generations again with both models compiled); and, only where CUDA is
