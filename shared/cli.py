@@ -10,6 +10,8 @@ from pathlib import Path
 from shared import demo
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 
+FIXED_DRAFT_TOKENS = 4  # k for n-gram and MTP drafting, and the default a gRPC generation asks for
+
 
 def _lengths(text: str) -> tuple[int, ...]:
     try:
@@ -68,12 +70,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
     sampling = _sampling(args)
     target = load_model(target_dir).compile(args.compile, warm_up=True)
-    drafter = make_drafter(draft, target, sampling, args.stop_below)
+    k, stop_below = draft_settings(args.num_draft_tokens, args.stop_below, draft not in ("none", "mtp", "ngram"))
+    drafter = make_drafter(draft, target, sampling, stop_below)
     if args.compile and isinstance(drafter, ModelDrafter):
         drafter.model.compile(warm_up=True, log_capacity=CHAIN_LOG_CAPACITY)
-    result = generate(target, prompt, args.max_new_tokens, drafter, args.num_draft_tokens, sampling)
+    result = generate(target, prompt, args.max_new_tokens, drafter, k, sampling)
     _print_generation(result, tokenizer.decode(result.token_ids), args.json)
     return 0
+
+
+def draft_settings(num_draft_tokens: int | None, stop_below: float | None, draft_model: bool) -> tuple[int, float]:
+    """(k, stop_below) for an in-process generation: unless given, a draft model proposes up to `MAX_DRAFT_TOKENS`
+    a round and stops after a token it gives less than `STOP_BELOW` (the fastest setting measured, at every length
+    `deltaspec bench --only generations` runs); other drafters propose exactly `FIXED_DRAFT_TOKENS`."""
+    from shared.decoding.drafters.model_drafter import STOP_BELOW
+    from shared.decoding.target import MAX_DRAFT_TOKENS
+
+    if num_draft_tokens is None:
+        num_draft_tokens = MAX_DRAFT_TOKENS if draft_model else FIXED_DRAFT_TOKENS
+    if stop_below is None:
+        stop_below = STOP_BELOW if draft_model else 0.0
+    return num_draft_tokens, stop_below
 
 
 def _print_generation(result, text: str, as_json: bool) -> None:
@@ -107,7 +124,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
     for address in filter(None, (args.target_addr, args.draft_addr)):
         security.check(address)
     prompt = dict(prompt_ids=args.prompt_ids, prompt_text=args.prompt or "", max_new_tokens=args.max_new_tokens,
-                  num_draft_tokens=args.num_draft_tokens, sampling=_sampling(args), timeout_s=args.timeout,
+                  num_draft_tokens=FIXED_DRAFT_TOKENS if args.num_draft_tokens is None else args.num_draft_tokens,
+                  sampling=_sampling(args), timeout_s=args.timeout,
                   security=security, telemetry=(telemetry := Telemetry.from_env(CLIENT)))
     try:
         if args.draft_addr:
@@ -336,11 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="draft checkpoint directory, 'mtp' (the target's own MTP head), 'ngram' "
                                    "(prompt lookup) or 'none' (default: the embedded draft "
                                    "when the target is the embedded one, else none)")
-    p.add_argument("--num-draft-tokens", type=int, default=4)
-    p.add_argument("--stop-below", type=float, default=0.0,
+    p.add_argument("--num-draft-tokens", type=int,
+                   help="drafts a round, at most (default: 16 with a draft model in process, where --stop-below "
+                        f"ends a round early; {FIXED_DRAFT_TOKENS} with mtp, ngram or over gRPC)")
+    p.add_argument("--stop-below", type=float,
                    help="dynamic draft length: a draft model stops proposing after a token it gives less than this "
-                        "probability (exact: the decision reads only the draft; 0: always k; 0.3 measured best with "
-                        "k up to 16)")
+                        "probability (exact: the decision reads only the draft; 0: always k; default 0.3 in process, "
+                        "measured best with k up to 16; over gRPC the draft service's --stop-below decides)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt")
     prompt.add_argument("--prompt-ids", type=_ids)

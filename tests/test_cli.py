@@ -6,7 +6,10 @@ import sys
 
 import pytest
 
+from shared.cli import FIXED_DRAFT_TOKENS, draft_settings
+from shared.decoding.drafters.model_drafter import STOP_BELOW
 from shared.decoding.speculative import generate
+from shared.decoding.target import MAX_DRAFT_TOKENS
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.model.checkpoint import hf_config, random_model, save_checkpoint
 from shared.model.loader import load_model
@@ -68,3 +71,12 @@ def test_compile_is_refused_where_it_would_do_nothing():
     out = run("generate", "--prompt", "x", "--target-addr", "127.0.0.1:1", "--compile")
     assert out.returncode == 2
     assert "serve-draft --compile" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_generate_drafts_dynamically_by_default():
+    """In process, a draft model proposes up to the target's limit and stops below STOP_BELOW unless told; other
+    drafters and gRPC generations propose a fixed k; explicit values win."""
+    assert draft_settings(None, None, True) == (MAX_DRAFT_TOKENS, STOP_BELOW)
+    assert draft_settings(None, None, False) == (FIXED_DRAFT_TOKENS, 0.0)
+    assert draft_settings(8, 0.0, True) == (8, 0.0)
+    assert draft_settings(3, 0.5, False) == (3, 0.5)

@@ -26,10 +26,9 @@ from shared.decoding.sampling import SamplingParams, draw, probabilities
 from shared.model.hybrid import HybridLM
 from shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
 
-# Dynamic draft length with k up to 16: the best threshold on the embedded pair (0.3-0.4 alike; `deltaspec bench
-# --only generations` compares it with k = 8). Not the default (0: exactly k drafts): it cuts drafts per round from
-# 7.9 to 4.8 but tokens per round from 4.9 to 4.5; 0-11 % less round time per token at 384 and 1024 tokens in two
-# runs, within the noise of the per-run ratios on a shared machine.
+# Dynamic draft length with k up to 16: the best threshold on the embedded pair (`deltaspec bench --only
+# generations` compares it with k = 8: ahead at every length in each run). `deltaspec generate` drafts this way by
+# default; a `ModelDrafter` and `serve-draft` default to exactly k drafts (stop_below 0).
 STOP_BELOW = 0.3
 
 
