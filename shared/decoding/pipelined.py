@@ -140,6 +140,9 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                 with tracer.start_as_current_span("propose"):
                     following = None  # round cur+2, requested before cur+1's proposal is back (a remote drafter)
                     full = ahead is not None and keep == len(drafts) and next_token not in eos
+                    if full and ahead.done():  # cur+1's proposal is in: ask for cur+2 only if its guess holds (the
+                        known = ahead.result()  # plain Propose after a miss would first wait for a doomed request)
+                        full = known is not None and known.guess == next_token
                     following_k = k_after(room_after, ahead_k)
                     if full and hasattr(drafter, "speculate_async") and following_k >= 1:
                         following = speculate(ahead, following_k, (keep, next_token), committing)  # type: ignore
