@@ -103,7 +103,7 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
             """A fresh proposal verified on the head, and its speculation, if any, chained on it."""
             proposal, guessed, k_next = fresh
             planned = plan(proposal)
-            chained = None if guessed is None else submit(_chain, session, next(names), _done(planned), guessed, None,
+            chained = None if guessed is None else submit(_chain, session, next(names), resolved(planned), guessed, None,
                                                           submit)
             return planned, chained, k_next
 
@@ -120,7 +120,7 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                 if ahead is None:  # speculate the next round while this one is verified
                     with tracer.start_as_current_span("propose"):
                         ahead_k = k_after(room, len(cur.proposal.tokens))
-                        ahead = speculate(_done(cur), ahead_k) if ahead_k >= 1 else None
+                        ahead = speculate(resolved(cur), ahead_k) if ahead_k >= 1 else None
                 t1 = time.perf_counter()
                 with tracer.start_as_current_span("verify") as phase:
                     rnd: Round = cur.verifying.result()
@@ -153,7 +153,7 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                     if kept and following is None:
                         following_k = k_after(room_after, len(planned.proposal.tokens))  # type: ignore[union-attr]
                         if following_k >= 1:
-                            following = speculate(_done(planned), following_k, None, committing)
+                            following = speculate(resolved(planned), following_k, None, committing)
                     elif not kept and room_after > 0 and next_token not in eos:
                         fresh = propose(room_after)
                 t4 = time.perf_counter()
@@ -185,7 +185,8 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                 cur, ahead, ahead_k = start(fresh)
 
 
-def _done(value) -> Future:
+def resolved(value) -> Future:
+    """A future that already holds `value`."""
     done: Future = Future()
     done.set_result(value)
     return done
@@ -200,7 +201,7 @@ def _start_speculation(drafter: Drafter, k: int, after: tuple[int, int] | None) 
     speculate = getattr(drafter, "speculate", None)
     if speculate is None or after is not None:
         return None
-    return _done(speculate(k))
+    return resolved(speculate(k))
 
 
 def _chain(session: Session, round_id: str, parent: Future, guessed: Future, parent_committed: Future | None,

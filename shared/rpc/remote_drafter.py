@@ -33,6 +33,7 @@ import grpc
 
 from deltaspec.v1 import draft_service_pb2, draft_service_pb2_grpc
 from shared.decoding.drafters import Proposal
+from shared.decoding.pipelined import resolved
 from shared.decoding.sampling import SamplingParams
 from shared.errors import InvalidArgument
 from shared.rpc.convert import probs_from_proto, sampling_to_proto
@@ -98,9 +99,9 @@ class RemoteDrafter:
             self.skip = max(0, self.skip - 1)
             self.close()  # it misses this round's outcome: free it now (a dropped id would hold a slot until
             # its TTL; the last round of every generation has k = 0), rebuild it next time
-            return Proposal([]), _none()
+            return Proposal([]), resolved(None)
         round_id = f"r{self.rounds}"
-        speculation = _none()
+        speculation = resolved(None)
         try:
             if self.session_id is None:
                 self.session_id = self.stub.CreateSession(draft_service_pb2.DraftServiceCreateSessionRequest(
@@ -117,7 +118,7 @@ class RemoteDrafter:
                 spec.abandoned = True
             self.abandoned, self.speculations = self.speculations, []
             self._failed(e)
-            return Proposal([]), _none()
+            return Proposal([]), resolved(None)
         self.consecutive_failures = 0
         self.round_id, self.proposed = round_id, proposal.tokens
         self.opened_by, self.previous = self.previous, None  # the outcome is folded in
@@ -135,7 +136,7 @@ class RemoteDrafter:
             self.speculations = [s for s in self.speculations if not s.done.done() or s.answered]
             if (self.session_id is None or self.round_id is None
                     or len(self.speculations) != (0 if after is None else 1)):
-                return _none()
+                return resolved(None)
             previous = draft_service_pb2.RoundOutcome(round_id=self.round_id, accepted=after[0], next_token=after[1]) \
                 if after is not None else self.opened_by if self.previous is None else self.previous
             return self._send_speculation(k, previous, after is None and previous is not None)
@@ -145,7 +146,7 @@ class RemoteDrafter:
         top of by the outcome that opened it, so the peer refuses it if it arrives late."""
         timeout = self._timeout()
         if k == 0 or timeout <= 0:
-            return _none()
+            return resolved(None)
         self.rounds += 1
         spec = _Speculation(f"r{self.rounds}", previous, guarded)
         self.speculations.append(spec)
@@ -231,12 +232,6 @@ class RemoteDrafter:
             return Proposal(tokens, probs_from_proto(reply.draft_probs, tokens, self.vocab_size, "draft_probs"))
         except InvalidArgument as e:
             raise MalformedProposal(str(e)) from None
-
-
-def _none() -> Future:
-    done: Future = Future()
-    done.set_result(None)
-    return done
 
 
 def _describe(e: Exception) -> str:
