@@ -2,7 +2,9 @@
 
 In process: the target's chain (kept, dropped, reverted, retried) leaves the same head as serial
 rounds, checked against a fresh prefill of the committed tokens; the pipelined loop gives the
-serial loop's tokens and target-only greedy tokens for several k, and sampling stays
+serial loop's tokens and target-only greedy tokens for several k; a verify naming a parent that is
+itself still chained waits for the commit that decides it (then stages or is refused; bounded in
+number and time); sampling stays
 distribution-exact (the G-test of test_sampling_lossless) and draws, seed for seed, what the serial
 loop draws. Over loopback gRPC (the random pair of test_rpc_support): both loops pipelined equal
 target-only greedy; nothing of r+1 shows in GetSession before Commit(r+1); refusals name the round
@@ -143,6 +145,74 @@ def test_chained_verify_after_the_parent_commit_is_a_plain_round():
     assert rnd is session.pending and session.chained is None
     session.commit("r+1", 2)
     assert session.generated == ref[:6]
+
+
+def test_verify_on_a_chained_parent_waits_for_the_commit(monkeypatch):
+    """r+2 named on r+1 while r+1 is still chained waits, staging nothing, until r's commit decides r+1."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shared.decoding import target
+    k = 2
+    ref = greedy(3 * k + 3)
+    r2_drafts = ref[2 * k + 2:3 * k + 2]
+
+    def chain() -> TargetSession:
+        session = TargetSession(MODEL, START)
+        session.verify("r", ref[:k], 0)
+        session.verify("r+1", ref[k + 1:2 * k + 1], 1, parent="r", guess=ref[k])
+        return session
+
+    def waiting(session: TargetSession, pool: ThreadPoolExecutor, round_id: str = "r+2"):
+        call = pool.submit(session.verify, round_id, r2_drafts, 2, None, "r+1", ref[2 * k + 1])
+        deadline = time.monotonic() + 10
+        while session.waiting == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert session.waiting == 1 and not call.done() and session.state.marked  # waits; r+1 still staged alone
+        return call
+
+    with ThreadPoolExecutor(4) as pool:
+        kept = chain()  # r commits as r+1 assumed: r+2 is staged on r+1, as the serial loop would stage it
+        call = waiting(kept, pool)
+        kept.commit("r", k)
+        rnd = call.result(10)
+        assert rnd is kept.chained and rnd.parent == "r+1" and rnd.verdict.accepted == k and kept.waiting == 0
+        kept.commit("r+1", k)
+        kept.commit("r+2", k)
+        assert kept.generated == ref[:3 * k + 3]
+        assert_head_exact(kept)
+
+        dropped = chain()  # r keeps fewer: r+1 is dropped and the waiting r+2 refused, naming r+1
+        call = waiting(dropped, pool)
+        dropped.commit("r", 1)
+        with pytest.raises(FailedPrecondition, match="'r\\+1' ended otherwise"):
+            call.result(10)
+        assert dropped.chained is None and dropped.pending is None and dropped.generated == ref[:2]
+
+        crowded = chain()  # at most MAX_WAITING calls wait; the next is refused at once
+        calls = [waiting(crowded, pool)]
+        while crowded.waiting < target.MAX_WAITING:
+            calls.append(pool.submit(crowded.verify, f"again{len(calls)}", r2_drafts, 2, None, "r+1",
+                                     ref[2 * k + 1]))
+            time.sleep(0.01)
+        with pytest.raises(FailedPrecondition, match="already wait"):
+            crowded.verify("one too many", r2_drafts, 2, None, "r+1", ref[2 * k + 1])
+        crowded.revert("r")
+        for c in calls:
+            with pytest.raises(FailedPrecondition):
+                c.result(10)
+
+    late = chain()  # nobody commits r: refused after WAIT_S, nothing staged
+    monkeypatch.setattr(target, "WAIT_S", 0.05)
+    with pytest.raises(FailedPrecondition, match="not committed within"):
+        late.verify("r+2", r2_drafts, 2, None, "r+1", ref[2 * k + 1])
+    wrong = (ref[2 * k + 1] + 1) % MODEL.config.vocab_size  # r+1's verdict contradicts the guess: no wait
+    with pytest.raises(FailedPrecondition, match="not .*assumed"):
+        late.verify("r+2", r2_drafts, 2, None, "r+1", wrong)
+    assert late.chained.round_id == "r+1" and late.waiting == 0
+    late.commit("r", k)
+    late.commit("r+1", k)
+    assert late.generated == ref[:2 * k + 2]
+    assert_head_exact(late)
 
 
 class Counting(TargetSession):

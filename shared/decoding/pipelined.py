@@ -78,14 +78,13 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
             name, base = next(names), session.version
             return _Planned(name, base, proposal, submit(session.verify, name, proposal.tokens, base, proposal.probs))
 
-        def speculate(parent: Future, k: int, after: tuple[int, int] | None = None,
-                      parent_committed: Future | None = None) -> Future | None:
+        def speculate(parent: Future, k: int, after: tuple[int, int] | None = None) -> Future | None:
             """The round after `parent` (a future of its `_Planned`) if it keeps every draft: its proposal requested
             now, then verified on top of `parent` as soon as both are in (a future of `_Planned`, or of None)."""
             guessed = _start_speculation(drafter, k, after)
             if guessed is None:
                 return None
-            return submit(_chain, session, next(names), parent, guessed, parent_committed, submit)
+            return submit(_chain, session, next(names), parent, guessed, submit)
 
         def k_after(room: int, parent_k: int) -> int:
             return min(num_draft_tokens, room - parent_k - 2)
@@ -103,8 +102,7 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
             """A fresh proposal verified on the head, and its speculation, if any, chained on it."""
             proposal, guessed, k_next = fresh
             planned = plan(proposal)
-            chained = None if guessed is None else submit(_chain, session, next(names), resolved(planned), guessed, None,
-                                                          submit)
+            chained = None if guessed is None else submit(_chain, session, next(names), resolved(planned), guessed, submit)
             return planned, chained, k_next
 
         t = time.perf_counter()
@@ -145,7 +143,7 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                         full = known is not None and known.guess == next_token
                     following_k = k_after(room_after, ahead_k)
                     if full and hasattr(drafter, "speculate_async") and following_k >= 1:
-                        following = speculate(ahead, following_k, (keep, next_token), committing)  # type: ignore
+                        following = speculate(ahead, following_k, (keep, next_token))  # type: ignore
                     # its proposal, when it could be kept (else it is not waited for)
                     planned: _Planned | None = ahead.result() if ahead is not None and keep == len(drafts) else None
                     kept = planned is not None and next_token == planned.guess
@@ -153,7 +151,7 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                     if kept and following is None:
                         following_k = k_after(room_after, len(planned.proposal.tokens))  # type: ignore[union-attr]
                         if following_k >= 1:
-                            following = speculate(resolved(planned), following_k, None, committing)
+                            following = speculate(resolved(planned), following_k)
                     elif not kept and room_after > 0 and next_token not in eos:
                         fresh = propose(room_after)
                 t4 = time.perf_counter()
@@ -204,8 +202,7 @@ def _start_speculation(drafter: Drafter, k: int, after: tuple[int, int] | None) 
     return resolved(speculate(k))
 
 
-def _chain(session: Session, round_id: str, parent: Future, guessed: Future, parent_committed: Future | None,
-           submit) -> _Planned | None:
+def _chain(session: Session, round_id: str, parent: Future, guessed: Future, submit) -> _Planned | None:
     """Once the draft's proposal is in: the round, its verify on top of the parent in flight (None when there is
     no proposal)."""
     spec, planned = guessed.result(), parent.result()
@@ -213,17 +210,23 @@ def _chain(session: Session, round_id: str, parent: Future, guessed: Future, par
         return None
     guess, proposal = spec
     return _Planned(round_id, planned.base + 1, proposal,
-                    submit(_verify_on, session, round_id, proposal, planned, guess, parent_committed), guess)
+                    submit(_verify_on, session, round_id, proposal, planned, guess), guess)
 
 
-def _verify_on(session: Session, round_id: str, proposal: Proposal, parent: _Planned, guess: int,
-               parent_committed: Future | None) -> Round | None:
-    """Verify on top of `parent` once its verdict is in; None when the verdict already contradicts the guess."""
+def _verify_on(session: Session, round_id: str, proposal: Proposal, parent: _Planned, guess: int) -> Round | None:
+    """Verify on top of `parent` at once: the target holds the call until the parent is the pending round, and
+    refuses it when the parent ends otherwise (None). Only a call that overtakes the parent's own verify (the target
+    knows no such round yet) waits here for the parent's verdict and goes again."""
+    try:
+        return session.verify(round_id, proposal.tokens, parent.base + 1, proposal.probs, parent.round_id,
+                              guess)  # type: ignore[call-arg]
+    except FailedPrecondition:
+        return None
+    except NotFound:
+        pass
     rnd = parent.verifying.result()
     if rnd is None or rnd.verdict.accepted < len(rnd.drafts) or rnd.verdict.next_token != guess:
         return None
-    if parent_committed is not None:  # the parent must be the pending round, not still chained on its own parent
-        parent_committed.result()
     return _verify_chained(session, round_id, proposal, parent.base + 1, parent.round_id, guess)
 
 

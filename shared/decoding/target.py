@@ -13,6 +13,11 @@ pending (at most one such chained round). It is refused at once when r's verdict
 otherwise. `commit(r)` with full acceptance and next token g keeps r+1 staged as the new pending
 round (a pointer swap); any other commit or revert of r drops r+1 in the same step, and later
 calls naming r+1 are refused. Nothing of r+1 reaches the head before `commit(r+1)`.
+A verify naming a parent that is itself still chained (r+2 on r+1 while r is pending, r+1's
+verdict keeping the assumption) waits, staging nothing, until r's commit makes r+1 the pending
+round (it then goes on) or drops it (it is then refused): a remote caller sends it as soon as r's
+verdict keeps r+1, without waiting for Commit(r) and r+1's verdict to come back. At most
+`MAX_WAITING` calls wait per session, each at most `WAIT_S`.
 Retries are safe: the same call with the same input returns the same answer and never advances
 the head twice; the same round id with other input is refused. Refused calls change nothing.
 """
@@ -30,6 +35,8 @@ from shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from shared.model.hybrid import HybridLM
 
 MAX_DRAFT_TOKENS = 16
+MAX_WAITING = 2  # verifies waiting for their chained parent to become the pending round, per session
+WAIT_S = 5.0  # how long one waits before it is refused (a commit normally comes within a round trip)
 
 
 @dataclass
@@ -71,6 +78,8 @@ class TargetSession:
         self.earlier: tuple[Round, ...] = ()  # rounds kept for retries: the one before, the last dropped
         self.max_chain = max_chain  # pipelined rounds staged at once: 0 (refused) or 1
         self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)  # notified when a commit or revert ends the pending round
+        self.waiting = 0  # verifies waiting for their parent to become the pending round
         self.state = model.new_state(capacity=max(256, 2 * len(prompt_ids)))
         # last-layer states of the prompt's prefilled positions (for drafters that read the trunk: MTP)
         self.prefill_hidden = torch.empty(0, model.config.hidden_size, device=model.device, dtype=model.dtype)
@@ -88,6 +97,8 @@ class TargetSession:
     def verify(self, round_id: str, drafts: list[int], base_version: int | None = None,
                draft_probs: Tensor | None = None, parent: str | None = None, guess: int | None = None) -> Round:
         with self.lock:
+            if parent is not None and self.find(round_id) is None:
+                self._await_parent(round_id, parent, guess)
             drafts_t = tuple(drafts)
             known = self.find(round_id)
             if known is not None:
@@ -122,6 +133,21 @@ class TargetSession:
                                guess)
             return self.round
 
+    def _await_parent(self, round_id: str, parent: str, guess: int | None) -> None:
+        """Wait while `parent` is the chained round and its verdict keeps the assumption: until a commit or revert
+        of the pending round decides it (the checks that follow then stage or refuse), or `WAIT_S`."""
+        chained = self.chained
+        if chained is None or chained.round_id != parent or guess is None or not _keeps(chained, guess):
+            return
+        if self.waiting >= MAX_WAITING:
+            raise FailedPrecondition(f"{self.waiting} verifies already wait for round {parent!r} to be committed; "
+                                     f"round {round_id!r} cannot wait too", "parent_round_id")
+        self.waiting += 1
+        try:
+            self.changed.wait_for(lambda: self.chained is not chained, WAIT_S)
+        finally:
+            self.waiting -= 1
+
     def _check_input(self, drafts: list[int] | tuple[int, ...], draft_probs: Tensor | None) -> None:
         if len(drafts) > MAX_DRAFT_TOKENS:
             raise InvalidArgument(f"{len(drafts)} draft tokens, the limit is {MAX_DRAFT_TOKENS}", "draft_tokens")
@@ -145,17 +171,19 @@ class TargetSession:
     def _verify_chained(self, round_id: str, drafts: tuple[int, ...], base_version: int | None,
                         draft_probs: Tensor | None, parent: str, guess: int) -> Round:
         """Stage `[guess, *drafts]` on top of the pending round `parent`, as if it were fully accepted."""
-        rnd = self.pending
         if self.max_chain < 1:
             raise FailedPrecondition("this target stages no pipelined rounds (pipeline depth 0): verify round "
                                      f"{round_id!r} after committing {parent!r}", "parent_round_id")
-        if rnd is None or rnd.round_id != parent:
+        pending, chained = self.pending, self.chained
+        rnd = pending if pending is not None and pending.round_id == parent else \
+            chained if chained is not None and chained.round_id == parent else None
+        if rnd is None:
             if self.find(parent) is None:
                 raise NotFound(f"no round {parent!r} to stage round {round_id!r} on", "parent_round_id")
             raise FailedPrecondition(f"round {parent!r} ended otherwise than round {round_id!r} assumed",
                                      "parent_round_id")
-        if self.chained is not None:
-            raise FailedPrecondition(f"round {self.chained.round_id!r} is already staged on round {parent!r}",
+        if rnd is pending and chained is not None:
+            raise FailedPrecondition(f"round {chained.round_id!r} is already staged on round {parent!r}",
                                      "parent_round_id")
         if rnd.verdict.accepted < len(rnd.drafts):
             raise FailedPrecondition(f"round {parent!r} accepts {rnd.verdict.accepted} of {len(rnd.drafts)} drafts; "
@@ -166,6 +194,9 @@ class TargetSession:
         if base_version is not None and base_version != rnd.base_version + 1:
             raise FailedPrecondition(f"base version {base_version} is not the one after round {parent!r} "
                                      f"({rnd.base_version + 1})", "base_version")
+        if rnd is chained:
+            raise FailedPrecondition(f"round {parent!r} is still staged on round {pending.round_id!r}, "  # type: ignore
+                                     f"which was not committed within {WAIT_S:g} s", "parent_round_id")
         self._check_input(drafts, draft_probs)
         capacity = self.state.gdn.log_capacity
         if self.state.staged + len(drafts) + 1 > capacity:
@@ -211,6 +242,7 @@ class TargetSession:
             if keep_child:
                 self.earlier = (rnd, *self.earlier[1:])
                 self.round, self.chained = child, None
+            self.changed.notify_all()
             return self.version
 
     def revert(self, round_id: str) -> int:
@@ -225,6 +257,7 @@ class TargetSession:
                 self.state.revert()
                 self._drop_chained()
                 rnd.outcome = "reverted"
+            self.changed.notify_all()
             return self.version
 
     def _drop_chained(self, outcome: str = "dropped") -> None:
@@ -242,3 +275,8 @@ class TargetSession:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+
+def _keeps(rnd: Round, guess: int) -> bool:
+    """The round's verdict keeps every draft and is followed by `guess`."""
+    return rnd.verdict.accepted == len(rnd.drafts) and rnd.verdict.next_token == guess

@@ -13,7 +13,9 @@ replica is gone (UNAVAILABLE) or no longer holds the session (NOT_FOUND), the se
 again on the committed history through the load-balanced address, on whichever replica answers.
 
 A pipelined round (`verify(..., parent=, guess=)`) is one attempt: any refusal or failure only
-loses the pipelining (FailedPrecondition), and the loop verifies the round again the plain way.
+loses the pipelining (FailedPrecondition; NotFound when the target does not know the parent round
+yet, which the loop answers by sending it again after the parent's verdict), and the loop verifies
+the round again the plain way.
 Once its parent is committed, its commit goes through the usual retries.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from deltaspec.v1 import target_service_pb2_grpc
 from shared.decoding.sampling import SamplingParams
 from shared.decoding.target import Round
 from shared.decoding.verify import Verdict
-from shared.errors import FailedPrecondition
+from shared.errors import FailedPrecondition, NotFound
 from shared.rpc.convert import probs_to_proto, sampling_to_proto
 from shared.rpc.status import field_of
 
@@ -78,8 +80,9 @@ class RemoteTargetSession:
                 draft_probs=probs_to_proto(draft_probs, self.sampling.greedy), parent_round_id=parent,
                 parent_next_token=guess), **self._opts())
         except grpc.RpcError as e:
-            raise FailedPrecondition(f"round {round_id!r} was not staged on {parent!r}: {e.code().name}: "
-                                     f"{e.details()}", "parent_round_id") from None
+            refusal = NotFound if e.code() == grpc.StatusCode.NOT_FOUND else FailedPrecondition
+            raise refusal(f"round {round_id!r} was not staged on {parent!r}: {e.code().name}: {e.details()}",
+                          "parent_round_id") from None
         rnd = Round(round_id, base_version or 0, tuple(drafts), Verdict(reply.accepted, reply.next_token),
                     reply.round.staged_bytes, hidden=torch.empty(0), parent=parent, guess=guess)
         with self._lock:  # a chained verify may return while the loop commits
