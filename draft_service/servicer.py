@@ -53,7 +53,8 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
         previous = _outcome(request.previous) if request.HasField("previous") else None
         with self.sessions.use(request.session_id, caller()) as session:
             started = time.perf_counter()
-            rnd = await asyncio.to_thread(session.propose, request.round_id, request.k, previous, request.speculative)
+            rnd = await asyncio.to_thread(session.propose, request.round_id, request.k, previous, request.speculative,
+                                          request.parent_round_id or None)
             self.telemetry.metrics.propose_seconds.observe(time.perf_counter() - started)
             greedy = session.drafter.sampling.greedy
         span = trace.get_current_span()

@@ -299,7 +299,7 @@ def test_draft_speculation_equals_the_serial_proposal():
     expected = serial.propose("b", 3, Outcome("a", 3, spec.guess)).proposal.tokens
     assert spec.proposal.tokens == expected
     third = piped.propose("c", 2, Outcome("a", 3, spec.guess), speculative=True)  # confirms b, speculates on it
-    assert piped.round.round_id == "b" and piped.speculative is third
+    assert piped.round.round_id == "b" and piped.speculations == [third]
     serial_c = serial.propose("c", 2, Outcome("b", 3, third.guess)).proposal.tokens
     assert third.proposal.tokens == serial_c
     # an outcome that does not match drops the speculation: the next proposal is the serial one
@@ -409,16 +409,16 @@ def test_draft_two_rounds_ahead_and_late_speculations():
     early.propose("a", 3)
     with pytest.raises(FailedPrecondition, match="no open round"):  # before the first speculation: refused
         early.propose("c", 3, Outcome("a", 3, 0), speculative=True)
-    assert early.round.round_id == "a" and early.round.state == "proposed" and early.speculative is None
+    assert early.round.round_id == "a" and early.round.state == "proposed" and early.speculations == []
     b = piped.propose("b", 3, None, speculative=True)
     wrong = Outcome("a", 3, (b.guess + 1) % NOISY.config.vocab_size)
     with pytest.raises(FailedPrecondition, match="no open round"):  # the outcome does not confirm b
         piped.propose("c", 3, wrong, speculative=True)
     with pytest.raises(FailedPrecondition, match="no open round"):  # nor does a partial accept
         piped.propose("c", 3, Outcome("a", 2, b.guess), speculative=True)
-    assert piped.round.round_id == "a" and piped.speculative is b and b.state == "proposed"
+    assert piped.round.round_id == "a" and piped.speculations == [b] and b.state == "proposed"
     c = piped.propose("c", 3, Outcome("a", 3, b.guess), speculative=True)
-    assert piped.round is b and piped.speculative is c
+    assert piped.round is b and piped.speculations == [c]
     assert b.proposal.tokens == serial.propose("b", 3, Outcome("a", 3, b.guess)).proposal.tokens
     assert c.proposal.tokens == serial.propose("c", 3, Outcome("b", 3, c.guess)).proposal.tokens
     # a round proposed plainly after a miss; a speculation naming it by the outcome that opened it builds on it
@@ -428,7 +428,59 @@ def test_draft_two_rounds_ahead_and_late_speculations():
     piped.propose("f", 2, Outcome("d", 0, 9))
     with pytest.raises((FailedPrecondition, NotFound)):  # late: the open round is f now (c is forgotten)
         piped.propose("g", 2, opener, speculative=True)
-    assert piped.round.round_id == "f" and piped.speculative is None
+    assert piped.round.round_id == "f" and piped.speculations == []
+
+
+def test_draft_speculation_on_a_named_speculation():
+    """A speculation named on the newest speculative round (two on top of the open one) equals the serial
+    proposal; an outcome confirming the round below keeps the rest, one that does not drops them all; a request on
+    a round not the newest, a third one, or an unknown round is refused and changes nothing; reverting a
+    speculation drops the one above it."""
+    history = [1, 2, 3, 4, 5]
+    serial, piped = DraftSession(NOISY, history), DraftSession(NOISY, history)
+    serial.propose("a", 3)
+    piped.propose("a", 3)
+    b = piped.propose("b", 3, None, speculative=True)
+    c = piped.propose("c", 2, None, speculative=True, parent="b")
+    assert piped.speculations == [b, c] and c.parent == "b"
+    assert piped.propose("c", 2, None, speculative=True, parent="b") is c  # a retry
+    with pytest.raises(FailedPrecondition, match="other input"):
+        piped.propose("c", 2, None, speculative=True)
+    with pytest.raises(FailedPrecondition, match="not the newest") as info:
+        piped.propose("x", 2, None, speculative=True, parent="b")
+    assert info.value.field == "parent_round_id"
+    with pytest.raises(FailedPrecondition, match="the most"):
+        piped.propose("x", 2, None, speculative=True, parent="c")
+    with pytest.raises(NotFound):
+        piped.propose("x", 2, None, speculative=True, parent="zz")
+    with pytest.raises(FailedPrecondition, match="already proposed on top"):
+        piped.propose("x", 2, None, speculative=True)
+    assert piped.round.round_id == "a" and piped.speculations == [b, c]
+    d = piped.propose("d", 3, Outcome("a", 3, b.guess), speculative=True, parent="c")  # b opens, c stays under d
+    assert piped.round is b and piped.speculations == [c, d]
+    assert b.proposal.tokens == serial.propose("b", 3, Outcome("a", 3, b.guess)).proposal.tokens
+    assert c.proposal.tokens == serial.propose("c", 2, Outcome("b", 3, c.guess)).proposal.tokens
+    assert d.proposal.tokens == serial.propose("d", 3, Outcome("c", 2, d.guess)).proposal.tokens
+    piped.commit(Outcome("c", 2, d.guess))  # names c: b kept all, then c's guess; d opens
+    assert piped.round is d and piped.speculations == [] and b.state == c.state == "committed"
+    miss = Outcome("d", 1, 7)
+    assert piped.propose("e", 2, miss).proposal.tokens == serial.propose("e", 2, miss).proposal.tokens
+    f = piped.propose("f", 2, None, speculative=True)
+    g = piped.propose("g", 2, None, speculative=True, parent="f")
+    partial = Outcome("e", 0, 5)  # drops f and g
+    assert piped.propose("h", 2, partial).proposal.tokens == serial.propose("h", 2, partial).proposal.tokens
+    assert f.state == g.state == "dropped" and piped.speculations == []
+    i = piped.propose("i", 2, None, speculative=True)
+    j = piped.propose("j", 2, None, speculative=True, parent="i")
+    piped.revert("i")
+    assert i.state == "reverted" and j.state == "dropped" and piped.speculations == []
+    i2 = piped.propose("i2", 3, None, speculative=True)
+    assert i2.proposal.tokens == serial.propose("i2", 3, Outcome("h", 2, i2.guess)).proposal.tokens
+    j2 = piped.propose("j2", 2, None, speculative=True, parent="i2")
+    piped.revert("j2")
+    assert piped.speculations == [i2] and i2.state == "proposed"
+    piped.commit(Outcome("h", 2, i2.guess))
+    assert piped.round is i2 and j2.state == "reverted"
 
 
 @pytest.fixture

@@ -88,7 +88,7 @@ def serving(model: HybridLM, limits: Limits, batching: BatchConfig | None, metri
             log_capacity: int = LOG_CAPACITY) -> HybridLM:
     """A loaded model as a server runs it: its sessions' state in a pool within the memory budget, and (unless
     `batching` is None or max_batch 1) their forward passes batched. Both services load through this (the draft's
-    states log `CHAIN_LOG_CAPACITY` tokens: it speculates two rounds ahead)."""
+    states log `CHAIN_LOG_CAPACITY` tokens: it speculates rounds ahead)."""
     pool = server_pool(model, limits, log_capacity)
     attach(model, pool)
     metrics.watch_state_pool(pool)

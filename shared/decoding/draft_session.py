@@ -37,6 +37,9 @@ from shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from shared.model.hybrid import HybridLM
 
 
+MAX_CHAINED = 2  # speculative rounds on top of the open round, each on the one before
+
+
 @dataclass(frozen=True)
 class Outcome:
     round_id: str
@@ -50,7 +53,8 @@ class DraftRound:
     k: int
     previous: Outcome | None
     proposal: Proposal
-    guess: int | None = None  # for a speculative round: the token assumed after the open round's drafts
+    guess: int | None = None  # for a speculative round: the token assumed after the round below's drafts
+    parent: str | None = None  # the speculative round it was asked to build on (None: the open round)
     state: str = "proposed"  # proposed | committed | reverted | dropped
     outcome: Outcome | None = None
     opened_by: Outcome | None = None  # the outcome that made it the open round
@@ -69,63 +73,83 @@ class DraftSession:
         self.drafter.start(list(history))
         self.length = len(history)  # committed tokens the draft knows of
         self.round: DraftRound | None = None  # the open proposal, or the last finished one (for retries)
-        self.speculative: DraftRound | None = None  # a round proposed on top of the open one
+        self.speculations: list[DraftRound] = []  # proposed on top of the open round, each on the one before
         self.earlier: DraftRound | None = None  # the round before, or the last dropped one (for retries)
         self.pipelining = False  # the caller has asked for a speculative round
         self.waiting = False  # a plain proposal waits for the lock (read without it: a hint)
-        # (on round, k, guess, proposal) made ahead: on the open round, or on the speculative one (a second level)
+        # (on round, k, guess, proposal) made ahead, on the newest round (the open one or the last speculation)
         self.ahead: tuple[DraftRound, int, int, Proposal] | None = None
         self.lock = threading.RLock()
 
-    def propose(self, round_id: str, k: int, previous: Outcome | None = None,
-                speculative: bool = False) -> DraftRound:
+    def propose(self, round_id: str, k: int, previous: Outcome | None = None, speculative: bool = False,
+                parent: str | None = None) -> DraftRound:
         if not speculative:
             self.waiting = True  # a background speculation in progress stops at its next forward pass
         with self.lock:
             self.waiting = False
-            known = next((r for r in (self.round, self.speculative) if r and r.round_id == round_id), None)
+            if parent is not None and not speculative:
+                raise InvalidArgument("parent_round_id names the speculative round to build on: it needs "
+                                      "speculative", "parent_round_id")
+            known = next((r for r in (self.round, *self.speculations) if r and r.round_id == round_id), None)
             if known is not None:
-                if (known.k, known.previous, known.guess is not None) != (k, previous, speculative):
+                if (known.k, known.previous, known.guess is not None, known.parent) != \
+                        (k, previous, speculative, parent):
                     raise FailedPrecondition(f"round {round_id!r} was already proposed with other input", "round_id")
                 return known
             if not 0 <= k <= MAX_DRAFT_TOKENS:
                 raise InvalidArgument(f"k = {k} is outside [0, {MAX_DRAFT_TOKENS}]", "k")
             repeat = previous is not None and self.round is not None and previous == self.round.opened_by
             apply = previous is not None and not repeat and self._check_outcome(previous, "previous")
-            opened = self.round is not None and self.round.state == "proposed"
             if apply:
-                opened = self._promotes(previous)  # type: ignore[arg-type]
-            if speculative and not opened:
-                raise FailedPrecondition("no open round to propose on top of (after the previous outcome)",
-                                         "speculative")
-            if speculative and previous is not None and not apply \
-                    and self.round.opened_by != previous:  # type: ignore[union-attr]
-                raise FailedPrecondition(f"round {previous.round_id!r} is not the round before the open one: a newer "
-                                         "round is open", "previous.round_id")
-            if speculative and not apply and self.speculative is not None:
-                raise FailedPrecondition(f"round {self.speculative.round_id!r} is already proposed on top of the "
-                                         "open round", "speculative")
-            if not speculative and opened and (apply or previous is None):
-                open_id = self.speculative.round_id if apply else self.round.round_id  # type: ignore[union-attr]
-                raise FailedPrecondition(f"round {open_id!r} is open: pass its outcome first", "previous")
+                opened, chain = self._after(previous)  # type: ignore[arg-type]
+            else:
+                opened = self.round if self.round is not None and self.round.state == "proposed" else None
+                chain = list(self.speculations)
+            if speculative:
+                self._check_speculation(previous, apply, opened, chain, parent)
+            elif opened is not None and (apply or previous is None):
+                raise FailedPrecondition(f"round {opened.round_id!r} is open: pass its outcome first", "previous")
             if apply:
                 self._apply(previous)  # type: ignore[arg-type]
             if speculative:
                 self.pipelining = True
+                newest = self.speculations[-1] if self.speculations else self.round
                 ahead, self.ahead = self.ahead, None
-                if ahead is not None and ahead[:2] == (self.round, k):
+                if ahead is not None and ahead[:2] == (newest, k):
                     guess, proposal = ahead[2:]
                 else:
-                    self.drafter.discard_speculation()
+                    if ahead is not None:
+                        self.drafter.discard_last()  # made for another k
                     guess, proposal = self.drafter.speculate(k)
-                self.speculative = DraftRound(round_id, k, previous, proposal, guess)
-                self._ahead_of(self.speculative, k)
-                return self.speculative
+                self.speculations.append(DraftRound(round_id, k, previous, proposal, guess, parent))
+                self._ahead_of(self.speculations[-1], k)
+                return self.speculations[-1]
             self._drop_speculative()
             self.ahead = None
             self.round = DraftRound(round_id, k, previous, self.drafter.propose(k), opened_by=previous)
             self._ahead_of(self.round, k)
             return self.round
+
+    def _check_speculation(self, previous: Outcome | None, apply: bool, opened: DraftRound | None,
+                           chain: list[DraftRound], parent: str | None) -> None:
+        """Refuse a speculative request that cannot build on the newest round once `previous` is applied."""
+        if opened is None:
+            raise FailedPrecondition("no open round to propose on top of (after the previous outcome)", "speculative")
+        if previous is not None and not apply and opened.opened_by != previous:
+            raise FailedPrecondition(f"round {previous.round_id!r} is not the round before the open one: a newer "
+                                     "round is open", "previous.round_id")
+        newest = chain[-1].round_id if chain else None
+        if parent == newest:
+            if len(chain) >= MAX_CHAINED:
+                raise FailedPrecondition(f"{len(chain)} rounds are already proposed on top of the open round "
+                                         f"{opened.round_id!r}, the most", "parent_round_id")
+            return
+        if parent is None:
+            raise FailedPrecondition(f"round {newest!r} is already proposed on top of the open round", "speculative")
+        if all(r.round_id != parent for r in (self.round, *self.speculations, self.earlier) if r is not None):
+            raise NotFound(f"no round {parent!r} in this draft session to build on", "parent_round_id")
+        raise FailedPrecondition(f"round {parent!r} is not the newest speculative round"
+                                 f"{f' ({newest!r} is)' if newest else ''}", "parent_round_id")
 
     def _ahead_of(self, rnd: DraftRound, k: int) -> None:
         if self.pipelining and k:
@@ -133,9 +157,9 @@ class DraftSession:
 
     def _speculate_ahead(self, rnd: DraftRound, k: int) -> None:
         """Speculate on `rnd` before the caller asks, if it is still the newest round (the open one with nothing on
-        top, or the speculative one) and there is room."""
+        top, or the last speculation) and there is room."""
         with self.lock:
-            newest = self.speculative or self.round
+            newest = self.speculations[-1] if self.speculations else self.round
             if newest is not rnd or rnd.state != "proposed" or self.ahead is not None \
                     or not self.drafter.can_speculate(k) or self.waiting:
                 return
@@ -155,18 +179,26 @@ class DraftSession:
             rnd = self._round(round_id, "round_id")
             if rnd.state == "committed":
                 raise FailedPrecondition(f"round {round_id!r} is already committed", "round_id")
-            if rnd is self.speculative:
-                self.drafter.discard_speculation()
-                self.speculative = self.ahead = None
+            if rnd in self.speculations:  # it and every round on top of it go
+                i = self.speculations.index(rnd)
+                for _ in range(len(self.speculations) - i + (self.ahead is not None)):
+                    self.drafter.discard_last()
+                for above in self.speculations[i + 1:]:
+                    above.state = "dropped"
+                self.speculations, self.ahead = self.speculations[:i], None
             elif rnd.state == "proposed":
                 self._drop_speculative()
             rnd.state = "reverted"  # the next proposal starts again from the same history
 
-    def _promotes(self, outcome: Outcome) -> bool:
-        """After applying `outcome`, a speculative round is the open one."""
-        spec, rnd = self.speculative, self.round
-        return (spec is not None and rnd is not None and outcome.round_id == rnd.round_id
-                and outcome.accepted == len(rnd.proposal.tokens) and outcome.next_token == spec.guess)
+    def _after(self, outcome: Outcome) -> tuple[DraftRound | None, list[DraftRound]]:
+        """The open round and the speculations on top of it once `outcome` (checked, new) is applied: a speculation
+        is opened when the round below keeps every draft and is followed by its guess; all are dropped otherwise."""
+        rounds = [self.round, *self.speculations]
+        i = next(i for i, r in enumerate(rounds) if r is not None and r.round_id == outcome.round_id)
+        rnd, above = rounds[i], rounds[i + 1:]
+        if above and outcome.accepted == len(rnd.proposal.tokens) and outcome.next_token == above[0].guess:  # type: ignore[union-attr]
+            return above[0], above[1:]
+        return None, []
 
     def _check_outcome(self, outcome: Outcome, field_name: str) -> bool:
         """Validate an outcome; True when it still has to be applied, False for a repeat."""
@@ -185,31 +217,32 @@ class DraftSession:
         return True
 
     def _apply(self, outcome: Outcome) -> None:
-        rnd, spec = self.round, self.speculative
-        if spec is not None and outcome.round_id == spec.round_id:  # the open round kept all, then the guess
-            implied = Outcome(rnd.round_id, len(rnd.proposal.tokens), spec.guess)  # type: ignore[union-attr,arg-type]
-            self._apply(implied)
-            rnd, spec = self.round, None
-        promoted = self._promotes(outcome)
-        if self.ahead is not None and not (promoted and self.ahead[0] is spec):
-            self.ahead = None  # made ahead, never asked for, and not on the round the outcome keeps: it ends
+        for above in list(self.speculations):  # an outcome naming a speculation: every round below kept all, then
+            if outcome.round_id == self.round.round_id:  # type: ignore[union-attr]  # the guess above it
+                break
+            self._apply(Outcome(self.round.round_id, len(self.round.proposal.tokens), above.guess))  # type: ignore
+        rnd = self.round
+        opened, _ = self._after(outcome)
+        if self.ahead is not None and opened is None:
+            self.ahead = None  # made ahead, never asked for, on a round the outcome drops: it ends
             self.drafter.discard_last()
-        self.drafter.advance(outcome.accepted, outcome.next_token)  # keeps or drops the speculation
+        self.drafter.advance(outcome.accepted, outcome.next_token)  # keeps the first speculation or drops all
         self.length += outcome.accepted + 1
         rnd.state, rnd.outcome = "committed", outcome  # type: ignore[union-attr]
-        if promoted:
-            self.earlier, self.round, self.speculative = rnd, self.speculative, None
-            self.round.opened_by = outcome  # type: ignore[union-attr]
+        if opened is not None:
+            self.earlier, self.round = rnd, self.speculations.pop(0)
+            self.round.opened_by = outcome
         else:
             self._drop_speculative()
 
     def _drop_speculative(self) -> None:
-        if self.speculative is not None:
-            self.speculative.state = "dropped"
-            self.earlier, self.speculative = self.speculative, None
+        for spec in self.speculations:
+            spec.state = "dropped"
+        if self.speculations:
+            self.earlier, self.speculations = self.speculations[0], []
 
     def _round(self, round_id: str, field_name: str) -> DraftRound:
-        for rnd in (self.round, self.speculative, self.earlier):
+        for rnd in (self.round, *self.speculations, self.earlier):
             if rnd is not None and rnd.round_id == round_id:
                 return rnd
         raise NotFound(f"no round {round_id!r} in this draft session", field_name)

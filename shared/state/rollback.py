@@ -25,7 +25,7 @@ snapshot after the first round's tokens is the one extra staging. `commit_marked
 by a pointer swap and keeps the later round staged; `drop_marked` drops the later round only. The
 same algebra gives the state after any logged prefix without a snapshot: `mark(n)` takes the mark
 after the first n staged tokens and `truncate(n)` drops everything after them, so a draft can stage
-a third round on top of two (`CHAIN_LOG_CAPACITY`) and still keep or drop each one exactly.
+rounds on top of rounds (`CHAIN_LOG_CAPACITY`) and still keep or drop each one exactly.
 
 Cost per sequence: one extra state (the spare) plus O(T (conv_dim + H (Dk + Dv))) logged
 numbers per GDN layer and round; no forward pass is ever re-run.
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from shared.state.pool import Lease
 
 LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one on top) of k <= 16 drafts plus inputs
-CHAIN_LOG_CAPACITY = 51  # a draft's: its open round and two speculations on top, 3 x (k + 1) for k <= 16
+CHAIN_LOG_CAPACITY = 68  # a draft's: its open round and three speculations on top, 4 x (k + 1) for k <= 16
 
 
 class CommitPlan(NamedTuple):
@@ -303,7 +303,7 @@ class ModelState:
                  capacity: int = 256, lease: Lease | None = None, log_capacity: int = LOG_CAPACITY) -> None:
         """`lease`: a slot of a `shared.state.pool.StatePool` (GDN buffers, K/V paid for `capacity` positions; its
         logs' size is the pool's); `log_capacity`: staged tokens a partial commit can keep (`CHAIN_LOG_CAPACITY`
-        for a draft that speculates two rounds ahead)."""
+        for a draft that speculates rounds ahead)."""
         self.length = 0  # tokens in the committed head
         self.staged = 0  # tokens staged on top of it
         self.marked = 0  # with `mark`: staged tokens the snapshot covers (a chained round stages after them)

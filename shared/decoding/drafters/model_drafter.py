@@ -9,11 +9,11 @@ first, so a round's staging stays within the state's log capacity.
 `speculate(k)` proposes the next round before this one's outcome is known (pipelined rounds): it
 feeds the rest of this round, guesses the target's next token (the draft's most likely one), marks
 the state there and proposes from the guess, on top of this round's staging. Called again, it
-proposes a second round on top of the first in the same way (unmarked: `CHAIN_LOG_CAPACITY` logs
-let the state find that round's start when it is needed). `advance` keeps the first speculation
-when every draft was accepted and the guess was right (a pointer swap; a second one stays on top),
-and drops them otherwise; `discard_last` drops the newest alone. Random draws are keyed by the same
-positions as the serial run's.
+proposes another round on top of the last in the same way, up to `MAX_SPECULATIONS` (unmarked:
+`CHAIN_LOG_CAPACITY` logs let the state find each round's start when it is needed). `advance` keeps
+the first speculation when every draft was accepted and the guess was right (a pointer swap; the
+others stay on top), and drops them otherwise; `discard_last` drops the newest alone. Random draws
+are keyed by the same positions as the serial run's.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
 STOP_BELOW = 0.3
 
 
-MAX_SPECULATIONS = 2  # rounds proposed on top of the open one, each on the one before
+MAX_SPECULATIONS = 3  # rounds proposed on top of the open one, each on the one before
 
 
 class ModelDrafter:
@@ -134,7 +134,7 @@ class ModelDrafter:
 
     def advance(self, accepted: int, next_token: int) -> None:
         """Commit pending + the accepted proposals that were fed; the rest waits in `pending`. A first speculation
-        whose assumption holds becomes the open round (a second one stays on top of it)."""
+        whose assumption holds becomes the open round (the others stay on top of it)."""
         if self.chain:
             guess, tokens = self.chain[0]
             if accepted == len(self.proposed) and next_token == guess:
