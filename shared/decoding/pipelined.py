@@ -45,6 +45,8 @@ from shared.decoding.target import Round
 from shared.errors import FailedPrecondition, NotFound
 from shared.telemetry import attributes as attr
 
+MAX_AHEAD = 2  # rounds speculated on top of the current one (a remote drafter's; an in-process one makes one)
+
 
 @dataclass
 class _Planned:
@@ -78,36 +80,45 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
             name, base = next(names), session.version
             return _Planned(name, base, proposal, submit(session.verify, name, proposal.tokens, base, proposal.probs))
 
-        def speculate(parent: Future, k: int, after: tuple[int, int] | None = None) -> Future | None:
+        def speculate(parent: Future, k: int, after: tuple[int, int] | None = None, on: int = 0) -> Future | None:
             """The round after `parent` (a future of its `_Planned`) if it keeps every draft: its proposal requested
             now, then verified on top of `parent` as soon as both are in (a future of `_Planned`, or of None)."""
-            guessed = _start_speculation(drafter, k, after)
+            guessed = _start_speculation(drafter, k, after, on)
             if guessed is None:
                 return None
             return submit(_chain, session, next(names), parent, guessed, submit)
 
-        def k_after(room: int, parent_k: int) -> int:
-            return min(num_draft_tokens, room - parent_k - 2)
+        def k_on(room: int, below: list[int]) -> int:
+            """Drafts for a round on top of rounds of `below` drafts each kept whole (the serial loop's k)."""
+            return min(num_draft_tokens, room - sum(k + 1 for k in below) - 1)
 
-        def propose(room: int) -> tuple[Proposal, Future | None, int]:
-            """A plain proposal; from a remote drafter also the round after it, speculated at once: (proposal,
-            future of (guess, proposal) | None, k asked for it)."""
+        def propose(room: int) -> tuple[Proposal, list[tuple[Future, int]]]:
+            """A plain proposal; from a remote drafter also the two rounds after it, speculated at once: (proposal,
+            [(future of (guess, proposal) | None, k asked)])."""
             k = min(num_draft_tokens, room - 1)
-            k_next = k_after(room, k)
-            if k_next < 1 or not hasattr(drafter, "propose_and_speculate"):
-                return drafter.propose(k), None, 0
-            return (*drafter.propose_and_speculate(k, k_next), k_next)  # type: ignore[attr-defined]
+            ks = [k_on(room, [k])]
+            ks.append(k_on(room, [k, ks[0]]))
+            if ks[0] < 1 or not hasattr(drafter, "propose_and_speculate"):
+                return drafter.propose(k), []
+            proposal, *guessed = drafter.propose_and_speculate(k, ks[0], max(ks[1], 0))  # type: ignore[attr-defined]
+            return proposal, list(zip(guessed, ks))
 
-        def start(fresh: tuple[Proposal, Future | None, int]) -> tuple[_Planned, Future | None, int]:
-            """A fresh proposal verified on the head, and its speculation, if any, chained on it."""
-            proposal, guessed, k_next = fresh
+        def start(fresh: tuple[Proposal, list[tuple[Future, int]]]) -> tuple[_Planned, list[tuple[Future, int]]]:
+            """A fresh proposal verified on the head, and its speculations, if any, chained on it, each on the last."""
+            proposal, guessed = fresh
             planned = plan(proposal)
-            chained = None if guessed is None else submit(_chain, session, next(names), resolved(planned), guessed, submit)
-            return planned, chained, k_next
+            queue, parent = [], resolved(planned)
+            for answer, k in guessed:
+                if k < 1:
+                    break
+                parent = submit(_chain, session, next(names), parent, answer, submit)
+                queue.append((parent, k))
+            return planned, queue
 
         t = time.perf_counter()
-        # ahead: round cur+1, speculated, then staged on cur at the target; ahead_k: draft tokens requested for it
-        cur, ahead, ahead_k = start(propose(max_new_tokens - len(out)))
+        # queue: rounds cur+1, cur+2 speculated (each then staged at the target once the one below is pending), with
+        # the draft tokens asked for each
+        cur, queue = start(propose(max_new_tokens - len(out)))
         propose_s = time.perf_counter() - t
         while True:
             with tracer.start_as_current_span("round") as span:
@@ -115,10 +126,11 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                 ids = _ids(session, cur.round_id) if traced else {}
                 room = max_new_tokens - len(out)
                 t0 = time.perf_counter()
-                if ahead is None:  # speculate the next round while this one is verified
+                if not queue:  # speculate the next round while this one is verified
                     with tracer.start_as_current_span("propose"):
-                        ahead_k = k_after(room, len(cur.proposal.tokens))
-                        ahead = speculate(resolved(cur), ahead_k) if ahead_k >= 1 else None
+                        k = k_on(room, [len(cur.proposal.tokens)])
+                        ahead = speculate(resolved(cur), k) if k >= 1 else None
+                        queue = [] if ahead is None else [(ahead, k)]
                 t1 = time.perf_counter()
                 with tracer.start_as_current_span("verify") as phase:
                     rnd: Round = cur.verifying.result()
@@ -136,23 +148,28 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                 room_after = room - keep - 1
                 t3 = time.perf_counter()
                 with tracer.start_as_current_span("propose"):
-                    following = None  # round cur+2, requested before cur+1's proposal is back (a remote drafter)
-                    full = ahead is not None and keep == len(drafts) and next_token not in eos
-                    if full and ahead.done():  # cur+1's proposal is in: ask for cur+2 only if its guess holds (the
-                        known = ahead.result()  # plain Propose after a miss would first wait for a doomed request)
-                        full = known is not None and known.guess == next_token
-                    following_k = k_after(room_after, ahead_k)
-                    if full and hasattr(drafter, "speculate_async") and following_k >= 1:
-                        following = speculate(ahead, following_k, (keep, next_token))  # type: ignore
-                    # its proposal, when it could be kept (else it is not waited for)
-                    planned: _Planned | None = ahead.result() if ahead is not None and keep == len(drafts) else None
+                    full = bool(queue) and keep == len(drafts) and next_token not in eos
+                    if full and queue[0][0].done():  # cur+1's proposal is in: ask for more only if its guess holds
+                        known = queue[0][0].result()  # (the plain Propose after a miss would first wait for a
+                        full = known is not None and known.guess == next_token  # doomed request)
+                    # the round on top of the newest speculated one, requested before their proposals are back
+                    # (a remote drafter), unless one is known refused
+                    k = k_on(room, [len(drafts), *(asked for _, asked in queue)])
+                    if full and hasattr(drafter, "speculate_async") and len(queue) < MAX_AHEAD and k >= 1 \
+                            and all(not f.done() or f.result() is not None for f, _ in queue):
+                        ahead = speculate(queue[-1][0], k, (keep, next_token), len(queue))
+                        queue = queue if ahead is None else [*queue, (ahead, k)]
+                    # cur+1's proposal, when it could be kept (else it is not waited for)
+                    planned: _Planned | None = queue[0][0].result() if queue and keep == len(drafts) else None
                     kept = planned is not None and next_token == planned.guess
                     drafter.advance(keep, next_token)  # keeps the draft's speculation or drops it
-                    if kept and following is None:
-                        following_k = k_after(room_after, len(planned.proposal.tokens))  # type: ignore[union-attr]
-                        if following_k >= 1:
-                            following = speculate(resolved(planned), following_k)
-                    elif not kept and room_after > 0 and next_token not in eos:
+                    if kept:
+                        queue = queue[1:]
+                        k = k_on(room_after, [len(planned.proposal.tokens)])  # type: ignore[union-attr]
+                        if not queue and k >= 1:
+                            ahead = speculate(resolved(planned), k)
+                            queue = [] if ahead is None else [(ahead, k)]
+                    elif room_after > 0 and next_token not in eos:
                         fresh = propose(room_after)
                 t4 = time.perf_counter()
                 with use_span(commit_span, end_on_exit=True):
@@ -178,9 +195,8 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
             if kept:  # cur+1 becomes the current round; its verify may have been refused: then run it plainly
                 cur = planned  # type: ignore[assignment]
                 cur.verifying = _or_verify(cur, session, submit)
-                ahead, ahead_k = following, following_k
             else:
-                cur, ahead, ahead_k = start(fresh)
+                cur, queue = start(fresh)
 
 
 def resolved(value) -> Future:
@@ -190,12 +206,12 @@ def resolved(value) -> Future:
     return done
 
 
-def _start_speculation(drafter: Drafter, k: int, after: tuple[int, int] | None) -> Future | None:
+def _start_speculation(drafter: Drafter, k: int, after: tuple[int, int] | None, on: int) -> Future | None:
     """A future of (guess, proposal) | None: sent at once by a remote drafter, computed here by an in-process one."""
     if k < 1:
         return None
     if hasattr(drafter, "speculate_async"):
-        return drafter.speculate_async(k, after)
+        return drafter.speculate_async(k, after, on)
     speculate = getattr(drafter, "speculate", None)
     if speculate is None or after is not None:
         return None

@@ -12,14 +12,16 @@ Pipelined rounds (`speculate_async`): a speculative Propose asks the peer for th
 of the open one, as if the open round kept every draft and were followed by the peer's guess (returned
 with the proposal). `advance` makes it the open round when the outcome matches; the outcome then
 travels with the next Propose, which the peer reads as confirming the speculation. The draft works
-two rounds ahead: `speculate_async(k, after=(a, t))` asks, before the first speculation is answered,
-for the round after it, carrying the open round's outcome (a, t): the peer applies it, and when it
-confirms the first speculation, proposes on top of it; otherwise it refuses and changes nothing.
-Requests leave in call order without waiting for replies (at most two speculations in flight). A
-speculation no longer wanted is not waited for when it carries the outcome that opened its round
-(the peer then refuses it if it arrives after a newer round); a normal Propose waits only for the
-others, so no late speculation lands on a newer round. A refused speculation costs only the
-pipelining; a failed one is handled like a failed Propose.
+up to three rounds ahead: `speculate_async(k, after=(a, t), on=n)` asks, before the newest of the n
+speculations in flight is answered or confirmed, for the round on top of it, carrying the open
+round's outcome (a, t): the peer applies it, and when it confirms the first speculation, proposes on
+top of the newest; otherwise it refuses and changes nothing. A request on a second speculation names
+it (`parent_round_id`) and leaves once that one is answered, so the peer never sees it first.
+Requests leave in call order without waiting for replies. A speculation no longer wanted is not
+waited for when it names its round (by the outcome that opened it, or as its parent): the peer then
+refuses it if it arrives after a newer round; a normal Propose waits only for the others, so no late
+speculation lands on a newer round. A refused speculation costs only the pipelining; a failed one is
+handled like a failed Propose.
 """
 from __future__ import annotations
 
@@ -83,11 +85,12 @@ class RemoteDrafter:
     def propose(self, k: int) -> Proposal:
         return self.propose_and_speculate(k, 0)[0]
 
-    def propose_and_speculate(self, k: int, k_next: int) -> tuple[Proposal, Future]:
+    def propose_and_speculate(self, k: int, k_next: int, k_third: int = 0) -> tuple[Proposal, Future, Future]:
         """`propose(k)`, and with k_next > 0 the speculative request for the round after it (k_next tokens) sent right
-        behind it, before its answer is back: a future of (guess, proposal) | None. After a miss this saves the
-        caller a round trip: the speculation is made while the target verifies the new round, not after. The peer
-        answers it once the proposal is made, or refuses it (changing nothing) if it overtakes the proposal."""
+        behind it, before its answer is back: a future of (guess, proposal) | None; with k_third > 0 also the one on
+        top of that (sent once the first is answered). After a miss this saves the caller round trips: the
+        speculations are made while the target verifies the new round, not after. The peer answers them once the
+        proposal is made, or refuses them (changing nothing) if they overtake it."""
         for spec in [*self.abandoned, *self.speculations]:  # a late speculation must not land on the new round
             if not spec.guarded:
                 spec.done.result()
@@ -99,9 +102,9 @@ class RemoteDrafter:
             self.skip = max(0, self.skip - 1)
             self.close()  # it misses this round's outcome: free it now (a dropped id would hold a slot until
             # its TTL; the last round of every generation has k = 0), rebuild it next time
-            return Proposal([]), resolved(None)
+            return Proposal([]), resolved(None), resolved(None)
         round_id = f"r{self.rounds}"
-        speculation = resolved(None)
+        speculation = third = resolved(None)
         try:
             if self.session_id is None:
                 self.session_id = self.stub.CreateSession(draft_service_pb2.DraftServiceCreateSessionRequest(
@@ -112,49 +115,70 @@ class RemoteDrafter:
             if k_next:
                 with self.lock:  # on top of the round asked for: named by the outcome that opens it, when there is one
                     speculation = self._send_speculation(k_next, self.previous, self.previous is not None)
+                    if k_third and self.speculations and self.speculations[-1].done is speculation:
+                        third = self._send_on(self.speculations[-1], k_third, None)
             proposal = self._check(call.result(), k)
         except (grpc.RpcError, MalformedProposal) as e:
             for spec in self.speculations:
                 spec.abandoned = True
             self.abandoned, self.speculations = self.speculations, []
             self._failed(e)
-            return Proposal([]), resolved(None)
+            return Proposal([]), resolved(None), resolved(None)
         self.consecutive_failures = 0
         self.round_id, self.proposed = round_id, proposal.tokens
         self.opened_by, self.previous = self.previous, None  # the outcome is folded in
-        return proposal, speculation
+        return proposal, speculation, third
 
     def speculate(self, k: int) -> tuple[int, Proposal] | None:
         """The next round's proposal if the open one keeps every draft, and the token the peer assumes after them."""
         return self.speculate_async(k).result()
 
-    def speculate_async(self, k: int, after: tuple[int, int] | None = None) -> Future:
+    def speculate_async(self, k: int, after: tuple[int, int] | None = None, on: int = 0) -> Future:
         """Send a speculative Propose now; a future of (guess, proposal), or None. Without `after`: the round on
-        top of the open one. With `after` = (accepted, next token) of the open round, while the first speculation
-        is unanswered: the round on top of that speculation, if the outcome confirms it."""
+        top of the open one. With `after` = (accepted, next token) of the open round and `on` = 1 or 2 speculations
+        in flight (none answered as confirmed yet): the round on top of the newest, if the outcome confirms the
+        first."""
         with self.lock:
             self.speculations = [s for s in self.speculations if not s.done.done() or s.answered]
-            if (self.session_id is None or self.round_id is None
-                    or len(self.speculations) != (0 if after is None else 1)):
+            if (self.session_id is None or self.round_id is None or (after is None) != (on == 0)
+                    or len(self.speculations) != on or on > 2):
                 return resolved(None)
             previous = draft_service_pb2.RoundOutcome(round_id=self.round_id, accepted=after[0], next_token=after[1]) \
                 if after is not None else self.opened_by if self.previous is None else self.previous
+            if on == 2:
+                return self._send_on(self.speculations[-1], k, previous)
             return self._send_speculation(k, previous, after is None and previous is not None)
 
-    def _send_speculation(self, k: int, previous: draft_service_pb2.RoundOutcome | None, guarded: bool) -> Future:
+    def _send_speculation(self, k: int, previous: draft_service_pb2.RoundOutcome | None, guarded: bool,
+                          parent: _Speculation | None = None) -> Future:
         """Send a speculative Propose carrying `previous` (under the lock); `guarded`: it names the round it goes on
-        top of by the outcome that opened it, so the peer refuses it if it arrives late."""
+        top of (by the outcome that opened it, or as its parent), so the peer refuses it if it arrives late."""
         timeout = self._timeout()
         if k == 0 or timeout <= 0:
             return resolved(None)
         self.rounds += 1
         spec = _Speculation(f"r{self.rounds}", previous, guarded)
         self.speculations.append(spec)
-        call = self.stub.Propose.future(draft_service_pb2.ProposeRequest(
-            session_id=self.session_id, round_id=spec.round_id, k=k, previous=previous, speculative=True),
-            timeout=timeout)
-        call.add_done_callback(lambda c: self._answered(spec, c, k))
+        if parent is None:
+            self._request(spec, k, None)
+        else:
+            parent.done.add_done_callback(lambda _: self._request(spec, k, parent))
         return spec.done
+
+    def _send_on(self, parent: _Speculation, k: int, previous: draft_service_pb2.RoundOutcome | None) -> Future:
+        """A speculative Propose on top of the speculation `parent`, naming it; it leaves once `parent` is answered
+        (the peer knows it then), and is dropped if `parent` is refused."""
+        return self._send_speculation(k, previous, True, parent)
+
+    def _request(self, spec: _Speculation, k: int, parent: _Speculation | None) -> None:
+        with self.lock:
+            if parent is not None and (not parent.answered or spec.abandoned or self.session_id is None):
+                spec.done.set_result(None)
+                return
+            call = self.stub.Propose.future(draft_service_pb2.ProposeRequest(
+                session_id=self.session_id, round_id=spec.round_id, k=k, previous=spec.delivers, speculative=True,
+                parent_round_id=parent.round_id if parent is not None else ""), timeout=self._timeout())
+        call.add_done_callback(lambda c: self._answered(spec, c, k))
 
     def _answered(self, spec: _Speculation, call, k: int) -> None:
         result = None
@@ -193,8 +217,8 @@ class RemoteDrafter:
                 self.round_id, self.proposed = first.round_id, first.tokens  # the peer's speculation is the open round
                 self.opened_by = outcome
                 self.speculations.pop(0)
-                second = self.speculations[0] if self.speculations else None
-                self.previous = None if second is not None and second.answered else outcome  # else still to deliver
+                delivered = any(s.answered and s.delivers == outcome for s in self.speculations)
+                self.previous = None if delivered else outcome  # else still to deliver
             else:
                 self.previous = outcome
                 for spec in self.speculations:
