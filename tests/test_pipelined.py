@@ -13,7 +13,7 @@ when the guess holds. The draft working two rounds ahead: a speculation on a spe
 refused for a wrong guess, a partial accept, too early, or late on a newer round, changing nothing),
 speculations made ahead in the background (taken, remade for another k, dropped by an outcome), and
 a speculation named on a speculation (two on top of the open round), and the client loop over a 5 ms
-proxy with up to three speculations in flight, greedy and sampled seed for seed.
+proxy with speculations in flight, greedy and sampled seed for seed.
 """
 import time
 
@@ -496,17 +496,17 @@ def slow_draft(servers):
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_client_loop_speculations_in_flight(servers, slow_draft, k, monkeypatch):
-    """With a slow draft link the client asks for rounds r+2 and r+3 before r+1's proposal is back, and after a miss
-    for the two speculations on top of the new round right behind its plain request; partial accepts and wrong
-    guesses occur; the tokens are target-only greedy's and the draft never counted as failed."""
+    """With a slow draft link the client asks for round r+2 before r+1's proposal is back, and after a miss for the
+    two speculations on top of the new round right behind its plain request (the second naming the first); partial
+    accepts and wrong guesses occur; the tokens are target-only greedy's and the draft never counted as failed."""
     t_addr, _, target = servers
     sent, behind, drafters = [], [], []
     start_speculation, start_both = RemoteDrafter.speculate_async, RemoteDrafter.propose_and_speculate
 
-    def counting(self, k, after=None, on=0):
+    def counting(self, k, after=None):
         drafters.append(self)
-        answer = start_speculation(self, k, after, on)
-        sent.append((after, on, answer))
+        answer = start_speculation(self, k, after)
+        sent.append((after, answer))
         return answer
 
     def counting_both(self, k, k_next, k_third=0):
@@ -525,7 +525,7 @@ def test_client_loop_speculations_in_flight(servers, slow_draft, k, monkeypatch)
     assert drafters[0].failures == 0
     assert len(behind) > 1 and any(answer.result() for answer, _ in behind)  # the first round's, and after misses
     # rounds asked for before the proposal of the round below is back: behind a plain request, or at a verdict
-    assert any(third.result() for _, third in behind) or any(a.result() for after, _, a in sent if after)
+    assert any(third.result() for _, third in behind) or any(a.result() for after, a in sent if after)
 
 
 def test_client_loop_sampled_equals_serial_seed_for_seed(servers, slow_draft):

@@ -45,8 +45,6 @@ from shared.decoding.target import Round
 from shared.errors import FailedPrecondition, NotFound
 from shared.telemetry import attributes as attr
 
-MAX_AHEAD = 2  # rounds speculated on top of the current one (a remote drafter's; an in-process one makes one)
-
 
 @dataclass
 class _Planned:
@@ -80,10 +78,10 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
             name, base = next(names), session.version
             return _Planned(name, base, proposal, submit(session.verify, name, proposal.tokens, base, proposal.probs))
 
-        def speculate(parent: Future, k: int, after: tuple[int, int] | None = None, on: int = 0) -> Future | None:
+        def speculate(parent: Future, k: int, after: tuple[int, int] | None = None) -> Future | None:
             """The round after `parent` (a future of its `_Planned`) if it keeps every draft: its proposal requested
             now, then verified on top of `parent` as soon as both are in (a future of `_Planned`, or of None)."""
-            guessed = _start_speculation(drafter, k, after, on)
+            guessed = _start_speculation(drafter, k, after)
             if guessed is None:
                 return None
             return submit(_chain, session, next(names), parent, guessed, submit)
@@ -116,8 +114,8 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
             return planned, queue
 
         t = time.perf_counter()
-        # queue: rounds cur+1, cur+2 speculated (each then staged at the target once the one below is pending), with
-        # the draft tokens asked for each
+        # queue: rounds cur+1 (and cur+2) speculated, each then staged at the target once the one below is pending,
+        # with the draft tokens asked for each
         cur, queue = start(propose(max_new_tokens - len(out)))
         propose_s = time.perf_counter() - t
         while True:
@@ -152,12 +150,11 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                     if full and queue[0][0].done():  # cur+1's proposal is in: ask for more only if its guess holds
                         known = queue[0][0].result()  # (the plain Propose after a miss would first wait for a
                         full = known is not None and known.guess == next_token  # doomed request)
-                    # the round on top of the newest speculated one, requested before their proposals are back
-                    # (a remote drafter), unless one is known refused
-                    k = k_on(room, [len(drafts), *(asked for _, asked in queue)])
-                    if full and hasattr(drafter, "speculate_async") and len(queue) < MAX_AHEAD and k >= 1 \
-                            and all(not f.done() or f.result() is not None for f, _ in queue):
-                        ahead = speculate(queue[-1][0], k, (keep, next_token), len(queue))
+                    # round cur+2, requested before cur+1's proposal is back (a remote drafter; after a miss it is
+                    # queued already)
+                    k = k_on(room, [len(drafts), queue[0][1]]) if queue else 0
+                    if full and hasattr(drafter, "speculate_async") and len(queue) == 1 and k >= 1:
+                        ahead = speculate(queue[0][0], k, (keep, next_token))
                         queue = queue if ahead is None else [*queue, (ahead, k)]
                     # cur+1's proposal, when it could be kept (else it is not waited for)
                     planned: _Planned | None = queue[0][0].result() if queue and keep == len(drafts) else None
@@ -206,12 +203,12 @@ def resolved(value) -> Future:
     return done
 
 
-def _start_speculation(drafter: Drafter, k: int, after: tuple[int, int] | None, on: int) -> Future | None:
+def _start_speculation(drafter: Drafter, k: int, after: tuple[int, int] | None) -> Future | None:
     """A future of (guess, proposal) | None: sent at once by a remote drafter, computed here by an in-process one."""
     if k < 1:
         return None
     if hasattr(drafter, "speculate_async"):
-        return drafter.speculate_async(k, after, on)
+        return drafter.speculate_async(k, after)
     speculate = getattr(drafter, "speculate", None)
     if speculate is None or after is not None:
         return None

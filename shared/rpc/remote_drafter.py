@@ -12,16 +12,16 @@ Pipelined rounds (`speculate_async`): a speculative Propose asks the peer for th
 of the open one, as if the open round kept every draft and were followed by the peer's guess (returned
 with the proposal). `advance` makes it the open round when the outcome matches; the outcome then
 travels with the next Propose, which the peer reads as confirming the speculation. The draft works
-up to three rounds ahead: `speculate_async(k, after=(a, t), on=n)` asks, before the newest of the n
-speculations in flight is answered or confirmed, for the round on top of it, carrying the open
-round's outcome (a, t): the peer applies it, and when it confirms the first speculation, proposes on
-top of the newest; otherwise it refuses and changes nothing. A request on a second speculation names
-it (`parent_round_id`) and leaves once that one is answered, so the peer never sees it first.
-Requests leave in call order without waiting for replies. A speculation no longer wanted is not
-waited for when it names its round (by the outcome that opened it, or as its parent): the peer then
-refuses it if it arrives after a newer round; a normal Propose waits only for the others, so no late
-speculation lands on a newer round. A refused speculation costs only the pipelining; a failed one is
-handled like a failed Propose.
+two rounds ahead: `speculate_async(k, after=(a, t))` asks, before the first speculation is answered,
+for the round after it, carrying the open round's outcome (a, t): the peer applies it, and when it
+confirms the first speculation, proposes on top of it; otherwise it refuses and changes nothing. After
+a miss, `propose_and_speculate` sends the plain Propose and the speculation on top of it together, and
+a second speculation naming the first (`parent_round_id`) once the first is answered, so the peer never
+sees it first. Requests leave in call order without waiting for replies. A speculation no longer wanted
+is not waited for when it names its round (by the outcome that opened it, or as its parent): the peer
+then refuses it if it arrives after a newer round; a normal Propose waits only for the others, so no
+late speculation lands on a newer round. A refused speculation costs only the pipelining; a failed
+one is handled like a failed Propose.
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ class RemoteDrafter:
                 with self.lock:  # on top of the round asked for: named by the outcome that opens it, when there is one
                     speculation = self._send_speculation(k_next, self.previous, self.previous is not None)
                     if k_third and self.speculations and self.speculations[-1].done is speculation:
-                        third = self._send_on(self.speculations[-1], k_third, None)
+                        third = self._send_speculation(k_third, None, True, self.speculations[-1])
             proposal = self._check(call.result(), k)
         except (grpc.RpcError, MalformedProposal) as e:
             for spec in self.speculations:
@@ -133,26 +133,25 @@ class RemoteDrafter:
         """The next round's proposal if the open one keeps every draft, and the token the peer assumes after them."""
         return self.speculate_async(k).result()
 
-    def speculate_async(self, k: int, after: tuple[int, int] | None = None, on: int = 0) -> Future:
+    def speculate_async(self, k: int, after: tuple[int, int] | None = None) -> Future:
         """Send a speculative Propose now; a future of (guess, proposal), or None. Without `after`: the round on
-        top of the open one. With `after` = (accepted, next token) of the open round and `on` = 1 or 2 speculations
-        in flight (none answered as confirmed yet): the round on top of the newest, if the outcome confirms the
-        first."""
+        top of the open one. With `after` = (accepted, next token) of the open round, while the first speculation
+        is unanswered: the round on top of that speculation, if the outcome confirms it."""
         with self.lock:
             self.speculations = [s for s in self.speculations if not s.done.done() or s.answered]
-            if (self.session_id is None or self.round_id is None or (after is None) != (on == 0)
-                    or len(self.speculations) != on or on > 2):
+            if (self.session_id is None or self.round_id is None
+                    or len(self.speculations) != (0 if after is None else 1)):
                 return resolved(None)
             previous = draft_service_pb2.RoundOutcome(round_id=self.round_id, accepted=after[0], next_token=after[1]) \
                 if after is not None else self.opened_by if self.previous is None else self.previous
-            if on == 2:
-                return self._send_on(self.speculations[-1], k, previous)
             return self._send_speculation(k, previous, after is None and previous is not None)
 
     def _send_speculation(self, k: int, previous: draft_service_pb2.RoundOutcome | None, guarded: bool,
                           parent: _Speculation | None = None) -> Future:
         """Send a speculative Propose carrying `previous` (under the lock); `guarded`: it names the round it goes on
-        top of (by the outcome that opened it, or as its parent), so the peer refuses it if it arrives late."""
+        top of (by the outcome that opened it, or as its `parent`), so the peer refuses it if it arrives late. On a
+        `parent` speculation it leaves once that one is answered (the peer knows it then), and not at all if that
+        one is refused."""
         timeout = self._timeout()
         if k == 0 or timeout <= 0:
             return resolved(None)
@@ -164,11 +163,6 @@ class RemoteDrafter:
         else:
             parent.done.add_done_callback(lambda _: self._request(spec, k, parent))
         return spec.done
-
-    def _send_on(self, parent: _Speculation, k: int, previous: draft_service_pb2.RoundOutcome | None) -> Future:
-        """A speculative Propose on top of the speculation `parent`, naming it; it leaves once `parent` is answered
-        (the peer knows it then), and is dropped if `parent` is refused."""
-        return self._send_speculation(k, previous, True, parent)
 
     def _request(self, spec: _Speculation, k: int, parent: _Speculation | None) -> None:
         with self.lock:
