@@ -9,20 +9,21 @@ the first mutation.
 
 Pipelined rounds: `propose(..., speculative=True)` proposes the next round on top of the open one
 without committing it (the drafter's `speculate`), assuming every draft of the open round is
-accepted and followed by the draft's own guess. An outcome of the open round that matches makes
-the speculative round the open one; any other outcome drops it. An outcome may also name the
-speculative round: the open round then counts as fully accepted with the guess. A speculative
-proposal may carry again the outcome that opened the open round (already applied): it then builds on
-that round only, and is refused when a newer one is open, so a speculative call answered late (the
-caller did not wait for it) cannot land on a round it did not mean.
+accepted and followed by the draft's own guess. With `parent` it builds on that speculative round
+instead, which must be the newest (at most `MAX_CHAINED` on top of the open round). An outcome of
+the open round that matches the first speculation makes it the open round (the others stay on top);
+any other outcome drops them all. An outcome may also name a speculative round: every round below
+it then counts as fully accepted with the guess above it. A speculative proposal may carry again the
+outcome that opened the open round (already applied): it then builds on that round only, and is
+refused when a newer one is open, so a speculative call answered late (the caller did not wait for
+it) cannot land on a round it did not mean; one naming a parent is refused once that parent is gone.
 
 Once a session has been asked for a speculative round, every proposal, plain or speculative, is
 followed in the background by the speculation on top of it (same k): the caller's next speculative
 request, which comes a network round trip later, then finds it made instead of waiting for k+1
-forward passes. On top of a speculative round that makes a second one (the drafter's chain), kept
-when the outcome that arrives with the request confirms the first and dropped by any other. A plain
-proposal (the caller's answer to a miss) stops a background speculation between two forward
-passes instead of waiting for it to finish.
+forward passes. It is kept when the outcome that arrives with the request confirms the rounds below
+and dropped by any other. A plain proposal (the caller's answer to a miss) stops a background
+speculation between two forward passes instead of waiting for it to finish.
 """
 from __future__ import annotations
 
@@ -30,14 +31,14 @@ import threading
 from dataclasses import dataclass
 
 from shared.decoding.drafters import Proposal
-from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.decoding.drafters.model_drafter import MAX_SPECULATIONS, ModelDrafter
 from shared.decoding.sampling import SamplingParams
 from shared.decoding.target import MAX_DRAFT_TOKENS, check_tokens
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from shared.model.hybrid import HybridLM
 
 
-MAX_CHAINED = 2  # speculative rounds on top of the open round, each on the one before
+MAX_CHAINED = MAX_SPECULATIONS - 1  # speculative rounds asked for on top of the open round (one more is made ahead)
 
 
 @dataclass(frozen=True)

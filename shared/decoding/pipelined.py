@@ -22,9 +22,10 @@ draft, the request for r+2 leaves, carrying r's outcome, without waiting for r+1
 back; so with a network delay d the draft's round trip (2d plus its forwards) overlaps the target's
 verify instead of adding to it each round, and the draft service, which speculated r+2 on top of r+1 in
 the background after answering for r+1, answers at once. The draft refuses r+2 when r's outcome does not
-confirm r+1, and nothing changes. After a miss, the request for the speculation on top of the new round
-leaves right behind the plain one (`propose_and_speculate`), so it is made while the new round is
-verified instead of a round trip after.
+confirm r+1, and nothing changes. After a miss, the requests for the two speculations on top of the new
+round leave right behind the plain one (`propose_and_speculate`), so they are made while the new round is
+verified instead of a round trip after each. A chained verify is sent as soon as its proposal is in: the
+target holds it until the round below is the pending one.
 
 Target and draft calls overlap through a small thread pool; each call carries the caller's
 context, so RPC spans stay in the generation's trace.
