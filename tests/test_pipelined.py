@@ -483,6 +483,14 @@ def test_draft_speculation_on_a_named_speculation():
     assert piped.speculations == [i2] and i2.state == "proposed"
     piped.commit(Outcome("h", 2, i2.guess))
     assert piped.round is i2 and j2.state == "reverted"
+    l_ = piped.propose("l", 2, None, speculative=True, parent="i2")  # the parent may be the open round
+    m = piped.propose("m", 2, Outcome("i2", 3, l_.guess), speculative=True, parent="l")  # l opens, m on it
+    assert piped.round is l_ and piped.speculations == [m]
+    miss = Outcome("l", 0, 3)
+    n = piped.propose("n", 2, miss)
+    with pytest.raises(FailedPrecondition, match="not the newest"):  # late, naming a round that is gone
+        piped.propose("o", 2, miss, speculative=True, parent="m")
+    assert piped.round is n and piped.speculations == [] and n.state == "proposed"
 
 
 @pytest.fixture

@@ -9,8 +9,9 @@ the first mutation.
 
 Pipelined rounds: `propose(..., speculative=True)` proposes the next round on top of the open one
 without committing it (the drafter's `speculate`), assuming every draft of the open round is
-accepted and followed by the draft's own guess. With `parent` it builds on that speculative round
-instead, which must be the newest (at most `MAX_CHAINED` on top of the open round). An outcome of
+accepted and followed by the draft's own guess. `parent` names the round it builds on, which must
+be the newest once the outcome is applied: the open round, or a speculative one (at most
+`MAX_CHAINED` on top of the open round). An outcome of
 the open round that matches the first speculation makes it the open round (the others stay on top);
 any other outcome drops them all. An outcome may also name a speculative round: every round below
 it then counts as fully accepted with the guess above it. A speculative proposal may carry again the
@@ -139,8 +140,8 @@ class DraftSession:
         if previous is not None and not apply and opened.opened_by != previous:
             raise FailedPrecondition(f"round {previous.round_id!r} is not the round before the open one: a newer "
                                      "round is open", "previous.round_id")
-        newest = chain[-1].round_id if chain else None
-        if parent == newest:
+        newest = (chain[-1] if chain else opened).round_id
+        if parent == newest or (parent is None and not chain):
             if len(chain) >= MAX_CHAINED:
                 raise FailedPrecondition(f"{len(chain)} rounds are already proposed on top of the open round "
                                          f"{opened.round_id!r}, the most", "parent_round_id")
@@ -149,8 +150,7 @@ class DraftSession:
             raise FailedPrecondition(f"round {newest!r} is already proposed on top of the open round", "speculative")
         if all(r.round_id != parent for r in (self.round, *self.speculations, self.earlier) if r is not None):
             raise NotFound(f"no round {parent!r} in this draft session to build on", "parent_round_id")
-        raise FailedPrecondition(f"round {parent!r} is not the newest speculative round"
-                                 f"{f' ({newest!r} is)' if newest else ''}", "parent_round_id")
+        raise FailedPrecondition(f"round {parent!r} is not the newest round ({newest!r} is)", "parent_round_id")
 
     def _ahead_of(self, rnd: DraftRound, k: int) -> None:
         if self.pipelining and k:

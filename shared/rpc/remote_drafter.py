@@ -13,15 +13,16 @@ of the open one, as if the open round kept every draft and were followed by the 
 with the proposal). `advance` makes it the open round when the outcome matches; the outcome then
 travels with the next Propose, which the peer reads as confirming the speculation. The draft works
 two rounds ahead: `speculate_async(k, after=(a, t))` asks, before the first speculation is answered,
-for the round after it, carrying the open round's outcome (a, t): the peer applies it, and when it
-confirms the first speculation, proposes on top of it; otherwise it refuses and changes nothing. After
-a miss, `propose_and_speculate` sends the plain Propose and the speculation on top of it together, and
-a second speculation naming the first (`parent_round_id`) once the first is answered, so the peer never
-sees it first. Requests leave in call order without waiting for replies. A speculation no longer wanted
-is not waited for when it names its round (by the outcome that opened it, or as its parent): the peer
-then refuses it if it arrives after a newer round; a normal Propose waits only for the others, so no
-late speculation lands on a newer round. A refused speculation costs only the pipelining; a failed
-one is handled like a failed Propose.
+for the round after it, carrying the open round's outcome (a, t) and naming the first speculation as
+its parent (`parent_round_id`): the peer applies the outcome, and when it confirms the first
+speculation, proposes on top of it; otherwise it refuses and changes nothing. After a miss,
+`propose_and_speculate` sends the plain Propose and the speculation on top of it together, and a second
+speculation naming the first once the first is answered, so the peer never sees it first. Requests
+leave in call order without waiting for replies. A speculation no longer wanted is not waited for when
+it names its round (by the outcome that opened it, or as its parent): the peer then refuses it if it
+arrives after a newer round; a normal Propose waits only for the others (a first round's speculation,
+which has neither), so no late speculation lands on a newer round. A refused speculation costs only the
+pipelining; a failed one is handled like a failed Propose.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ class _Speculation:
 
     round_id: str
     delivers: draft_service_pb2.RoundOutcome | None  # the outcome it carried
-    guarded: bool  # it names its round (by the outcome that opened it): the peer refuses it late, no wait needed
+    guarded: bool  # it names its round (by the outcome that opened it, or as its parent): the peer refuses it late
+    builds_on: str = ""  # the round it names as its parent ("": none named, the open round)
     abandoned: bool = False  # no longer wanted
     done: Future = field(default_factory=Future)
     answered: bool = False  # the peer accepted it (and applied `delivers`)
@@ -116,7 +118,7 @@ class RemoteDrafter:
                 with self.lock:  # on top of the round asked for: named by the outcome that opens it, when there is one
                     speculation = self._send_speculation(k_next, self.previous, self.previous is not None)
                     if k_third and self.speculations and self.speculations[-1].done is speculation:
-                        third = self._send_speculation(k_third, None, True, self.speculations[-1])
+                        third = self._send_speculation(k_third, None, True, parent=self.speculations[-1])
             proposal = self._check(call.result(), k)
         except (grpc.RpcError, MalformedProposal) as e:
             for spec in self.speculations:
@@ -142,21 +144,23 @@ class RemoteDrafter:
             if (self.session_id is None or self.round_id is None
                     or len(self.speculations) != (0 if after is None else 1)):
                 return resolved(None)
-            previous = draft_service_pb2.RoundOutcome(round_id=self.round_id, accepted=after[0], next_token=after[1]) \
-                if after is not None else self.opened_by if self.previous is None else self.previous
-            return self._send_speculation(k, previous, after is None and previous is not None)
+            if after is None:
+                previous = self.opened_by if self.previous is None else self.previous
+                return self._send_speculation(k, previous, previous is not None)
+            outcome = draft_service_pb2.RoundOutcome(round_id=self.round_id, accepted=after[0], next_token=after[1])
+            return self._send_speculation(k, outcome, True, self.speculations[0].round_id)
 
     def _send_speculation(self, k: int, previous: draft_service_pb2.RoundOutcome | None, guarded: bool,
-                          parent: _Speculation | None = None) -> Future:
+                          builds_on: str = "", parent: _Speculation | None = None) -> Future:
         """Send a speculative Propose carrying `previous` (under the lock); `guarded`: it names the round it goes on
-        top of (by the outcome that opened it, or as its `parent`), so the peer refuses it if it arrives late. On a
+        top of (by the outcome that opened it, or as `builds_on`), so the peer refuses it if it arrives late. On a
         `parent` speculation it leaves once that one is answered (the peer knows it then), and not at all if that
         one is refused."""
         timeout = self._timeout()
         if k == 0 or timeout <= 0:
             return resolved(None)
         self.rounds += 1
-        spec = _Speculation(f"r{self.rounds}", previous, guarded)
+        spec = _Speculation(f"r{self.rounds}", previous, guarded, builds_on or (parent.round_id if parent else ""))
         self.speculations.append(spec)
         if parent is None:
             self._request(spec, k, None)
@@ -171,7 +175,7 @@ class RemoteDrafter:
                 return
             call = self.stub.Propose.future(draft_service_pb2.ProposeRequest(
                 session_id=self.session_id, round_id=spec.round_id, k=k, previous=spec.delivers, speculative=True,
-                parent_round_id=parent.round_id if parent is not None else ""), timeout=self._timeout())
+                parent_round_id=spec.builds_on), timeout=self._timeout())
         call.add_done_callback(lambda c: self._answered(spec, c, k))
 
     def _answered(self, spec: _Speculation, call, k: int) -> None:
@@ -182,9 +186,11 @@ class RemoteDrafter:
             if not reply.HasField("assumed_next_token") or reply.assumed_next_token >= self.vocab_size:
                 raise MalformedProposal("a speculative proposal without a valid assumed next token")
         except grpc.RpcError as e:
-            # refused (the outcome did not confirm the round below, or it came after a newer round): nothing
-            # changed on the peer; the answer to a speculation no longer wanted does not matter
-            if e.code() != grpc.StatusCode.FAILED_PRECONDITION and not spec.abandoned:
+            # refused (the outcome did not confirm the round below, it came after a newer round, or before the
+            # round it names): nothing changed on the peer; the answer to one no longer wanted does not matter
+            refused = e.code() == grpc.StatusCode.FAILED_PRECONDITION or \
+                (spec.builds_on and e.code() == grpc.StatusCode.NOT_FOUND)
+            if not refused and not spec.abandoned:
                 with self.lock:
                     self._failed(e)
         except MalformedProposal as e:
