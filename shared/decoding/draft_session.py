@@ -109,6 +109,7 @@ class DraftSession:
                 chain = list(self.speculations)
             if speculative:
                 self._check_speculation(previous, apply, opened, chain, parent)
+                self._check_room(k)
             elif opened is not None and (apply or previous is None):
                 raise FailedPrecondition(f"round {opened.round_id!r} is open: pass its outcome first", "previous")
             if apply:
@@ -151,6 +152,15 @@ class DraftSession:
         if all(r.round_id != parent for r in (self.round, *self.speculations, self.earlier) if r is not None):
             raise NotFound(f"no round {parent!r} in this draft session to build on", "parent_round_id")
         raise FailedPrecondition(f"round {parent!r} is not the newest round ({newest!r} is)", "parent_round_id")
+
+    def _check_room(self, k: int) -> None:
+        """Refuse a speculation of k drafts the drafter's logs cannot hold on top of what is staged (counted before
+        the outcome is applied, which only frees room; one made ahead is replaced or taken, so it does not count)."""
+        drafter, ahead = self.drafter, self.ahead
+        used = drafter.staged_inputs() - (len(ahead[3].tokens) + 1 if ahead is not None else 0)
+        if used + k + 1 > drafter.state.gdn.log_capacity:
+            raise FailedPrecondition(f"no room in the draft's logs ({drafter.state.gdn.log_capacity} tokens, {used} "
+                                     f"staged) for another round of {k} drafts", "k")
 
     def _ahead_of(self, rnd: DraftRound, k: int) -> None:
         if self.pipelining and k:

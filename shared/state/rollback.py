@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from shared.state.pool import Lease
 
 LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one on top) of k <= 16 drafts plus inputs
-CHAIN_LOG_CAPACITY = 68  # a draft's: its open round and three speculations on top, 4 x (k + 1) for k <= 16
+CHAIN_LOG_CAPACITY = 51  # a draft's: its open round and two speculations on top, 3 x (k + 1) for k <= 16 (a third
+# fits for k <= 11; beyond, the draft refuses it or does not make it ahead)
 
 
 class CommitPlan(NamedTuple):

@@ -66,6 +66,10 @@ class ModelDrafter:
         """Everything the open round and the speculations feed, from the head on."""
         return self.pending + self.proposed + [t for guess, tokens in self.chain for t in (guess, *tokens)]
 
+    def staged_inputs(self) -> int:
+        """Tokens the open round and the speculations stage in the logs once fed."""
+        return len(self._inputs())
+
     def can_speculate(self, k: int) -> bool:
         """Whether one more round of k drafts fits on top (the chain's length, the state's logs)."""
         return len(self.chain) < MAX_SPECULATIONS and len(self._inputs()) + k <= self.state.gdn.log_capacity
