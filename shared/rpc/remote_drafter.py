@@ -230,6 +230,9 @@ class RemoteDrafter:
         self.failures += 1
         self.consecutive_failures += 1
         self.skip = min(2 ** (self.consecutive_failures - 1), self.max_backoff_rounds)
+        if self.session_id is not None:  # a session rebuilt later: free this one now, without waiting (a slow peer
+            self.stub.CloseSession.future(draft_service_pb2.DraftServiceCloseSessionRequest(  # would hold it to its
+                session_id=self.session_id), timeout=min(self.timeout_s, 1.0))  # TTL otherwise)
         self.session_id = None
         log.warning("draft failed (%s); %d round(s) without speculation", _describe(e), self.skip)
 
