@@ -154,13 +154,11 @@ class DraftSession:
         raise FailedPrecondition(f"round {parent!r} is not the newest round ({newest!r} is)", "parent_round_id")
 
     def _check_room(self, k: int) -> None:
-        """Refuse a speculation of k drafts the drafter's logs cannot hold on top of what is staged (counted before
-        the outcome is applied, which only frees room; one made ahead is replaced or taken, so it does not count)."""
-        drafter, ahead = self.drafter, self.ahead
-        used = drafter.staged_inputs() - (len(ahead[3].tokens) + 1 if ahead is not None else 0)
-        if used + k + 1 > drafter.state.gdn.log_capacity:
-            raise FailedPrecondition(f"no room in the draft's logs ({drafter.state.gdn.log_capacity} tokens, {used} "
-                                     f"staged) for another round of {k} drafts", "k")
+        """Refuse a speculation of k drafts the drafter cannot hold on top of what is staged (asked before the outcome
+        is applied, which only frees room; one made ahead is taken or replaced, so its room counts as free)."""
+        if not self.drafter.can_speculate(k, replacing_last=self.ahead is not None):
+            raise FailedPrecondition(f"no room in the draft's logs ({self.drafter.state.gdn.log_capacity} tokens) "
+                                     f"for another round of {k} drafts", "k")
 
     def _ahead_of(self, rnd: DraftRound, k: int) -> None:
         if self.pipelining and k:

@@ -66,13 +66,12 @@ class ModelDrafter:
         """Everything the open round and the speculations feed, from the head on."""
         return self.pending + self.proposed + [t for guess, tokens in self.chain for t in (guess, *tokens)]
 
-    def staged_inputs(self) -> int:
-        """Tokens the open round and the speculations stage in the logs once fed."""
-        return len(self._inputs())
-
-    def can_speculate(self, k: int) -> bool:
-        """Whether one more round of k drafts fits on top (the chain's length, the state's logs)."""
-        return len(self.chain) < MAX_SPECULATIONS and len(self._inputs()) + k <= self.state.gdn.log_capacity
+    def can_speculate(self, k: int, replacing_last: bool = False) -> bool:
+        """Whether one more round of k drafts fits on top (the chain's length, the state's logs); `replacing_last`:
+        once the newest speculation is dropped for it."""
+        chain = self.chain[:-1] if replacing_last else self.chain
+        inputs = len(self._inputs()) - (len(self.chain[-1][1]) + 1 if replacing_last and self.chain else 0)
+        return len(chain) < MAX_SPECULATIONS and inputs + k <= self.state.gdn.log_capacity
 
     def speculate(self, k: int, stop: Callable[[], bool] | None = None) -> tuple[int, Proposal]:
         """The next round's proposal if the newest one (open or speculative) keeps every draft, and the token it
