@@ -54,13 +54,17 @@ class _Speculation:
 
     round_id: str
     delivers: draft_service_pb2.RoundOutcome | None  # the outcome it carried
-    guarded: bool  # it names its round (by the outcome that opened it, or as its parent): the peer refuses it late
     builds_on: str = ""  # the round it names as its parent ("": none named, the open round)
     abandoned: bool = False  # no longer wanted
     done: Future = field(default_factory=Future)
     answered: bool = False  # the peer accepted it (and applied `delivers`)
     guess: int = 0
     tokens: list[int] = field(default_factory=list)
+
+    @property
+    def guarded(self) -> bool:
+        """It names its round (by the outcome that opened it, or as its parent): the peer refuses it late."""
+        return self.delivers is not None or bool(self.builds_on)
 
 
 class RemoteDrafter:
@@ -116,9 +120,9 @@ class RemoteDrafter:
                 session_id=self.session_id, round_id=round_id, k=k, previous=self.previous), timeout=self._timeout())
             if k_next:
                 with self.lock:  # on top of the round asked for: named by the outcome that opens it, when there is one
-                    speculation = self._send_speculation(k_next, self.previous, self.previous is not None)
+                    speculation = self._send_speculation(k_next, self.previous)
                     if k_third and self.speculations and self.speculations[-1].done is speculation:
-                        third = self._send_speculation(k_third, None, True, parent=self.speculations[-1])
+                        third = self._send_speculation(k_third, None, self.speculations[-1], after_answer=True)
             proposal = self._check(call.result(), k)
         except (grpc.RpcError, MalformedProposal) as e:
             for spec in self.speculations:
@@ -145,27 +149,25 @@ class RemoteDrafter:
                     or len(self.speculations) != (0 if after is None else 1)):
                 return resolved(None)
             if after is None:
-                previous = self.opened_by if self.previous is None else self.previous
-                return self._send_speculation(k, previous, previous is not None)
+                return self._send_speculation(k, self.opened_by if self.previous is None else self.previous)
             outcome = draft_service_pb2.RoundOutcome(round_id=self.round_id, accepted=after[0], next_token=after[1])
-            return self._send_speculation(k, outcome, True, self.speculations[0].round_id)
+            return self._send_speculation(k, outcome, self.speculations[0])
 
-    def _send_speculation(self, k: int, previous: draft_service_pb2.RoundOutcome | None, guarded: bool,
-                          builds_on: str = "", parent: _Speculation | None = None) -> Future:
-        """Send a speculative Propose carrying `previous` (under the lock); `guarded`: it names the round it goes on
-        top of (by the outcome that opened it, or as `builds_on`), so the peer refuses it if it arrives late. On a
-        `parent` speculation it leaves once that one is answered (the peer knows it then), and not at all if that
-        one is refused."""
+    def _send_speculation(self, k: int, previous: draft_service_pb2.RoundOutcome | None,
+                          parent: _Speculation | None = None, after_answer: bool = False) -> Future:
+        """Send a speculative Propose carrying `previous` and naming `parent` as the round it builds on (under the
+        lock); with `after_answer` it leaves once `parent` is answered (the peer knows it then), and not at all if
+        that one is refused."""
         timeout = self._timeout()
         if k == 0 or timeout <= 0:
             return resolved(None)
         self.rounds += 1
-        spec = _Speculation(f"r{self.rounds}", previous, guarded, builds_on or (parent.round_id if parent else ""))
+        spec = _Speculation(f"r{self.rounds}", previous, parent.round_id if parent else "")
         self.speculations.append(spec)
-        if parent is None:
-            self._request(spec, k, None)
-        else:
+        if after_answer and parent is not None:
             parent.done.add_done_callback(lambda _: self._request(spec, k, parent))
+        else:
+            self._request(spec, k, None)
         return spec.done
 
     def _request(self, spec: _Speculation, k: int, parent: _Speculation | None) -> None:
@@ -230,20 +232,20 @@ class RemoteDrafter:
         self.failures += 1
         self.consecutive_failures += 1
         self.skip = min(2 ** (self.consecutive_failures - 1), self.max_backoff_rounds)
-        if self.session_id is not None:  # a session rebuilt later: free this one now, without waiting (a slow peer
-            self.stub.CloseSession.future(draft_service_pb2.DraftServiceCloseSessionRequest(  # would hold it to its
-                session_id=self.session_id), timeout=min(self.timeout_s, 1.0))  # TTL otherwise)
-        self.session_id = None
+        self.close(wait=False)  # a session is rebuilt later: free this one now (else it holds a slot to its TTL)
         log.warning("draft failed (%s); %d round(s) without speculation", _describe(e), self.skip)
 
-    def close(self) -> None:
-        """Free the peer's session; best effort (it expires on its own anyway)."""
+    def close(self, wait: bool = True) -> None:
+        """Free the peer's session; best effort (it expires on its own anyway). `wait=False`: send and go on."""
         if self.session_id is not None:
-            try:
-                self.stub.CloseSession(draft_service_pb2.DraftServiceCloseSessionRequest(session_id=self.session_id),
-                                       timeout=min(self.timeout_s, 1.0))
-            except grpc.RpcError:
-                pass
+            request = draft_service_pb2.DraftServiceCloseSessionRequest(session_id=self.session_id)
+            if wait:
+                try:
+                    self.stub.CloseSession(request, timeout=min(self.timeout_s, 1.0))
+                except grpc.RpcError:
+                    pass
+            else:
+                self.stub.CloseSession.future(request, timeout=min(self.timeout_s, 1.0))
             self.session_id = None
 
     def _timeout(self) -> float:
