@@ -16,6 +16,7 @@ a speculation named on a speculation (two on top of the open round), and the cli
 proxy with speculations in flight, greedy and sampled seed for seed.
 """
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -23,6 +24,7 @@ import torch
 
 from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import target_service_pb2 as pb
+from shared.decoding import draft_session
 from shared.decoding.draft_session import DraftSession, Outcome
 from shared.decoding.drafters import make_drafter
 from shared.decoding.drafters.model_drafter import ModelDrafter
@@ -399,10 +401,11 @@ def test_speculative_propose_over_grpc(servers):
     assert (again.assumed_next_token, list(again.draft_tokens)) == (spec.assumed_next_token, list(spec.draft_tokens))
 
 
-def test_draft_two_rounds_ahead_and_late_speculations():
+def test_draft_two_rounds_ahead_and_late_speculations(monkeypatch):
     """A speculation on top of a speculation (the open round's outcome confirming the first) equals the serial
     proposal; one whose outcome does not confirm, or that comes before the first, or late on a newer round, is
     refused and changes nothing."""
+    monkeypatch.setattr(draft_session, "OVERTAKE_WAIT_S", 0.05)  # no plain proposal comes: refused after the wait
     history = [1, 2, 3, 4, 5]
     serial, piped = DraftSession(NOISY, history), DraftSession(NOISY, history)
     serial.propose("a", 3)
@@ -431,6 +434,35 @@ def test_draft_two_rounds_ahead_and_late_speculations():
     with pytest.raises((FailedPrecondition, NotFound)):  # late: the open round is f now (c is forgotten)
         piped.propose("g", 2, opener, speculative=True)
     assert piped.round.round_id == "f" and piped.speculations == []
+
+
+def test_draft_speculation_that_overtakes_its_plain_proposal_waits_for_it(monkeypatch):
+    """After a miss the plain Propose and the speculation on top of it leave together on separate streams; one
+    that arrives first waits for the plain proposal and then builds on it, as if in order. One waiter per session:
+    a second is refused at once, and one whose plain proposal never comes is refused after the wait; neither
+    changes anything."""
+    history = [1, 2, 3, 4, 5]
+    serial, piped = DraftSession(NOISY, history), DraftSession(NOISY, history)
+    for session in (serial, piped):
+        session.propose("a", 3)
+    miss = Outcome("a", 1, 9)
+    with ThreadPoolExecutor(2) as pool:
+        early = pool.submit(piped.propose, "c", 2, miss, speculative=True)
+        while not piped.overtaken:
+            time.sleep(0.001)
+        monkeypatch.setattr(draft_session, "OVERTAKE_WAIT_S", 0.05)
+        with pytest.raises(FailedPrecondition, match="no open round"):  # a second waiter: refused at once
+            piped.propose("x", 2, miss, speculative=True)
+        assert piped.round.round_id == "a" and piped.round.state == "proposed" and piped.speculations == []
+        b = piped.propose("b", 3, miss)
+        c = early.result(timeout=5)
+    assert piped.round is b and piped.speculations == [c]
+    assert b.proposal.tokens == serial.propose("b", 3, miss).proposal.tokens
+    assert c.proposal.tokens == serial.propose("c", 2, Outcome("b", 3, c.guess)).proposal.tokens
+    started = time.monotonic()
+    with pytest.raises(FailedPrecondition, match="no open round"):  # nothing opens a round: refused after the wait
+        piped.propose("y", 2, Outcome("b", 0, 1), speculative=True)
+    assert time.monotonic() - started >= 0.05 and piped.round is b and piped.speculations == [c]
 
 
 def test_draft_speculation_on_a_named_speculation():

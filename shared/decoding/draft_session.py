@@ -17,7 +17,10 @@ any other outcome drops them all. An outcome may also name a speculative round: 
 it then counts as fully accepted with the guess above it. A speculative proposal may carry again the
 outcome that opened the open round (already applied): it then builds on that round only, and is
 refused when a newer one is open, so a speculative call answered late (the caller did not wait for
-it) cannot land on a round it did not mean; one naming a parent is refused once that parent is gone.
+it) cannot land on a round it did not mean; one naming a parent is refused once that parent is gone. A
+speculation that names no parent and finds no round open may have overtaken the plain proposal sent just
+before it (a separate HTTP/2 stream): it waits up to `OVERTAKE_WAIT_S` for a plain proposal to open a round,
+one such request per session, then is refused.
 
 Once a session has been asked for a speculative round, every proposal, plain or speculative, is
 followed in the background by the speculation on top of it (same k): the caller's next speculative
@@ -29,6 +32,7 @@ speculation between two forward passes instead of waiting for it to finish.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from shared.decoding.drafters import Proposal
@@ -40,6 +44,11 @@ from shared.model.hybrid import HybridLM
 
 
 MAX_CHAINED = MAX_SPECULATIONS - 1  # speculative rounds asked for on top of the open round (one more is made ahead)
+OVERTAKE_WAIT_S = 1.0  # how long a speculation with no open round below it waits for the plain proposal it overtook
+
+
+class _NoOpenRound(FailedPrecondition):
+    """A speculation found no open round to build on: it may have overtaken the plain proposal sent before it."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,8 @@ class DraftSession:
         # (on round, k, guess, proposal) made ahead, on the newest round (the open one or the last speculation)
         self.ahead: tuple[DraftRound, int, int, Proposal] | None = None
         self.lock = threading.RLock()
+        self.opened = threading.Condition(self.lock)  # notified when a plain proposal opens a round
+        self.overtaken = False  # a speculative request waits for the plain proposal it overtook
 
     def propose(self, round_id: str, k: int, previous: Outcome | None = None, speculative: bool = False,
                 parent: str | None = None) -> DraftRound:
@@ -89,54 +100,73 @@ class DraftSession:
             self.waiting = True  # a background speculation in progress stops at its next forward pass
         with self.lock:
             self.waiting = False
-            if parent is not None and not speculative:
-                raise InvalidArgument("parent_round_id names the speculative round to build on: it needs "
-                                      "speculative", "parent_round_id")
-            known = next((r for r in (self.round, *self.speculations) if r and r.round_id == round_id), None)
-            if known is not None:
-                if (known.k, known.previous, known.guess is not None, known.parent) != \
-                        (k, previous, speculative, parent):
-                    raise FailedPrecondition(f"round {round_id!r} was already proposed with other input", "round_id")
-                return known
-            if not 0 <= k <= MAX_DRAFT_TOKENS:
-                raise InvalidArgument(f"k = {k} is outside [0, {MAX_DRAFT_TOKENS}]", "k")
-            repeat = previous is not None and self.round is not None and previous == self.round.opened_by
-            apply = previous is not None and not repeat and self._check_outcome(previous, "previous")
-            if apply:
-                opened, chain = self._after(previous)  # type: ignore[arg-type]
+            deadline = time.monotonic() + OVERTAKE_WAIT_S
+            while True:
+                try:
+                    return self._propose(round_id, k, previous, speculative, parent)
+                except _NoOpenRound:
+                    left = deadline - time.monotonic()
+                    if self.overtaken or left <= 0:
+                        raise
+                self.overtaken = True  # one waits per session: the caller sends one such request per plain one
+                try:
+                    self.opened.wait(left)
+                finally:
+                    self.overtaken = False
+
+    def _propose(self, round_id: str, k: int, previous: Outcome | None, speculative: bool,
+                 parent: str | None) -> DraftRound:
+        if parent is not None and not speculative:
+            raise InvalidArgument("parent_round_id names the speculative round to build on: it needs "
+                                  "speculative", "parent_round_id")
+        known = next((r for r in (self.round, *self.speculations) if r and r.round_id == round_id), None)
+        if known is not None:
+            if (known.k, known.previous, known.guess is not None, known.parent) != \
+                    (k, previous, speculative, parent):
+                raise FailedPrecondition(f"round {round_id!r} was already proposed with other input", "round_id")
+            return known
+        if not 0 <= k <= MAX_DRAFT_TOKENS:
+            raise InvalidArgument(f"k = {k} is outside [0, {MAX_DRAFT_TOKENS}]", "k")
+        repeat = previous is not None and self.round is not None and previous == self.round.opened_by
+        apply = previous is not None and not repeat and self._check_outcome(previous, "previous")
+        if apply:
+            opened, chain = self._after(previous)  # type: ignore[arg-type]
+        else:
+            opened = self.round if self.round is not None and self.round.state == "proposed" else None
+            chain = list(self.speculations)
+        if speculative:
+            self._check_speculation(previous, apply, opened, chain, parent)
+            self._check_room(k)
+        elif opened is not None and (apply or previous is None):
+            raise FailedPrecondition(f"round {opened.round_id!r} is open: pass its outcome first", "previous")
+        if apply:
+            self._apply(previous)  # type: ignore[arg-type]
+        if speculative:
+            self.pipelining = True
+            newest = self.speculations[-1] if self.speculations else self.round
+            ahead, self.ahead = self.ahead, None
+            if ahead is not None and ahead[:2] == (newest, k):
+                guess, proposal = ahead[2:]
             else:
-                opened = self.round if self.round is not None and self.round.state == "proposed" else None
-                chain = list(self.speculations)
-            if speculative:
-                self._check_speculation(previous, apply, opened, chain, parent)
-                self._check_room(k)
-            elif opened is not None and (apply or previous is None):
-                raise FailedPrecondition(f"round {opened.round_id!r} is open: pass its outcome first", "previous")
-            if apply:
-                self._apply(previous)  # type: ignore[arg-type]
-            if speculative:
-                self.pipelining = True
-                newest = self.speculations[-1] if self.speculations else self.round
-                ahead, self.ahead = self.ahead, None
-                if ahead is not None and ahead[:2] == (newest, k):
-                    guess, proposal = ahead[2:]
-                else:
-                    if ahead is not None:
-                        self.drafter.discard_last()  # made for another k
-                    guess, proposal = self.drafter.speculate(k)
-                self.speculations.append(DraftRound(round_id, k, previous, proposal, guess, parent))
-                self._ahead_of(self.speculations[-1], k)
-                return self.speculations[-1]
-            self._drop_speculative()
-            self.ahead = None
-            self.round = DraftRound(round_id, k, previous, self.drafter.propose(k), opened_by=previous)
-            self._ahead_of(self.round, k)
-            return self.round
+                if ahead is not None:
+                    self.drafter.discard_last()  # made for another k
+                guess, proposal = self.drafter.speculate(k)
+            self.speculations.append(DraftRound(round_id, k, previous, proposal, guess, parent))
+            self._ahead_of(self.speculations[-1], k)
+            return self.speculations[-1]
+        self._drop_speculative()
+        self.ahead = None
+        self.round = DraftRound(round_id, k, previous, self.drafter.propose(k), opened_by=previous)
+        self.opened.notify_all()
+        self._ahead_of(self.round, k)
+        return self.round
 
     def _check_speculation(self, previous: Outcome | None, apply: bool, opened: DraftRound | None,
                            chain: list[DraftRound], parent: str | None) -> None:
         """Refuse a speculative request that cannot build on the newest round once `previous` is applied."""
         if opened is None:
+            if parent is None:
+                raise _NoOpenRound("no open round to propose on top of (after the previous outcome)", "speculative")
             raise FailedPrecondition("no open round to propose on top of (after the previous outcome)", "speculative")
         if previous is not None and not apply and opened.opened_by != previous:
             raise FailedPrecondition(f"round {previous.round_id!r} is not the round before the open one: a newer "

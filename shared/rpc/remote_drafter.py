@@ -55,6 +55,7 @@ class _Speculation:
     round_id: str
     delivers: draft_service_pb2.RoundOutcome | None  # the outcome it carried
     builds_on: str = ""  # the round it names as its parent ("": none named, the open round)
+    behind: grpc.Future | None = None  # the plain Propose it was sent with: a failure of both is one failure
     abandoned: bool = False  # no longer wanted
     done: Future = field(default_factory=Future)
     answered: bool = False  # the peer accepted it (and applied `delivers`)
@@ -96,7 +97,8 @@ class RemoteDrafter:
         behind it, before its answer is back: a future of (guess, proposal) | None; with k_third > 0 also the one on
         top of that (sent once the first is answered). After a miss this saves the caller round trips: the
         speculations are made while the target verifies the new round, not after. The peer answers them once the
-        proposal is made, or refuses them (changing nothing) if they overtake it."""
+        proposal is made: the first waits there for the plain request should it overtake it, the second leaves
+        only once the first is answered."""
         for spec in [*self.abandoned, *self.speculations]:  # a late speculation must not land on the new round
             if not spec.guarded:
                 spec.done.result()
@@ -120,7 +122,7 @@ class RemoteDrafter:
                 session_id=self.session_id, round_id=round_id, k=k, previous=self.previous), timeout=self._timeout())
             if k_next:
                 with self.lock:  # on top of the round asked for: named by the outcome that opens it, when there is one
-                    speculation = self._send_speculation(k_next, self.previous)
+                    speculation = self._send_speculation(k_next, self.previous, behind=call)
                     if k_third and self.speculations and self.speculations[-1].done is speculation:
                         third = self._send_speculation(k_third, None, self.speculations[-1], after_answer=True)
             proposal = self._check(call.result(), k)
@@ -154,15 +156,16 @@ class RemoteDrafter:
             return self._send_speculation(k, outcome, self.speculations[0])
 
     def _send_speculation(self, k: int, previous: draft_service_pb2.RoundOutcome | None,
-                          parent: _Speculation | None = None, after_answer: bool = False) -> Future:
+                          parent: _Speculation | None = None, after_answer: bool = False,
+                          behind: grpc.Future | None = None) -> Future:
         """Send a speculative Propose carrying `previous` and naming `parent` as the round it builds on (under the
         lock); with `after_answer` it leaves once `parent` is answered (the peer knows it then), and not at all if
-        that one is refused."""
+        that one is refused. `behind`: the plain Propose sent just before it."""
         timeout = self._timeout()
         if k == 0 or timeout <= 0:
             return resolved(None)
         self.rounds += 1
-        spec = _Speculation(f"r{self.rounds}", previous, parent.round_id if parent else "")
+        spec = _Speculation(f"r{self.rounds}", previous, parent.round_id if parent else "", behind=behind)
         self.speculations.append(spec)
         if after_answer and parent is not None:
             parent.done.add_done_callback(lambda _: self._request(spec, k, parent))
@@ -192,9 +195,8 @@ class RemoteDrafter:
             # round it names): nothing changed on the peer; the answer to one no longer wanted does not matter
             refused = e.code() == grpc.StatusCode.FAILED_PRECONDITION or \
                 (spec.builds_on and e.code() == grpc.StatusCode.NOT_FOUND)
-            if not refused and not spec.abandoned:
-                with self.lock:
-                    self._failed(e)
+            if not refused:  # behind a plain Propose, it fails with it (it waits for it at the peer): counted once
+                (spec.behind or resolved(None)).add_done_callback(lambda plain: self._failed_alone(spec, plain, e))
         except MalformedProposal as e:
             with self.lock:
                 self._failed(e)
@@ -206,6 +208,12 @@ class RemoteDrafter:
                     self.previous = None  # the peer applied it
             result = (reply.assumed_next_token, proposal)
         spec.done.set_result(result)
+
+    def _failed_alone(self, spec: _Speculation, plain: Future, e: grpc.RpcError) -> None:
+        """A speculation failed: a failure unless it is no longer wanted or the plain Propose before it failed too."""
+        with self.lock:
+            if not spec.abandoned and plain.exception() is None:
+                self._failed(e)
 
     def advance(self, accepted: int, next_token: int) -> None:
         """The open round's outcome. Call it once its first speculation, if any, is answered, unless the outcome
