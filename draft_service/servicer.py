@@ -45,7 +45,8 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
         sampling = sampling_from_proto(request.sampling)
         self.limits.check_prompt(len(request.token_ids), "token_ids")
         self.sessions.reserve(caller())
-        session = await asyncio.to_thread(DraftSession, self.model, list(request.token_ids), sampling, self.stop_below)
+        session = await asyncio.to_thread(DraftSession, self.model, list(request.token_ids), sampling, self.stop_below,
+                                          answers_sent_by_caller=True)
         return pb.DraftServiceCreateSessionResponse(session_id=self.sessions.add(session, caller()),
                                                     max_draft_tokens=MAX_DRAFT_TOKENS)
 
@@ -53,8 +54,11 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
         previous = _outcome(request.previous) if request.HasField("previous") else None
         with self.sessions.use(request.session_id, caller()) as session:
             started = time.perf_counter()
-            rnd = await asyncio.to_thread(session.propose, request.round_id, request.k, previous, request.speculative,
-                                          request.parent_round_id or None)
+            try:
+                rnd = await asyncio.to_thread(session.propose, request.round_id, request.k, previous,
+                                              request.speculative, request.parent_round_id or None)
+            finally:  # the answer's send starts when this handler returns: then speculative work may go on
+                asyncio.get_running_loop().call_soon(session.answered)
             self.telemetry.metrics.propose_seconds.observe(time.perf_counter() - started)
             greedy = session.drafter.sampling.greedy
         span = trace.get_current_span()

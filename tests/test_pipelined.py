@@ -465,6 +465,30 @@ def test_draft_speculation_that_overtakes_its_plain_proposal_waits_for_it(monkey
     assert time.monotonic() - started >= 0.05 and piped.round is b and piped.speculations == [c]
 
 
+def test_draft_speculative_work_waits_for_the_answers_to_leave(monkeypatch):
+    """Served, a proposal's answer leaves on the serving thread after `propose` returns: speculative work (a
+    speculative request, or one made ahead) waits until the caller says it has left, so it does not hold the CPU
+    and the interpreter meanwhile; the wait is bounded, and what is proposed is the same."""
+    history = [1, 2, 3, 4, 5]
+    serial, served = DraftSession(NOISY, history), DraftSession(NOISY, history, answers_sent_by_caller=True)
+    serial.propose("a", 3)
+    served.propose("a", 3)  # its answer has not left yet
+    monkeypatch.setattr(draft_session, "ANSWER_WAIT_S", 5.0)
+    with ThreadPoolExecutor(1) as pool:
+        spec = pool.submit(served.propose, "b", 3, None, speculative=True)
+        time.sleep(0.05)
+        assert not spec.done() and served.speculations == []
+        served.answered()
+        b = spec.result(timeout=5)
+    served.answered()
+    assert b.proposal.tokens == serial.propose("b", 3, Outcome("a", 3, b.guess)).proposal.tokens
+    monkeypatch.setattr(draft_session, "ANSWER_WAIT_S", 0.05)  # a caller that never says so delays it this long
+    c = served.propose("c", 3, Outcome("a", 1, 9))
+    started = time.monotonic()
+    d = served.propose("d", 3, None, speculative=True)
+    assert time.monotonic() - started >= 0.05 and served.round is c and served.speculations == [d]
+
+
 def test_draft_speculation_on_a_named_speculation():
     """A speculation named on the newest speculative round (two on top of the open one) equals the serial
     proposal; an outcome confirming the round below keeps the rest, one that does not drops them all; a request on

@@ -22,6 +22,11 @@ speculation that names no parent and finds no round open may have overtaken the 
 before it (a separate HTTP/2 stream): it waits up to `OVERTAKE_WAIT_S` for a plain proposal to open a round,
 one such request per session, then is refused.
 
+Served, a proposal's answer leaves on the serving thread after `propose` returns. Speculative work (a
+speculative request, or one made ahead) waits until the caller says the answers have left (`answered`,
+at most `ANSWER_WAIT_S`): started at once, it would hold a core and the interpreter while the answer the
+caller waits for is being sent, which delayed one answer in ten by 3-7 ms.
+
 Once a session has been asked for a speculative round, every proposal, plain or speculative, is
 followed in the background by the speculation on top of it (same k): the caller's next speculative
 request, which comes a network round trip later, then finds it made instead of waiting for k+1
@@ -44,6 +49,7 @@ from shared.model.hybrid import HybridLM
 
 
 MAX_CHAINED = MAX_SPECULATIONS - 1  # speculative rounds asked for on top of the open round (one more is made ahead)
+ANSWER_WAIT_S = 0.05  # the longest speculative work waits for a proposal's answer to leave
 OVERTAKE_WAIT_S = 1.0  # how long a speculation with no open round below it waits for the plain proposal it overtook
 
 
@@ -75,7 +81,7 @@ class DraftSession:
     """One sequence on the draft. Thread-safe: every public method holds the session lock."""
 
     def __init__(self, model: HybridLM, history: list[int], sampling: SamplingParams = SamplingParams(),
-                 stop_below: float = 0.0) -> None:
+                 stop_below: float = 0.0, answers_sent_by_caller: bool = False) -> None:
         if not history:
             raise InvalidArgument("the token history is empty", "token_ids")
         check_tokens(history, model.config.vocab_size, "token_ids")
@@ -93,26 +99,52 @@ class DraftSession:
         self.lock = threading.RLock()
         self.opened = threading.Condition(self.lock)  # notified when a plain proposal opens a round
         self.overtaken = False  # a speculative request waits for the plain proposal it overtook
+        self.answers = threading.Condition()  # proposals made whose answers have not left yet
+        self.unanswered = 0
+        self.answers_sent_by_caller = answers_sent_by_caller
 
     def propose(self, round_id: str, k: int, previous: Outcome | None = None, speculative: bool = False,
                 parent: str | None = None) -> DraftRound:
-        if not speculative:
-            self.waiting = True  # a background speculation in progress stops at its next forward pass
-        with self.lock:
-            self.waiting = False
-            deadline = time.monotonic() + OVERTAKE_WAIT_S
+        """The round's proposal. With `answers_sent_by_caller`, the caller calls `answered()` once the answer has
+        left (or the call failed); speculative work waits for that."""
+        deadline = time.monotonic() + OVERTAKE_WAIT_S
+        try:
             while True:
-                try:
-                    return self._propose(round_id, k, previous, speculative, parent)
-                except _NoOpenRound:
-                    left = deadline - time.monotonic()
-                    if self.overtaken or left <= 0:
-                        raise
-                self.overtaken = True  # one waits per session: the caller sends one such request per plain one
-                try:
-                    self.opened.wait(left)
-                finally:
-                    self.overtaken = False
+                if speculative:
+                    self._after_answers()
+                else:
+                    self.waiting = True  # a background speculation in progress stops at its next forward pass
+                with self.answers:
+                    self.unanswered += 1
+                with self.lock:
+                    self.waiting = False
+                    try:
+                        return self._propose(round_id, k, previous, speculative, parent)
+                    except _NoOpenRound:
+                        left = deadline - time.monotonic()
+                        if self.overtaken or left <= 0:
+                            raise
+                    self.overtaken = True  # one waits per session: the caller sends one such request per plain one
+                    try:
+                        self.opened.wait(left)
+                    finally:
+                        self.overtaken = False
+                self.answered()  # then wait again for the answer of the plain proposal that came
+        finally:
+            if not self.answers_sent_by_caller:
+                self.answered()
+
+    def answered(self) -> None:
+        """A proposal's answer has left: speculative work may take the CPU again."""
+        with self.answers:
+            self.unanswered = max(0, self.unanswered - 1)  # a call cancelled before it ran counted nothing
+            self.answers.notify_all()
+
+    def _after_answers(self) -> None:
+        """Speculative work starts once every proposal's answer has left (bounded): it would delay them otherwise,
+        holding the CPU and the interpreter while the serving thread sends them."""
+        with self.answers:
+            self.answers.wait_for(lambda: self.unanswered <= 0, ANSWER_WAIT_S)
 
     def _propose(self, round_id: str, k: int, previous: Outcome | None, speculative: bool,
                  parent: str | None) -> DraftRound:
@@ -197,6 +229,7 @@ class DraftSession:
     def _speculate_ahead(self, rnd: DraftRound, k: int) -> None:
         """Speculate on `rnd` before the caller asks, if it is still the newest round (the open one with nothing on
         top, or the last speculation) and there is room."""
+        self._after_answers()
         with self.lock:
             newest = self.speculations[-1] if self.speculations else self.round
             if newest is not rnd or rnd.state != "proposed" or self.ahead is not None \
