@@ -58,7 +58,7 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
                 rnd = await asyncio.to_thread(session.propose, request.round_id, request.k, previous,
                                               request.speculative, request.parent_round_id or None)
             finally:  # the answer's send starts when this handler returns: then speculative work may go on
-                asyncio.get_running_loop().call_soon(session.answered)
+                asyncio.get_running_loop().call_soon(session.answers.sent)
             self.telemetry.metrics.propose_seconds.observe(time.perf_counter() - started)
             greedy = session.drafter.sampling.greedy
         span = trace.get_current_span()

@@ -73,7 +73,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
     async def CreateSession(self, request: pb.CreateSessionRequest, context) -> pb.CreateSessionResponse:
         prompt, sampling = self._prompt(request), sampling_from_proto(request.sampling)
         self.sessions.reserve(caller())
-        session = await asyncio.to_thread(TargetSession, self.model, prompt, sampling, self.pipeline_depth)
+        session = await asyncio.to_thread(TargetSession, self.model, prompt, sampling, self.pipeline_depth,
+                                          answers_sent_by_caller=True)
         return pb.CreateSessionResponse(
             session_id=self.sessions.add(session, caller()), head_version=session.version, prompt_ids=prompt,
             vocab_size=self.vocab_size, eos_token_ids=sorted(self.eos), max_draft_tokens=MAX_DRAFT_TOKENS,
@@ -86,8 +87,11 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
             started = time.perf_counter()
             parent = request.parent_round_id or None
             guess = request.parent_next_token if request.HasField("parent_next_token") else None
-            rnd = await asyncio.to_thread(session.verify, request.round_id, list(request.draft_tokens),
-                                          request.base_version, probs, parent, guess)
+            try:
+                rnd = await asyncio.to_thread(session.verify, request.round_id, list(request.draft_tokens),
+                                              request.base_version, probs, parent, guess)
+            finally:  # the answer's send starts when this handler returns: then a chained verify may go on
+                asyncio.get_running_loop().call_soon(session.answers.sent)
             self.metrics.verify_seconds.observe(time.perf_counter() - started)
         _annotate(request.session_id, rnd)
         return pb.VerifyResponse(accepted=rnd.verdict.accepted, next_token=rnd.verdict.next_token,
@@ -96,7 +100,10 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         with self.sessions.use(request.session_id, caller()) as session:
             started = time.perf_counter()
-            version, tokens, rnd = await asyncio.to_thread(_commit, session, request.round_id, request.accepted)
+            try:
+                version, tokens, rnd = await asyncio.to_thread(_commit, session, request.round_id, request.accepted)
+            finally:
+                asyncio.get_running_loop().call_soon(session.answers.sent)
             if rnd is not None:  # a retry of a commit already made counts nothing
                 self.metrics.round(len(rnd.drafts), request.accepted, rnd.staged_bytes,
                                    commit_s=time.perf_counter() - started)

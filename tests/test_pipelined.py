@@ -24,7 +24,7 @@ import torch
 
 from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import target_service_pb2 as pb
-from shared.decoding import draft_session
+from shared.decoding import answers, draft_session
 from shared.decoding.draft_session import DraftSession, Outcome
 from shared.decoding.drafters import make_drafter
 from shared.decoding.drafters.model_drafter import ModelDrafter
@@ -148,6 +148,28 @@ def test_chained_verify_after_the_parent_commit_is_a_plain_round():
     assert rnd is session.pending and session.chained is None
     session.commit("r+1", 2)
     assert session.generated == ref[:6]
+
+
+def test_served_chained_verify_waits_for_the_verdicts_to_leave(monkeypatch):
+    """Served, a verdict leaves on the serving thread after `verify` returns: a chained verify starts once the
+    servicer says the answers already made have left (bounded), and stages what it would have."""
+    ref = greedy(8)
+    session = TargetSession(MODEL, START, answers_sent_by_caller=True)
+    monkeypatch.setattr(answers, "WAIT_S", 5.0)
+    session.verify("r", ref[:3], 0)  # its verdict has not left yet
+    with ThreadPoolExecutor(1) as pool:
+        chained = pool.submit(session.verify, "r+1", ref[4:7], 1, None, "r", ref[3])
+        time.sleep(0.05)
+        assert not chained.done() and session.chained is None
+        session.answers.sent()
+        child = chained.result(timeout=5)
+    session.answers.sent()
+    assert session.chained is child and child.verdict.accepted == 3
+    session.commit("r", 3)
+    session.answers.sent()
+    session.commit("r+1", 3)
+    assert session.tokens == START + ref[:8]
+    assert_head_exact(session)
 
 
 def test_verify_on_a_chained_parent_waits_for_the_commit(monkeypatch):
@@ -473,16 +495,16 @@ def test_draft_speculative_work_waits_for_the_answers_to_leave(monkeypatch):
     serial, served = DraftSession(NOISY, history), DraftSession(NOISY, history, answers_sent_by_caller=True)
     serial.propose("a", 3)
     served.propose("a", 3)  # its answer has not left yet
-    monkeypatch.setattr(draft_session, "ANSWER_WAIT_S", 5.0)
+    monkeypatch.setattr(answers, "WAIT_S", 5.0)
     with ThreadPoolExecutor(1) as pool:
         spec = pool.submit(served.propose, "b", 3, None, speculative=True)
         time.sleep(0.05)
         assert not spec.done() and served.speculations == []
-        served.answered()
+        served.answers.sent()
         b = spec.result(timeout=5)
-    served.answered()
+    served.answers.sent()
     assert b.proposal.tokens == serial.propose("b", 3, Outcome("a", 3, b.guess)).proposal.tokens
-    monkeypatch.setattr(draft_session, "ANSWER_WAIT_S", 0.05)  # a caller that never says so delays it this long
+    monkeypatch.setattr(answers, "WAIT_S", 0.05)  # a caller that never says so delays it this long
     c = served.propose("c", 3, Outcome("a", 1, 9))
     started = time.monotonic()
     d = served.propose("d", 3, None, speculative=True)

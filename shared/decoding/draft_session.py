@@ -22,10 +22,8 @@ speculation that names no parent and finds no round open may have overtaken the 
 before it (a separate HTTP/2 stream): it waits up to `OVERTAKE_WAIT_S` for a plain proposal to open a round,
 one such request per session, then is refused.
 
-Served, a proposal's answer leaves on the serving thread after `propose` returns. Speculative work (a
-speculative request, or one made ahead) waits until the caller says the answers have left (`answered`,
-at most `ANSWER_WAIT_S`): started at once, it would hold a core and the interpreter while the answer the
-caller waits for is being sent, which delayed one answer in ten by 3-7 ms.
+Speculative work (a speculative request, or one made ahead) starts once the answers already made have
+left the service (`shared.decoding.answers`).
 
 Once a session has been asked for a speculative round, every proposal, plain or speculative, is
 followed in the background by the speculation on top of it (same k): the caller's next speculative
@@ -40,6 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from shared.decoding.answers import Answers
 from shared.decoding.drafters import Proposal
 from shared.decoding.drafters.model_drafter import MAX_SPECULATIONS, ModelDrafter
 from shared.decoding.sampling import SamplingParams
@@ -49,7 +48,6 @@ from shared.model.hybrid import HybridLM
 
 
 MAX_CHAINED = MAX_SPECULATIONS - 1  # speculative rounds asked for on top of the open round (one more is made ahead)
-ANSWER_WAIT_S = 0.05  # the longest speculative work waits for a proposal's answer to leave
 OVERTAKE_WAIT_S = 1.0  # how long a speculation with no open round below it waits for the plain proposal it overtook
 
 
@@ -99,23 +97,17 @@ class DraftSession:
         self.lock = threading.RLock()
         self.opened = threading.Condition(self.lock)  # notified when a plain proposal opens a round
         self.overtaken = False  # a speculative request waits for the plain proposal it overtook
-        self.answers = threading.Condition()  # proposals made whose answers have not left yet
-        self.unanswered = 0
-        self.answers_sent_by_caller = answers_sent_by_caller
+        self.answers = Answers(answers_sent_by_caller)  # speculative work waits for them to leave
 
     def propose(self, round_id: str, k: int, previous: Outcome | None = None, speculative: bool = False,
                 parent: str | None = None) -> DraftRound:
-        """The round's proposal. With `answers_sent_by_caller`, the caller calls `answered()` once the answer has
-        left (or the call failed); speculative work waits for that."""
         deadline = time.monotonic() + OVERTAKE_WAIT_S
-        try:
+        if speculative:
+            self.answers.wait()
+        with self.answers.call():
             while True:
-                if speculative:
-                    self._after_answers()
-                else:
+                if not speculative:
                     self.waiting = True  # a background speculation in progress stops at its next forward pass
-                with self.answers:
-                    self.unanswered += 1
                 with self.lock:
                     self.waiting = False
                     try:
@@ -129,22 +121,7 @@ class DraftSession:
                         self.opened.wait(left)
                     finally:
                         self.overtaken = False
-                self.answered()  # then wait again for the answer of the plain proposal that came
-        finally:
-            if not self.answers_sent_by_caller:
-                self.answered()
-
-    def answered(self) -> None:
-        """A proposal's answer has left: speculative work may take the CPU again."""
-        with self.answers:
-            self.unanswered = max(0, self.unanswered - 1)  # a call cancelled before it ran counted nothing
-            self.answers.notify_all()
-
-    def _after_answers(self) -> None:
-        """Speculative work starts once every proposal's answer has left (bounded): it would delay them otherwise,
-        holding the CPU and the interpreter while the serving thread sends them."""
-        with self.answers:
-            self.answers.wait_for(lambda: self.unanswered <= 0, ANSWER_WAIT_S)
+                self.answers.wait(own=1)  # the plain proposal that came: its answer leaves first
 
     def _propose(self, round_id: str, k: int, previous: Outcome | None, speculative: bool,
                  parent: str | None) -> DraftRound:
@@ -229,7 +206,7 @@ class DraftSession:
     def _speculate_ahead(self, rnd: DraftRound, k: int) -> None:
         """Speculate on `rnd` before the caller asks, if it is still the newest round (the open one with nothing on
         top, or the last speculation) and there is room."""
-        self._after_answers()
+        self.answers.wait()
         with self.lock:
             newest = self.speculations[-1] if self.speculations else self.round
             if newest is not rnd or rnd.state != "proposed" or self.ahead is not None \

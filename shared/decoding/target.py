@@ -17,7 +17,8 @@ A verify naming a parent that is itself still chained (r+2 on r+1 while r is pen
 verdict keeping the assumption) waits, staging nothing, until r's commit makes r+1 the pending
 round (it then goes on) or drops it (it is then refused): a remote caller sends it as soon as r's
 verdict keeps r+1, without waiting for Commit(r) and r+1's verdict to come back. At most
-`MAX_WAITING` calls wait per session, each at most `WAIT_S`.
+`MAX_WAITING` calls wait per session, each at most `WAIT_S`. Served, a chained verify starts once the
+verdicts and commits already made have left the service (`shared.decoding.answers`).
 Retries are safe: the same call with the same input returns the same answer and never advances
 the head twice; the same round id with other input is refused. Refused calls change nothing.
 """
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from shared.decoding.answers import Answers
 from shared.decoding.sampling import SamplingParams, probabilities
 from shared.decoding.verify import Verdict, accept_greedy, accept_rejection
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -65,7 +67,7 @@ class TargetSession:
     """One sequence on the target. Thread-safe: every public method holds the session lock."""
 
     def __init__(self, model: HybridLM, prompt_ids: list[int], sampling: SamplingParams = SamplingParams(),
-                 max_chain: int = 1) -> None:
+                 max_chain: int = 1, answers_sent_by_caller: bool = False) -> None:
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty", "prompt")
         check_tokens(prompt_ids, model.config.vocab_size, "prompt_ids")
@@ -80,6 +82,7 @@ class TargetSession:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)  # notified when a commit or revert ends the pending round
         self.waiting = 0  # verifies waiting for their parent to become the pending round
+        self.answers = Answers(answers_sent_by_caller)  # a chained verify waits for the verdicts to leave
         self.state = model.new_state(capacity=max(256, 2 * len(prompt_ids)))
         # last-layer states of the prompt's prefilled positions (for drafters that read the trunk: MTP)
         self.prefill_hidden = torch.empty(0, model.config.hidden_size, device=model.device, dtype=model.dtype)
@@ -96,7 +99,9 @@ class TargetSession:
 
     def verify(self, round_id: str, drafts: list[int], base_version: int | None = None,
                draft_probs: Tensor | None = None, parent: str | None = None, guess: int | None = None) -> Round:
-        with self.lock:
+        if parent is not None:
+            self.answers.wait()
+        with self.answers.call(), self.lock:
             if parent is not None and self.find(round_id) is None:
                 self._await_parent(round_id, parent, guess)
             drafts_t = tuple(drafts)
@@ -211,7 +216,7 @@ class TargetSession:
 
     def commit(self, round_id: str, accepted: int) -> int:
         """Keep `accepted` draft tokens of the pending round; returns the new head version."""
-        with self.lock:
+        with self.answers.call(), self.lock:
             rnd = self._round(round_id)
             if rnd.outcome == "committed":
                 if rnd.committed != accepted:
