@@ -509,6 +509,11 @@ def test_draft_speculative_work_waits_for_the_answers_to_leave(monkeypatch):
     started = time.monotonic()
     d = served.propose("d", 3, None, speculative=True)
     assert time.monotonic() - started >= 0.05 and served.round is c and served.speculations == [d]
+    served.answers.sent(), served.answers.sent()
+    until = time.monotonic() + 10
+    while served.ahead is None and time.monotonic() < until:  # the one made ahead on d: done before the test ends
+        time.sleep(0.01)
+    assert served.ahead is not None and served.ahead[0] is d
 
 
 def test_draft_speculation_on_a_named_speculation():
