@@ -21,7 +21,7 @@ from shared.model.hybrid import HybridLM
 from shared.state.rollback import CHAIN_LOG_CAPACITY
 from shared.rpc.convert import probs_to_proto, sampling_from_proto
 from shared.rpc.security import caller
-from shared.rpc.server import Service
+from shared.rpc.server import Service, answered_call
 from shared.telemetry import Telemetry
 from shared.telemetry import attributes as attr
 
@@ -54,11 +54,8 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
         previous = _outcome(request.previous) if request.HasField("previous") else None
         with self.sessions.use(request.session_id, caller()) as session:
             started = time.perf_counter()
-            try:
-                rnd = await asyncio.to_thread(session.propose, request.round_id, request.k, previous,
-                                              request.speculative, request.parent_round_id or None)
-            finally:  # the answer's send starts when this handler returns: then speculative work may go on
-                asyncio.get_running_loop().call_soon(session.answers.sent)
+            rnd = await answered_call(session.answers, session.propose, request.round_id, request.k, previous,
+                                      request.speculative, request.parent_round_id or None)
             self.telemetry.metrics.propose_seconds.observe(time.perf_counter() - started)
             greedy = session.drafter.sampling.greedy
         span = trace.get_current_span()

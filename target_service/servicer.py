@@ -32,7 +32,7 @@ from shared.model.tokenizer import Tokenizer
 from shared.rpc.convert import probs_from_proto, sampling_from_proto, stats_to_proto
 from shared.rpc.remote_drafter import RemoteDrafter
 from shared.rpc.security import ClientSecurity, caller
-from shared.rpc.server import Service
+from shared.rpc.server import Service, answered_call
 from shared.telemetry import Telemetry
 from shared.telemetry import attributes as attr
 
@@ -87,11 +87,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
             started = time.perf_counter()
             parent = request.parent_round_id or None
             guess = request.parent_next_token if request.HasField("parent_next_token") else None
-            try:
-                rnd = await asyncio.to_thread(session.verify, request.round_id, list(request.draft_tokens),
-                                              request.base_version, probs, parent, guess)
-            finally:  # the answer's send starts when this handler returns: then a chained verify may go on
-                asyncio.get_running_loop().call_soon(session.answers.sent)
+            rnd = await answered_call(session.answers, session.verify, request.round_id, list(request.draft_tokens),
+                                      request.base_version, probs, parent, guess)
             self.metrics.verify_seconds.observe(time.perf_counter() - started)
         _annotate(request.session_id, rnd)
         return pb.VerifyResponse(accepted=rnd.verdict.accepted, next_token=rnd.verdict.next_token,
@@ -100,10 +97,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         with self.sessions.use(request.session_id, caller()) as session:
             started = time.perf_counter()
-            try:
-                version, tokens, rnd = await asyncio.to_thread(_commit, session, request.round_id, request.accepted)
-            finally:
-                asyncio.get_running_loop().call_soon(session.answers.sent)
+            version, tokens, rnd = await answered_call(session.answers, _commit, session, request.round_id,
+                                                       request.accepted)
             if rnd is not None:  # a retry of a commit already made counts nothing
                 self.metrics.round(len(rnd.drafts), request.accepted, rnd.staged_bytes,
                                    commit_s=time.perf_counter() - started)

@@ -15,6 +15,8 @@ speculations made ahead in the background (taken, remade for another k, dropped 
 a speculation named on a speculation (two on top of the open round), and the client loop over a 5 ms
 proxy with speculations in flight, greedy and sampled seed for seed.
 """
+import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,6 +40,7 @@ from shared.model.loader import load_model
 from shared.model.tokenizer import load_tokenizer
 from shared.rpc.client import generate_client_driven, generate_on_server
 from shared.rpc.proxy import TcpProxy
+from shared.rpc.server import answered_call
 from shared.rpc.remote_drafter import RemoteDrafter
 from target_service import servicer as target_servicer
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
@@ -148,6 +151,37 @@ def test_chained_verify_after_the_parent_commit_is_a_plain_round():
     assert rnd is session.pending and session.chained is None
     session.commit("r+1", 2)
     assert session.generated == ref[:6]
+
+
+def test_answered_call_gives_back_every_count():
+    """A served engine call's answer counts until the handler returns, or, when the RPC is cancelled while the call
+    still runs, until the call ends: a cancelled call never leaves speculative work waiting for good."""
+    gate = answers.Answers(sent_by_caller=True)
+    release = threading.Event()
+
+    def engine(value: int) -> int:
+        with gate.call():
+            release.wait(5)
+            return value
+
+    async def handlers() -> None:
+        release.set()
+        assert await answered_call(gate, engine, 7) == 7 and gate.unsent == 1
+        await asyncio.sleep(0)  # the answer's send started in the handler's last step: now it counts as sent
+        assert gate.unsent == 0
+        release.clear()
+        cancelled = asyncio.ensure_future(answered_call(gate, engine, 8))
+        while gate.unsent == 0:
+            await asyncio.sleep(0.001)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert gate.unsent == 1  # the engine call still runs
+        release.set()
+        while gate.unsent:
+            await asyncio.sleep(0.001)
+
+    asyncio.run(asyncio.wait_for(handlers(), 10))
 
 
 def test_served_chained_verify_waits_for_the_verdicts_to_leave(monkeypatch):

@@ -20,11 +20,13 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared.decoding.answers import Answers
 from shared.rpc.options import SERVER_OPTIONS
 from shared.rpc.security import ServerSecurity
 from shared.rpc.status import ErrorInterceptor
@@ -33,6 +35,21 @@ from shared.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 CALL_THREADS = 256  # made on demand; idle ones cost no CPU (asyncio's default, 6 on 2 cores, would cap batches)
+T = TypeVar("T")
+
+
+async def answered_call(answers: Answers, fn: Callable[..., T], *args) -> T:
+    """`fn(*args)` on a worker thread, its answer counted in `answers` until it leaves: once the handler returns
+    (its send starts in the same step), or, should the call be cancelled, once `fn` ends, so every count the engine
+    took is given back whatever happens to the RPC."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    finally:
+        if work.done():
+            asyncio.get_running_loop().call_soon(answers.sent)
+        else:
+            work.add_done_callback(lambda _: answers.sent())
 
 
 @dataclass
