@@ -36,7 +36,7 @@ class Answers:
 
     def sent(self) -> None:
         with self.changed:
-            self.unsent = max(0, self.unsent - 1)  # a call cancelled before it ran counted nothing
+            self.unsent = max(0, self.unsent - 1)  # a stray `sent` must not let a later answer's count go unseen
             self.changed.notify_all()
 
     def wait(self, own: int = 0) -> None:

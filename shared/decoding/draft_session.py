@@ -173,10 +173,9 @@ class DraftSession:
     def _check_speculation(self, previous: Outcome | None, apply: bool, opened: DraftRound | None,
                            chain: list[DraftRound], parent: str | None) -> None:
         """Refuse a speculative request that cannot build on the newest round once `previous` is applied."""
-        if opened is None:
-            if parent is None:
-                raise _NoOpenRound("no open round to propose on top of (after the previous outcome)", "speculative")
-            raise FailedPrecondition("no open round to propose on top of (after the previous outcome)", "speculative")
+        if opened is None:  # without a parent it may have overtaken the plain proposal: `propose` waits for it then
+            raise (_NoOpenRound if parent is None else FailedPrecondition)(
+                "no open round to propose on top of (after the previous outcome)", "speculative")
         if previous is not None and not apply and opened.opened_by != previous:
             raise FailedPrecondition(f"round {previous.round_id!r} is not the round before the open one: a newer "
                                      "round is open", "previous.round_id")
