@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import grpc
 import pytest
@@ -106,6 +107,7 @@ def test_sampled_paths_equal_in_process_speculation(pair, target, flaky):
 
 def test_draft_outage_costs_speculation_not_tokens(pair, target, flaky, reference):
     servicer, address = flaky
+    before = len(servicer.sessions)
     servicer.faults = ["slow", "garbage", "error"]
     tokens, last = final_stats(target, num_draft_tokens=4)
     assert tokens == reference
@@ -113,6 +115,11 @@ def test_draft_outage_costs_speculation_not_tokens(pair, target, flaky, referenc
     servicer.faults = ["garbage", "slow"]
     assert generate_client_driven(target, address, PROMPT, "", N, draft_timeout_s=0.3)[0].token_ids == reference
     assert not servicer.faults
+    # each failure closed its draft session without waiting: the close must still arrive (a dropped call is cancelled)
+    waited = time.monotonic() + 2
+    while len(servicer.sessions) != before and time.monotonic() < waited:
+        time.sleep(0.01)
+    assert len(servicer.sessions) == before
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -75,6 +75,7 @@ class RemoteDrafter:
         self.timeout_s, self.deadline, self.max_backoff_rounds = timeout_s, deadline, max_backoff_rounds
         self.failures = 0  # rounds in which the peer failed
         self.lock = threading.RLock()  # replies are folded in on gRPC's threads
+        self.closing: set[grpc.Future] = set()  # CloseSession calls in flight: gRPC cancels a call it collects
         self.start([])
 
     def start(self, prompt_ids: list[int]) -> None:
@@ -253,7 +254,9 @@ class RemoteDrafter:
                 except grpc.RpcError:
                     pass
             else:
-                self.stub.CloseSession.future(request, timeout=min(self.timeout_s, 1.0))
+                call = self.stub.CloseSession.future(request, timeout=min(self.timeout_s, 1.0))
+                self.closing.add(call)
+                call.add_done_callback(self.closing.discard)
             self.session_id = None
 
     def _timeout(self) -> float:
