@@ -151,8 +151,9 @@ def serve(services: list[Service], listen: Listen, grace_s: float = 10.0, teleme
         if server.health_server is not None:
             print(f"health on {host}:{server.health_port}", file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
+        draining: set[asyncio.Task] = set()  # the loop holds tasks weakly: a drain must not be collected midway
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+            loop.add_signal_handler(sig, lambda: draining.add(asyncio.ensure_future(server.drain())))
         tls = "plaintext" if listen.security.tls is None else (
             "mutual TLS" if listen.security.tls.client_ca else "TLS")
         auth = "bearer tokens" if listen.security.tokens else "no caller authentication"
