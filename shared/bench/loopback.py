@@ -32,6 +32,14 @@ class Server:
             self.stop()
             raise RuntimeError(f"{argv[0]} did not start serving:\n{''.join(self.log[-20:])}")
 
+    def pin(self, cpus: set[int]) -> None:
+        """Run every thread of the server on `cpus` only; threads it starts later inherit the set from their creator."""
+        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
+
     def rss_mib(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024

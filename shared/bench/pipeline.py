@@ -1,7 +1,10 @@
 """Pipelined vs serial rounds over loopback gRPC with a network delay: tokens/s and bytes staged per round.
 
 Each service runs as its own `serve-draft` / `serve-target` process (`shared.bench.loopback`), as on
-its own host (the draft's work overlaps the target's only across processes), and every link passes
+its own host (the draft's work overlaps the target's only across processes). Where the machine has two
+cores or more, each service also gets a core of its own (`pin`: the targets the first, the draft the
+second; the bench's own process, client and proxies, runs on any): on its own host the draft's speculative
+work never takes the target's core, while on shared cores every pass of it can delay a verify. Every link passes
 a `TcpProxy` adding the same delay each way: client to target, client to draft, and target to draft.
 Two target processes share the draft: one stages pipelined rounds and pipelines its own `Generate`
 loop (`--pipeline-depth 1`), one does neither (0), so the server-side loop runs both ways; the
@@ -33,10 +36,11 @@ LOOPS = ("client", "server")
 
 def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, prompts: list[list[int]] | None = None,
             max_new_tokens: int = 96, num_draft_tokens: int = 4, delays_ms: tuple[float, ...] = (0, 1, 5),
-            repeats: int = 1, compile: bool = False) -> list[dict]:
+            repeats: int = 1, compile: bool = False, pin: bool = True) -> list[dict]:
     """One row per (delay, loop): tokens/s serial and pipelined, their ratio, bytes staged per round.
 
-    `compile`: both services run `--compile` (their passes as compiled graphs)."""
+    `compile`: both services run `--compile` (their passes as compiled graphs). `pin`: a core for each service,
+    where there are two or more."""
     from shared.model.loader import load_model
     from shared.rpc.client import generate_client_driven, generate_on_server
 
@@ -56,6 +60,12 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                                              to_draft.address, "--draft-timeout", "30", "--pipeline-depth", str(depth),
                                              *compiled)
             stack.callback(server.stop)
+        cores = sorted(os.sched_getaffinity(0))
+        pinned = pin and len(cores) >= 2
+        if pinned:
+            draft_server.pin({cores[1]})
+            for server in targets.values():
+                server.pin({cores[0]})
         client_draft = TcpProxy([draft])
         client_target = {depth: TcpProxy([server.address]) for depth, server in targets.items()}
         for proxy in (client_draft, *client_target.values()):
@@ -94,7 +104,7 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                              "serial_staged_bytes_per_round": totals[False]["staged"] / totals[False]["rounds"],
                              "pipelined_staged_bytes_per_round": totals[True]["staged"] / totals[True]["rounds"],
                              "rounds": (totals[False]["rounds"], totals[True]["rounds"]), "identical_tokens": True,
-                             **_per_round(totals),
+                             **_per_round(totals), "pinned": pinned,
                              "load_average": os.getloadavg()[0]})
     return rows
 
@@ -114,8 +124,9 @@ def _costs(target: Server, draft: Server) -> dict[str, float]:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print("\nPipelined vs serial rounds over loopback gRPC, services in their own processes, delay each way on "
-          "every link (greedy; every output equal to target-only decoding)")
+    cores = "a core each" if rows and rows[0].get("pinned") else "sharing the cores"
+    print(f"\nPipelined vs serial rounds over loopback gRPC, services in their own processes ({cores}), delay each "
+          "way on every link (greedy; every output equal to target-only decoding)")
     print(f"{'delay ms':>8} {'loop':>6} {'serial tok/s':>12} {'pipelined':>9} {'x serial':>8} "
           f"{'staged B/round serial':>21} {'pipelined':>9} {'load':>5}")
     for r in rows:
@@ -168,13 +179,14 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="both services run with --compile")
+    parser.add_argument("--no-pin", action="store_true", help="the services share the cores (default: one each)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--save", type=Path, help="write pipeline.txt and pipeline.png to this folder (e.g. docs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = compare(prompts=PROMPTS[:2] if args.quick else PROMPTS,
                    max_new_tokens=64 if args.quick else args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-                   repeats=1 if args.quick else args.repeats, compile=args.compile)
+                   repeats=1 if args.quick else args.repeats, compile=args.compile, pin=not args.no_pin)
     print(json.dumps(rows)) if args.json else print_rows(rows)
     if args.save:
         report.save(args.save, "pipeline", rows, print_rows, plot)
