@@ -2,12 +2,14 @@
 
 Real `serve-target` and `serve-draft` processes on loopback, both loops, speculative and
 target-only. Asserted: every output equals target-only decoding (a wrong expectation stops the
-run), and every row and the goals summary carry all their fields. Timings are printed, never
-asserted; the figures come from `deltaspec bench --only load`.
+run), and every row and the goals summary carry all their fields; a server pinned to a core (as the
+pipeline bench pins each service) keeps every thread on it, also those started later. Timings are
+printed, never asserted; the figures come from `deltaspec bench --only load`.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -26,8 +28,12 @@ def test_load_rows_exact_and_complete(pair, capsys):
     prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
     expected = target_only_outputs(load_model(target_dir), prompts, NEW_TOKENS)
     servers = start_servers(target_dir, draft_dir, 2, torch_threads=1)
+    core = {min(os.sched_getaffinity(0))}
+    servers["target"].pin(core)  # as the pipeline bench does; threads started later inherit it
     try:
         rows = run_rows(servers, prompts, expected, (2,), LOOPS, KS, NEW_TOKENS, 1)
+        cores = _thread_affinities(servers["target"].proc.pid)
+        assert len(cores) > 1 and all(c == core for c in cores)
         wrong = [expected[0], expected[1][:-1] + [expected[1][-1] + 1]]
         with pytest.raises(AssertionError, match="differs from target-only"):
             measure(servers, prompts, wrong, "server", 4, 2, NEW_TOKENS, 1)
@@ -52,3 +58,13 @@ def test_load_rows_exact_and_complete(pair, capsys):
     assert "aggregate" in table
     with capsys.disabled():
         print(table)
+
+
+def _thread_affinities(pid: int) -> list[set[int]]:
+    found = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found.append(os.sched_getaffinity(int(tid)))
+        except ProcessLookupError:  # ended meanwhile
+            pass
+    return found
