@@ -145,8 +145,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
             try:
                 local = self.local_draft if request.num_draft_tokens else "none"
                 drafter = remote or make_drafter(local, self.model, sampling)
+                drafter.start(list(prompt))  # a remote draft opens its session while the target prefills
                 session = TargetSession(self.model, prompt, sampling, self.pipeline_depth)
-                drafter.start(list(prompt))
                 attach(drafter, session)
                 stats = Stats()
                 session.session_id = self.sessions.add(session, owner)  # type: ignore[attr-defined]

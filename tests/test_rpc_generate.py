@@ -25,6 +25,8 @@ from shared.decoding.speculative import generate
 from shared.model.loader import load_model
 from shared.model.tokenizer import load_tokenizer
 from shared.rpc.client import generate_client_driven, generate_on_server
+from shared.rpc.options import channel
+from shared.rpc.remote_drafter import RemoteDrafter
 from shared.rpc.server import BackgroundServer, Service
 from target_service import servicer as target_servicer_module
 from target_service.servicer import NAME as TARGET_NAME, TargetServicer
@@ -220,6 +222,23 @@ def test_in_process_drafters_behind_the_server_loop(tmp_path, local_draft):
         got, _ = generate_on_server(server.address, PROMPT * 3, "", N, num_draft_tokens=4)
     assert got.token_ids == want
     assert got.stats.drafted > 0
+
+
+def test_draft_session_asked_for_at_start_is_closed_without_a_proposal(pair, flaky):
+    """The remote drafter asks for its session at `start` without waiting (its round trip overlaps the target's
+    prefill): a proposal then uses it, and a close before any proposal, or a second `start`, frees it all the same."""
+    draft, address = flaky
+    before = len(draft.sessions)
+    stub = draft_service_pb2_grpc.DraftServiceStub(channel(address))
+    drafter = RemoteDrafter(stub, SamplingParams(), load_model(pair[1]).config.vocab_size, timeout_s=5.0)
+    drafter.start(PROMPT)
+    drafter.start(PROMPT * 2)  # used again: the first session goes
+    assert len(drafter.propose(3).tokens) == 3
+    assert len(draft.sessions) == before + 1
+    drafter.close()
+    drafter.start(PROMPT)  # asked for, never used
+    drafter.close()
+    assert len(draft.sessions) == before and drafter.failures == 0
 
 
 def test_no_session_outlives_its_generation(pair, flaky):

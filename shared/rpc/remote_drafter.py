@@ -6,7 +6,9 @@ tokens), and the next attempts wait 1, 2, 4 ... up to `max_backoff_rounds` round
 slow draft costs little. The draft session is then rebuilt from the committed history, which
 this class keeps, so speculation resumes exactly where the sequence is.
 
-Each round costs one Propose: it carries the previous round's outcome.
+Each round costs one Propose: it carries the previous round's outcome. The session is asked for at
+`start`, without waiting, so its round trip overlaps what the caller does next (the target prefilling
+the prompt); the first Propose waits for it, and `close` closes it even if no Propose came.
 
 Pipelined rounds (`speculate_async`): a speculative Propose asks the peer for the next round on top
 of the open one, as if the open round kept every draft and were followed by the peer's guess (returned
@@ -79,6 +81,8 @@ class RemoteDrafter:
         self.start([])
 
     def start(self, prompt_ids: list[int]) -> None:
+        if getattr(self, "session_id", None) is not None or getattr(self, "opening", None) is not None:
+            self.close()  # a drafter used again: its last session goes first
         self.history = list(prompt_ids)  # committed tokens; a new draft session starts from them
         self.session_id: str | None = None
         self.rounds = 0
@@ -89,6 +93,10 @@ class RemoteDrafter:
         self.speculations: list[_Speculation] = []  # sent on top of the open round, each on the one before
         self.abandoned: list[_Speculation] = []  # in flight, no longer wanted: answered before the next Propose
         self.skip = self.consecutive_failures = 0
+        # the peer's session, asked for at once: its round trip overlaps the caller's own start (the target's prefill)
+        self.opening: grpc.Future | None = None
+        if self.history:
+            self.opening = self.stub.CreateSession.future(self._create_request(), timeout=self._timeout())
 
     def propose(self, k: int) -> Proposal:
         return self.propose_and_speculate(k, 0)[0]
@@ -116,8 +124,9 @@ class RemoteDrafter:
         speculation = third = resolved(None)
         try:
             if self.session_id is None:
-                self.session_id = self.stub.CreateSession(draft_service_pb2.DraftServiceCreateSessionRequest(
-                    token_ids=self.history, sampling=sampling_to_proto(self.sampling)), timeout=timeout).session_id
+                opening, self.opening = self.opening, None
+                self.session_id = (opening.result() if opening is not None else
+                                   self.stub.CreateSession(self._create_request(), timeout=timeout)).session_id
                 self.previous = None
             call = self.stub.Propose.future(draft_service_pb2.ProposeRequest(
                 session_id=self.session_id, round_id=round_id, k=k, previous=self.previous), timeout=self._timeout())
@@ -244,8 +253,18 @@ class RemoteDrafter:
         self.close(wait=False)  # a session is rebuilt later: free this one now (else it holds a slot to its TTL)
         log.warning("draft failed (%s); %d round(s) without speculation", _describe(e), self.skip)
 
+    def _create_request(self) -> draft_service_pb2.DraftServiceCreateSessionRequest:
+        return draft_service_pb2.DraftServiceCreateSessionRequest(token_ids=self.history,
+                                                                  sampling=sampling_to_proto(self.sampling))
+
     def close(self, wait: bool = True) -> None:
         """Free the peer's session; best effort (it expires on its own anyway). `wait=False`: send and go on."""
+        opening, self.opening = self.opening, None
+        if opening is not None:  # opened at `start` and never used: it is closed as soon as it exists
+            try:
+                self.session_id = opening.result().session_id
+            except grpc.RpcError:
+                pass
         if self.session_id is not None:
             request = draft_service_pb2.DraftServiceCloseSessionRequest(session_id=self.session_id)
             if wait:
