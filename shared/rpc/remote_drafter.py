@@ -95,7 +95,7 @@ class RemoteDrafter:
         self.skip = self.consecutive_failures = 0
         # the peer's session, asked for at once: its round trip overlaps the caller's own start (the target's prefill)
         self.opening: grpc.Future | None = None
-        if self.history:
+        if self.history and self._timeout() > 0:
             self.opening = self.stub.CreateSession.future(self._create_request(), timeout=self._timeout())
 
     def propose(self, k: int) -> Proposal:
