@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from opentelemetry.trace import Span, Tracer, use_span
 
 from shared.decoding.drafters import Drafter, Proposal
-from shared.decoding.speculative import NO_TRACER, Session, Stats, _ids
+from shared.decoding.speculative import NO_TRACER, Session, Stats, _ids, drafts_kept
 from shared.decoding.target import Round
 from shared.errors import FailedPrecondition, NotFound
 from shared.telemetry import attributes as attr
@@ -139,8 +139,7 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                                               attr.STAGED_BYTES: rnd.staged_bytes})
                 t2 = time.perf_counter()
                 drafts = list(rnd.drafts)
-                keep = next((i for i, token in enumerate(drafts[:rnd.verdict.accepted]) if token in eos),
-                            rnd.verdict.accepted)  # stop at an accepted EOS
+                keep = drafts_kept(rnd, eos)
                 next_token = rnd.verdict.next_token if keep == rnd.verdict.accepted else drafts[keep]
                 commit_span = tracer.start_span("commit")  # open until the commit returns, around the next propose
                 committing = submit(session.commit, cur.round_id, keep, span=commit_span)

@@ -87,6 +87,13 @@ class Session(Protocol):
     def generated(self) -> list[int]: ...
 
 
+def drafts_kept(rnd: Round, eos: set[int]) -> int:
+    """Drafts the loop commits of a verified round: those accepted, up to an accepted EOS (which is then the
+    round's next token, so the generation ends there)."""
+    return next((i for i, token in enumerate(rnd.drafts[:rnd.verdict.accepted]) if token in eos),
+                rnd.verdict.accepted)
+
+
 def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_tokens: int, eos: set[int],
            stats: Stats, tracer: Tracer = NO_TRACER, metrics=None) -> Iterator[list[int]]:
     """Run rounds until `max_new_tokens` or an EOS (included), yielding the tokens each round commits.
@@ -114,11 +121,7 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
                                           attr.ACCEPTED_TOKENS: rnd.verdict.accepted,
                                           attr.STAGED_BYTES: rnd.staged_bytes})
             t2 = time.perf_counter()
-            keep = rnd.verdict.accepted
-            for i, token in enumerate(proposal.tokens[:keep]):  # stop at an accepted EOS
-                if token in eos:
-                    keep = i
-                    break
+            keep = drafts_kept(rnd, eos)
             with tracer.start_as_current_span("commit") as phase:
                 version = session.commit(rnd.round_id, keep)
                 if traced:
