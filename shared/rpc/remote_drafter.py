@@ -78,13 +78,13 @@ class RemoteDrafter:
         self.failures = 0  # rounds in which the peer failed
         self.lock = threading.RLock()  # replies are folded in on gRPC's threads
         self.closing: set[grpc.Future] = set()  # CloseSession calls in flight: gRPC cancels a call it collects
+        self.session_id: str | None = None
+        self.opening: grpc.Future | None = None  # the peer's session, asked for at `start` and not yet used
         self.start([])
 
     def start(self, prompt_ids: list[int]) -> None:
-        if getattr(self, "session_id", None) is not None or getattr(self, "opening", None) is not None:
-            self.close()  # a drafter used again: its last session goes first
+        self.close()  # a drafter used again: its last session goes first
         self.history = list(prompt_ids)  # committed tokens; a new draft session starts from them
-        self.session_id: str | None = None
         self.rounds = 0
         self.round_id: str | None = None  # this round's proposal, when the peer made one
         self.proposed: list[int] = []
@@ -93,10 +93,9 @@ class RemoteDrafter:
         self.speculations: list[_Speculation] = []  # sent on top of the open round, each on the one before
         self.abandoned: list[_Speculation] = []  # in flight, no longer wanted: answered before the next Propose
         self.skip = self.consecutive_failures = 0
-        # the peer's session, asked for at once: its round trip overlaps the caller's own start (the target's prefill)
-        self.opening: grpc.Future | None = None
-        if self.history and self._timeout() > 0:
-            self.opening = self.stub.CreateSession.future(self._create_request(), timeout=self._timeout())
+        timeout = self._timeout()  # the session is asked for at once: its round trip overlaps the target's prefill
+        if self.history and timeout > 0:
+            self.opening = self.stub.CreateSession.future(self._create_request(), timeout=timeout)
 
     def propose(self, k: int) -> Proposal:
         return self.propose_and_speculate(k, 0)[0]
