@@ -751,3 +751,40 @@ def test_draft_second_speculation_made_ahead():
     assert piped.ahead is None and piped.drafter.chain == [] and piped.round is e
     g = piped.propose("g", 3, Outcome("e", 2, 5))
     assert g.proposal.tokens == serial_proposal(history, [*kept, ("g", 3, Outcome("e", 2, 5))])
+
+
+class _PlainArrives:
+    """The draft model, but at its `at`-th forward pass a plain proposal starts waiting for the session's lock."""
+
+    def __init__(self, model, at: int) -> None:
+        self.model, self.at, self.calls = model, at, 0
+        self.session: DraftSession | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def __call__(self, ids, state):
+        self.calls += 1
+        if self.calls == self.at:
+            self.session.waiting = True  # type: ignore[union-attr]
+        return self.model(ids, state)
+
+
+def test_requested_speculation_stops_short_for_a_waiting_plain_proposal():
+    """A plain proposal drops every speculation, so one that arrives while a requested speculation runs does not
+    wait for all its drafts: the speculation stops before its next draft (its tokens a prefix of the full one); the
+    plain proposal after it equals the serial one."""
+    history, k = [1, 2, 3, 4, 5], 4
+    slow = _PlainArrives(NOISY, at=10**9)
+    piped = slow.session = DraftSession(slow, history)  # type: ignore[arg-type]
+    piped.propose("a", k)
+    full = DraftSession(NOISY, history)
+    full.propose("a", k)
+    whole = full.propose("b", k, None, speculative=True)
+    slow.at = slow.calls + 3  # the guess's pass, the first draft's, then the plain proposal comes
+    short = piped.propose("b", k, None, speculative=True)
+    piped.waiting = False  # the plain proposal has the lock now
+    assert short.guess == whole.guess and short.proposal.tokens == whole.proposal.tokens[:2]
+    miss = Outcome("a", 1, 11)
+    assert piped.propose("c", k, miss).proposal.tokens == serial_proposal(history, [("a", k, None), ("c", k, miss)])
+    assert piped.speculations == []

@@ -29,8 +29,9 @@ Once a session has been asked for a speculative round, every proposal, plain or 
 followed in the background by the speculation on top of it (same k): the caller's next speculative
 request, which comes a network round trip later, then finds it made instead of waiting for k+1
 forward passes. It is kept when the outcome that arrives with the request confirms the rounds below
-and dropped by any other. A plain proposal (the caller's answer to a miss) stops a background
-speculation between two forward passes instead of waiting for it to finish.
+and dropped by any other. A plain proposal (the caller's answer to a miss) drops every speculation, so it
+stops one in progress, made in the background or asked for, between two forward passes instead of waiting
+for it to finish (an asked-for one is answered with the drafts it has).
 """
 from __future__ import annotations
 
@@ -159,7 +160,8 @@ class DraftSession:
             else:
                 if ahead is not None:
                     self.drafter.discard_last()  # made for another k
-                guess, proposal = self.drafter.speculate(k)
+                # a plain proposal waiting for the lock drops every speculation: this one stops short for it
+                guess, proposal = self.drafter.speculate(k, lambda: self.waiting)
             self.speculations.append(DraftRound(round_id, k, previous, proposal, guess, parent))
             self._ahead_of(self.speculations[-1], k)
             return self.speculations[-1]
