@@ -313,6 +313,37 @@ def test_pipelined_loop_without_speculation_equals_target_only(drafter):
     assert run_pipelined(MODEL, make_drafter(drafter, MODEL), prompt, 24, 4)[0] == greedy(24, prompt)
 
 
+class _WaitsForTheStream(ModelDrafter):
+    """A draft whose plain proposals after the first wait (at most 2 s) until the caller has every round before."""
+
+    def __init__(self, model, seen: list) -> None:
+        super().__init__(model)
+        self.seen, self.rounds, self.late = seen, 0, 0
+
+    def propose(self, k: int):
+        deadline = time.monotonic() + 2
+        while len(self.seen) < self.rounds and time.monotonic() < deadline:
+            time.sleep(0.001)
+        self.late += len(self.seen) < self.rounds
+        return super().propose(k)
+
+    def advance(self, accepted: int, next_token: int) -> None:
+        super().advance(accepted, next_token)
+        self.rounds += 1
+
+
+def test_pipelined_loop_streams_a_missed_round_before_the_next_proposal():
+    """After a miss the round's tokens reach the caller while the plain proposal is still being made."""
+    seen: list[list[int]] = []
+    drafter = _WaitsForTheStream(NOISY, seen)
+    session, stats = Counting(MODEL, START), Stats()
+    drafter.start(list(START))
+    for new in decode_pipelined(session, drafter, 40, 3, set(MODEL.config.eos_token_id or []), stats):
+        seen.append(new)
+    assert session.generated == greedy(40) and stats.accepted < stats.drafted  # rounds were missed
+    assert drafter.late == 0
+
+
 def test_pipelined_loop_pipelines():
     Counting.chained_rounds = 0
     out, stats = run_pipelined(MODEL, ModelDrafter(MODEL), START, 30, 3)  # the target drafts: every guess holds

@@ -24,7 +24,7 @@ verify instead of adding to it each round, and the draft service, which speculat
 the background after answering for r+1, answers at once. The draft refuses r+2 when r's outcome does not
 confirm r+1, and nothing changes. After a miss, the requests for the two speculations on top of the new
 round leave right behind the plain one (`propose_and_speculate`), so they are made while the new round is
-verified instead of a round trip after each. A chained verify is sent as soon as its proposal is in: the
+verified instead of a round trip after each; the missed round's tokens go out to the caller while they travel. A chained verify is sent as soon as its proposal is in: the
 target holds it until the round below is the pending one.
 
 Target and draft calls overlap through a small thread pool; each call carries the caller's
@@ -145,7 +145,10 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                 committing = submit(session.commit, cur.round_id, keep, span=commit_span)
                 room_after = room - keep - 1
                 t3 = time.perf_counter()
-                with tracer.start_as_current_span("propose"):
+                fresh: Future | None = None  # after a miss: the plain proposal, asked for now, waited for once this
+                # round's tokens are out (they stream to the caller during the draft's round trip, not after it)
+                propose_span = tracer.start_span("propose")  # open until the proposal it asks for is in
+                with use_span(propose_span, end_on_exit=False):
                     full = bool(queue) and keep == len(drafts) and next_token not in eos
                     if full and queue[0][0].done():  # cur+1's proposal is in: ask for more only if its guess holds
                         known = queue[0][0].result()  # (the plain Propose after a miss would first wait for a
@@ -167,7 +170,11 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                             ahead = speculate(resolved(planned), k)
                             queue = [] if ahead is None else [(ahead, k)]
                     elif room_after > 0 and next_token not in eos:
-                        fresh = propose(room_after)
+                        fresh = submit(propose, room_after)
+                if fresh is None:
+                    propose_span.end()
+                else:
+                    fresh.add_done_callback(lambda _: propose_span.end())
                 t4 = time.perf_counter()
                 with use_span(commit_span, end_on_exit=True):
                     version = committing.result()
@@ -193,7 +200,9 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                 cur = planned  # type: ignore[assignment]
                 cur.verifying = _or_verify(cur, session, submit)
             else:
-                cur, queue = start(fresh)
+                t = time.perf_counter()
+                cur, queue = start(fresh.result())  # type: ignore[union-attr]
+                propose_s = time.perf_counter() - t  # the next round's: it waited for its own proposal
 
 
 def resolved(value) -> Future:
