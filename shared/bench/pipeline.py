@@ -12,7 +12,9 @@ client-driven loop runs `pipeline=True` and `False` against them. Configurations
 output is checked against in-process target-only greedy decoding. Each row notes the machine's 1-minute
 load average when it ended: on a shared machine, other work takes the cores the overlap needs. It also
 says what a round costs in CPU time (the target process's and the draft process's, from /proc) and in the
-draft's forward passes (its own metrics): the overlap only pays while both fit on the machine's cores.
+draft's forward passes (its own metrics): the overlap only pays while both fit on the machine's cores. And it
+reads off the target's own outputs which rounds the pipelined loop can keep at all (`kept_rounds`), and how many
+of the misses a second speculation, built on the draft's second choice, would have turned into kept rounds.
 Run: `python -m shared.bench.pipeline [--quick] [--save docs]`.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from shared.bench import report
 from shared.bench.loopback import Server, check_greedy, target_only_outputs
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from shared.model.hybrid import HybridLM
 from shared.rpc.proxy import TcpProxy
 
 PROMPTS = [list(b"def fibonacci(n):\n"), list(b"import os\nimport sys\n\n"), list(b"class Stack:\n    def __init__")]
@@ -45,7 +48,9 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
     from shared.rpc.client import generate_client_driven, generate_on_server
 
     prompts = prompts or PROMPTS
-    expected = target_only_outputs(load_model(target_dir), prompts, max_new_tokens)
+    target = load_model(target_dir)
+    expected = target_only_outputs(target, prompts, max_new_tokens)
+    study = kept_rounds(target, load_model(draft_dir), prompts, expected, num_draft_tokens)
     rows = []
     with ExitStack() as stack:
         compiled = ["--compile"] if compile else []
@@ -104,9 +109,42 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                              "serial_staged_bytes_per_round": totals[False]["staged"] / totals[False]["rounds"],
                              "pipelined_staged_bytes_per_round": totals[True]["staged"] / totals[True]["rounds"],
                              "rounds": (totals[False]["rounds"], totals[True]["rounds"]), "identical_tokens": True,
-                             **_per_round(totals), "pinned": pinned,
+                             "num_draft_tokens": num_draft_tokens,
+                             **_per_round(totals), "pinned": pinned, "kept_rounds": study,
                              "load_average": os.getloadavg()[0]})
     return rows
+
+
+def kept_rounds(target: HybridLM, draft: HybridLM, prompts: list[list[int]], outputs: list[list[int]],
+                k: int) -> dict[str, int]:
+    """Which greedy rounds of k drafts a pipelined loop can keep, read off the target's own outputs: accepted drafts
+    are the target's tokens, so the draft's choices along an output (one pass over it) are those it makes in the
+    rounds. A round is kept when its k drafts and the guessed next token hold; it misses by a rejected draft or by
+    a wrong guess. `second_choice_*`: misses where the draft's second most likely token at the position that
+    decided the round is the target's, i.e. where a second speculation, built on that token, would have held."""
+    counts = dict.fromkeys(("rounds", "kept", "rejected", "wrong_guess", "second_choice_rejected",
+                            "second_choice_wrong_guess"), 0)
+    for prompt, output in zip(prompts, outputs):
+        ids = prompt + output
+        with torch.no_grad():
+            logits, _ = draft(torch.tensor(ids[:-1]), draft.new_state(capacity=len(ids)))
+        top2 = logits.topk(2, -1).indices.tolist()  # top2[p]: the draft's choices for ids[p + 1]
+        start = len(prompt)  # the round's first token
+        while True:
+            held = next((i for i in range(k) if top2[start + i - 1][0] != ids[start + i]), k) \
+                if start + k < len(ids) else None
+            if held is None:  # the output ends inside this round
+                break
+            decided = start + held  # the target's correction, or after k drafts its next token
+            kind = "rejected" if held < k else "wrong_guess"
+            counts["rounds"] += 1
+            if top2[decided - 1][0] == ids[decided]:
+                counts["kept"] += 1
+            else:
+                counts[kind] += 1
+                counts[f"second_choice_{kind}"] += top2[decided - 1][1] == ids[decided]
+            start = decided + 1
+    return counts
 
 
 def _per_round(totals: dict[bool, dict[str, float]]) -> dict[str, tuple[float, float]]:
@@ -142,6 +180,16 @@ def print_rows(rows: list[dict]) -> None:
         busy = tuple((target[i] + draft[i]) / wall[i] for i in (0, 1))
         print(f"{r['delay_ms']:>8g} {r['loop']:>6} {_pair(wall):>13} {_pair(target):>13} {_pair(draft):>13} "
               f"{_pair(r['draft_passes_per_round']):>12} {_pair(busy, 2):>11}")  # type: ignore[arg-type]
+    if rows and "kept_rounds" in rows[0]:
+        _print_kept(rows[0]["kept_rounds"], rows[0]["num_draft_tokens"])
+
+
+def _print_kept(c: dict[str, int], k: int) -> None:
+    print(f"\nRounds the pipelined loop can keep (greedy, k = {k}, read off the target's own output): {c['rounds']} "
+          f"rounds, {c['kept']} kept ({c['kept'] / max(c['rounds'], 1):.0%}); missed by a rejected draft "
+          f"{c['rejected']}, by a wrong guess of the next token {c['wrong_guess']}; of these, the draft's second "
+          f"choice at the deciding position is the target's token in {c['second_choice_rejected']} and "
+          f"{c['second_choice_wrong_guess']}")
 
 
 def _pair(values: tuple[float, float], digits: int = 1) -> str:
