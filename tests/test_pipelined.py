@@ -344,6 +344,36 @@ def test_pipelined_loop_streams_a_missed_round_before_the_next_proposal():
     assert drafter.late == 0
 
 
+class _CommitsAfterTheStream(TargetSession):
+    """A target session whose commits wait (at most 1 s) until the caller has the round they record."""
+
+    def __init__(self, *args, seen: list, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen, self.commits, self.late = seen, 0, 0
+
+    def commit(self, round_id: str, accepted: int) -> int:
+        deadline = time.monotonic() + 1
+        while len(self.seen) <= self.commits and time.monotonic() < deadline:
+            time.sleep(0.001)
+        self.late += len(self.seen) <= self.commits
+        self.commits += 1
+        return super().commit(round_id, accepted)
+
+
+@pytest.mark.parametrize("draft", ["target", "noisy"])
+def test_pipelined_loop_streams_each_round_at_its_verdict(draft):
+    """A round's tokens reach the caller before its commit returns (after a kept round the commit waits for the
+    next round's verify), and they are the tokens the commit records."""
+    seen: list[list[int]] = []
+    session, stats = _CommitsAfterTheStream(MODEL, START, seen=seen), Stats()
+    drafter = ModelDrafter(MODEL if draft == "target" else NOISY)
+    drafter.start(list(START))
+    for new in decode_pipelined(session, drafter, 40, 3, set(MODEL.config.eos_token_id or []), stats):
+        seen.append(new)
+    assert [t for chunk in seen for t in chunk] == session.generated == greedy(40)
+    assert session.late == 0 and session.commits == stats.rounds == len(seen)
+
+
 def test_pipelined_loop_pipelines():
     Counting.chained_rounds = 0
     out, stats = run_pipelined(MODEL, ModelDrafter(MODEL), START, 30, 3)  # the target drafts: every guess holds

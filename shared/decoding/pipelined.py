@@ -24,8 +24,12 @@ verify instead of adding to it each round, and the draft service, which speculat
 the background after answering for r+1, answers at once. The draft refuses r+2 when r's outcome does not
 confirm r+1, and nothing changes. After a miss, the requests for the two speculations on top of the new
 round leave right behind the plain one (`propose_and_speculate`), so they are made while the new round is
-verified instead of a round trip after each; the missed round's tokens go out to the caller while they travel. A chained verify is sent as soon as its proposal is in: the
+verified instead of a round trip after each. A chained verify is sent as soon as its proposal is in: the
 target holds it until the round below is the pending one.
+
+A round's tokens go out at its verdict, which decides them, while its commit is in flight: after a kept
+round the commit waits behind the next round's chained verify, and after a miss the plain proposal is
+on its way.
 
 Target and draft calls overlap through a small thread pool; each call carries the caller's
 context, so RPC spans stay in the generation's trace.
@@ -120,79 +124,88 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
         cur, queue = start(propose(max_new_tokens - len(out)))
         propose_s = time.perf_counter() - t
         while True:
-            with tracer.start_as_current_span("round") as span:
-                traced = span.is_recording()
-                ids = _ids(session, cur.round_id) if traced else {}
-                room = max_new_tokens - len(out)
-                t0 = time.perf_counter()
-                if not queue:  # speculate the next round while this one is verified
-                    with tracer.start_as_current_span("propose"):
-                        k = k_on(room, [len(cur.proposal.tokens)])
-                        ahead = speculate(resolved(cur), k) if k >= 1 else None
-                        queue = [] if ahead is None else [(ahead, k)]
-                t1 = time.perf_counter()
-                with tracer.start_as_current_span("verify") as phase:
-                    rnd: Round = cur.verifying.result()
-                    if traced:
-                        phase.set_attributes({**ids, attr.BASE_VERSION: cur.base, attr.DRAFT_TOKENS: len(rnd.drafts),
-                                              attr.ACCEPTED_TOKENS: rnd.verdict.accepted,
-                                              attr.STAGED_BYTES: rnd.staged_bytes})
-                t2 = time.perf_counter()
-                drafts = list(rnd.drafts)
-                keep = drafts_kept(rnd, eos)
-                next_token = rnd.verdict.next_token if keep == rnd.verdict.accepted else drafts[keep]
-                commit_span = tracer.start_span("commit")  # open until the commit returns, around the next propose
-                committing = submit(session.commit, cur.round_id, keep, span=commit_span)
-                room_after = room - keep - 1
-                t3 = time.perf_counter()
-                fresh: Future | None = None  # after a miss: the plain proposal, asked for now, waited for once this
-                # round's tokens are out (they stream to the caller during the draft's round trip, not after it)
-                propose_span = tracer.start_span("propose")  # open until the proposal it asks for is in
-                with use_span(propose_span, end_on_exit=False):
-                    full = bool(queue) and keep == len(drafts) and next_token not in eos
-                    if full and queue[0][0].done():  # cur+1's proposal is in: ask for more only if its guess holds
-                        known = queue[0][0].result()  # (the plain Propose after a miss would first wait for a
-                        full = known is not None and known.guess == next_token  # doomed request)
-                    # round cur+2, requested before cur+1's proposal is back (a remote drafter; after a miss it is
-                    # queued already)
-                    k = k_on(room, [len(drafts), queue[0][1]]) if queue else 0
-                    if full and hasattr(drafter, "speculate_async") and len(queue) == 1 and k >= 1:
-                        ahead = speculate(queue[0][0], k, (keep, next_token))
-                        queue = queue if ahead is None else [*queue, (ahead, k)]
-                    # cur+1's proposal, when it could be kept (else it is not waited for)
-                    planned: _Planned | None = queue[0][0].result() if queue and keep == len(drafts) else None
-                    kept = planned is not None and next_token == planned.guess
-                    drafter.advance(keep, next_token)  # keeps the draft's speculation or drops it
-                    if kept:
-                        queue = queue[1:]
-                        k = k_on(room_after, [len(planned.proposal.tokens)])  # type: ignore[union-attr]
-                        if not queue and k >= 1:
-                            ahead = speculate(resolved(planned), k)
+            span = tracer.start_span("round")  # open until the round's commit returns, after its tokens went out
+            try:
+                with use_span(span, end_on_exit=False):
+                    traced = span.is_recording()
+                    ids = _ids(session, cur.round_id) if traced else {}
+                    room = max_new_tokens - len(out)
+                    t0 = time.perf_counter()
+                    if not queue:  # speculate the next round while this one is verified
+                        with tracer.start_as_current_span("propose"):
+                            k = k_on(room, [len(cur.proposal.tokens)])
+                            ahead = speculate(resolved(cur), k) if k >= 1 else None
                             queue = [] if ahead is None else [(ahead, k)]
-                    elif room_after > 0 and next_token not in eos:
-                        fresh = submit(propose, room_after)
-                if fresh is None:
-                    propose_span.end()
-                else:
-                    fresh.add_done_callback(lambda _: propose_span.end())
-                t4 = time.perf_counter()
-                with use_span(commit_span, end_on_exit=True):
-                    version = committing.result()
+                    t1 = time.perf_counter()
+                    with tracer.start_as_current_span("verify") as phase:
+                        rnd: Round = cur.verifying.result()
+                        if traced:
+                            phase.set_attributes({**ids, attr.BASE_VERSION: cur.base,
+                                                  attr.DRAFT_TOKENS: len(rnd.drafts),
+                                                  attr.ACCEPTED_TOKENS: rnd.verdict.accepted,
+                                                  attr.STAGED_BYTES: rnd.staged_bytes})
+                    t2 = time.perf_counter()
+                    drafts = list(rnd.drafts)
+                    keep = drafts_kept(rnd, eos)
+                    next_token = rnd.verdict.next_token if keep == rnd.verdict.accepted else drafts[keep]
+                    commit_span = tracer.start_span("commit")  # open until the commit returns, around the next propose
+                    committing = submit(session.commit, cur.round_id, keep, span=commit_span)
+                    room_after = room - keep - 1
+                    t3 = time.perf_counter()
+                    fresh: Future | None = None  # after a miss: the plain proposal, asked for now, waited for once this
+                    # round's tokens are out (they stream to the caller during the draft's round trip, not after it)
+                    propose_span = tracer.start_span("propose")  # open until the proposal it asks for is in
+                    with use_span(propose_span, end_on_exit=False):
+                        full = bool(queue) and keep == len(drafts) and next_token not in eos
+                        if full and queue[0][0].done():  # cur+1's proposal is in: ask for more only if its guess holds
+                            known = queue[0][0].result()  # (the plain Propose after a miss would first wait for a
+                            full = known is not None and known.guess == next_token  # doomed request)
+                        # round cur+2, requested before cur+1's proposal is back (a remote drafter; after a miss it is
+                        # queued already)
+                        k = k_on(room, [len(drafts), queue[0][1]]) if queue else 0
+                        if full and hasattr(drafter, "speculate_async") and len(queue) == 1 and k >= 1:
+                            ahead = speculate(queue[0][0], k, (keep, next_token))
+                            queue = queue if ahead is None else [*queue, (ahead, k)]
+                        # cur+1's proposal, when it could be kept (else it is not waited for)
+                        planned: _Planned | None = queue[0][0].result() if queue and keep == len(drafts) else None
+                        kept = planned is not None and next_token == planned.guess
+                        drafter.advance(keep, next_token)  # keeps the draft's speculation or drops it
+                        if kept:
+                            queue = queue[1:]
+                            k = k_on(room_after, [len(planned.proposal.tokens)])  # type: ignore[union-attr]
+                            if not queue and k >= 1:
+                                ahead = speculate(resolved(planned), k)
+                                queue = [] if ahead is None else [(ahead, k)]
+                        elif room_after > 0 and next_token not in eos:
+                            fresh = submit(propose, room_after)
+                    if fresh is None:
+                        propose_span.end()
+                    else:
+                        fresh.add_done_callback(lambda _: propose_span.end())
+                    t4 = time.perf_counter()
+            except BaseException:
+                span.end()
+                raise
+            tokens = [*drafts[:keep], next_token]  # what the commit in flight records: the verdict decided them
+            try:
+                yield tokens  # out now, not once the commit returns (after a kept round it waits for the next verify)
+            finally:
+                with use_span(span, end_on_exit=True):
+                    t5 = time.perf_counter()
+                    with use_span(commit_span, end_on_exit=True):
+                        version = committing.result()
+                        if traced:
+                            commit_span.set_attributes({**ids, attr.BASE_VERSION: cur.base, attr.NEW_VERSION: version,
+                                                        attr.ACCEPTED_TOKENS: keep})
+                    phases = (propose_s + (t1 - t0) + (t4 - t3), t2 - t1, (t3 - t2) + (time.perf_counter() - t5))
+                    stats.add_round(len(drafts), keep, rnd.staged_bytes, phases)
+                    if metrics is not None:
+                        metrics.round(len(drafts), keep, rnd.staged_bytes, *phases)
                     if traced:
-                        commit_span.set_attributes({**ids, attr.BASE_VERSION: cur.base, attr.NEW_VERSION: version,
-                                                    attr.ACCEPTED_TOKENS: keep})
-                t5 = time.perf_counter()
-                phases = (propose_s + (t1 - t0) + (t4 - t3), t2 - t1, (t3 - t2) + (t5 - t4))
-                stats.add_round(len(drafts), keep, rnd.staged_bytes, phases)
-                if metrics is not None:
-                    metrics.round(len(drafts), keep, rnd.staged_bytes, *phases)
-                if traced:
-                    span.set_attributes({**ids, attr.BASE_VERSION: cur.base, attr.NEW_VERSION: version,
-                                         attr.DRAFT_TOKENS: len(drafts), attr.ACCEPTED_TOKENS: keep,
-                                         attr.STAGED_BYTES: rnd.staged_bytes})
-            new = session.generated
-            yield new[len(out):]
-            out = new
+                        span.set_attributes({**ids, attr.BASE_VERSION: cur.base, attr.NEW_VERSION: version,
+                                             attr.DRAFT_TOKENS: len(drafts), attr.ACCEPTED_TOKENS: keep,
+                                             attr.STAGED_BYTES: rnd.staged_bytes})
+            out = [*out, *tokens]
             if len(out) >= max_new_tokens or out[-1] in eos:
                 return
             propose_s = 0.0
