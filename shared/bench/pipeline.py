@@ -130,11 +130,8 @@ def kept_rounds(target: HybridLM, draft: HybridLM, prompts: list[list[int]], out
             logits, _ = draft(torch.tensor(ids[:-1]), draft.new_state(capacity=len(ids)))
         top2 = logits.topk(2, -1).indices.tolist()  # top2[p]: the draft's choices for ids[p + 1]
         start = len(prompt)  # the round's first token
-        while True:
-            held = next((i for i in range(k) if top2[start + i - 1][0] != ids[start + i]), k) \
-                if start + k < len(ids) else None
-            if held is None:  # the output ends inside this round
-                break
+        while start + k < len(ids):  # (not a round the output ends inside)
+            held = next((i for i in range(k) if top2[start + i - 1][0] != ids[start + i]), k)
             decided = start + held  # the target's correction, or after k drafts its next token
             kind = "rejected" if held < k else "wrong_guess"
             counts["rounds"] += 1
