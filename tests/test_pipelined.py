@@ -313,6 +313,14 @@ def test_pipelined_loop_without_speculation_equals_target_only(drafter):
     assert run_pipelined(MODEL, make_drafter(drafter, MODEL), prompt, 24, 4)[0] == greedy(24, prompt)
 
 
+def _caller_has(seen: list, rounds: int, wait_s: float) -> bool:
+    """Whether the caller has `rounds` rounds, waiting for them at most `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while len(seen) < rounds and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return len(seen) >= rounds
+
+
 class _WaitsForTheStream(ModelDrafter):
     """A draft whose plain proposals after the first wait (at most 2 s) until the caller has every round before."""
 
@@ -321,10 +329,7 @@ class _WaitsForTheStream(ModelDrafter):
         self.seen, self.rounds, self.late = seen, 0, 0
 
     def propose(self, k: int):
-        deadline = time.monotonic() + 2
-        while len(self.seen) < self.rounds and time.monotonic() < deadline:
-            time.sleep(0.001)
-        self.late += len(self.seen) < self.rounds
+        self.late += not _caller_has(self.seen, self.rounds, 2)
         return super().propose(k)
 
     def advance(self, accepted: int, next_token: int) -> None:
@@ -352,10 +357,7 @@ class _CommitsAfterTheStream(TargetSession):
         self.seen, self.commits, self.late = seen, 0, 0
 
     def commit(self, round_id: str, accepted: int) -> int:
-        deadline = time.monotonic() + 1
-        while len(self.seen) <= self.commits and time.monotonic() < deadline:
-            time.sleep(0.001)
-        self.late += len(self.seen) <= self.commits
+        self.late += not _caller_has(self.seen, self.commits + 1, 1)
         self.commits += 1
         return super().commit(round_id, accepted)
 
