@@ -25,12 +25,14 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "shared.cli", *argv, "--port", "0", "--metrics-port", "0"],
                                      stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                      cwd=Path(__file__).resolve().parents[2])
-        self.address, self.metrics, self.ready = "", "", threading.Event()
+        self.address, self.metrics, self.ready, self.serving = "", "", threading.Event(), False
         self.log: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        if not self.ready.wait(300):
+        self.ready.wait(300)  # set when it serves, or when it exits first (its stderr closes)
+        if not self.serving:
             self.stop()
-            raise RuntimeError(f"{argv[0]} did not start serving:\n{''.join(self.log[-20:])}")
+            raise RuntimeError(f"{argv[0]} did not start serving (exit status {self.proc.returncode}):\n"
+                               f"{''.join(self.log[-20:])}")
 
     def pin(self, cpus: set[int]) -> None:
         """Run every thread of the server on `cpus` only; threads it starts later inherit the set from their creator."""
@@ -76,7 +78,9 @@ class Server:
             elif line.startswith("metrics on"):
                 self.metrics = line.split()[-1]
             elif line.startswith("serving"):
+                self.serving = True
                 self.ready.set()
+        self.ready.set()  # stderr closed: the process ended (a start that failed says why in the log)
 
 
 def start_pair(target_dir: Path, draft_dir: Path, *extra: str) -> dict[str, Server]:

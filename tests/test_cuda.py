@@ -1,0 +1,213 @@
+"""On CUDA the model, its versioned state, the decoding loop and the served models give what the CPU gives.
+
+Skipped without a GPU (CI has none); `scripts/gpu_check.sh` runs this file on one. float32 with TF32 off, so
+the GPU differs from the CPU by float32 rounding only (other kernels: Triton for T <= 16 tokens, the chunked form
+on CUDA beyond), compared per tensor to a relative 1e-4 of its scale as in test_rollback.
+- Random models of every conftest config, layer and fused paths: a prefill, a verify with a partial commit, a
+  reverted verify, a chained round (mark, commit_marked, commit) and a decode step, with K/V growing on the
+  device: every pass's logits and the final head equal the CPU's; a batched pass (`forward_batch`, ragged) equals
+  single passes.
+- The embedded pair on the GPU: greedy target-only equals the CPU's tokens; greedy speculation (draft model, MTP,
+  n-gram) equals target-only; sampled speculation draws what the CPU draws, seed for seed.
+- Both services on the GPU over loopback gRPC: the server loop, the client-driven loop and concurrent (batched)
+  sessions give the in-process tokens, greedy and sampled.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from shared.bench.loopback import PROMPTS
+from shared.decoding.drafters import make_drafter
+from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.decoding.sampling import SamplingParams
+from shared.decoding.speculative import generate
+from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from shared.model.batched import forward_batch
+from shared.model.checkpoint import hf_config, random_model
+from shared.model.loader import load_model
+from shared.model.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh)")
+
+REL = 1e-4
+TOKENS = torch.randint(0, 89, (31,), generator=torch.Generator().manual_seed(0)).tolist()  # 89: the smallest vocab
+N = 48
+SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # cudnn: the layer path's conv
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def assert_near(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
+    err = (got.cpu().double() - want.cpu().double()).abs().max()
+    assert err <= REL * want.abs().max().clamp_min(1e-3), f"{what}: max abs diff {err:.3g}"
+
+
+def rounds(model) -> tuple[list[torch.Tensor], object]:
+    """A prefill, then rounds ending every way the state API allows; each pass's logits and the state after."""
+    ids, state, logits = torch.tensor(TOKENS), model.new_state(capacity=16), []  # 16: K/V grows in the prefill
+
+    def stage(a: int, b: int) -> None:
+        logits.append(model(ids[a:b], state)[0])
+
+    stage(0, 20)  # prefill: the chunked form on both devices
+    state.commit(20)
+    stage(20, 26)  # a verify of 6 (Triton on CUDA), 3 kept: a partial commit from the logs
+    state.commit(3)
+    stage(23, 27)  # a verify dropped
+    state.revert()
+    stage(23, 28)  # a verify, a round chained on it, the first kept by a pointer swap, 2 of the second kept
+    state.mark()
+    stage(28, 31)
+    state.commit_marked()
+    state.commit(2)
+    stage(30, 31)  # a decode step
+    state.commit(1)
+    return logits, state
+
+
+def assert_same_head(state, ref) -> None:
+    assert (state.length, state.staged, state.marked) == (ref.length, ref.staged, ref.marked)
+    n = ref.length
+    pairs = [("recurrent", state.gdn.recurrent, ref.gdn.recurrent), ("conv window", state.gdn.conv, ref.gdn.conv)]
+    pairs += [(f"attention {i} {kv}", getattr(a, kv)[:, :n], getattr(b, kv)[:, :n])
+              for i, (a, b) in enumerate(zip(state.attn, ref.attn, strict=True)) for kv in ("k", "v")]
+    for what, a, b in pairs:
+        assert a.is_cuda, what
+        assert_near(a, b, what)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["layers", "fused"])
+def test_rounds_on_cuda_match_cpu(config_dict, fused):
+    cpu, gpu = random_model(config_dict, seed=3), random_model(config_dict, seed=3).to("cuda")
+    if fused:
+        cpu.fuse()
+        gpu.fuse()
+    (want, ref), (got, state) = rounds(cpu), rounds(gpu)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.is_cuda
+        assert_near(a, b, f"logits of pass {i}")
+    assert state.length == len(TOKENS)
+    assert_same_head(state, ref)
+
+
+@pytest.mark.parametrize("lengths", [(1, 3, 5), (2, 20, 1)], ids=["triton", "chunked"])
+def test_batched_pass_matches_single_passes(lengths):
+    model = random_model(hf_config(), seed=5).to("cuda").fuse()
+    ids = [torch.tensor(TOKENS[i:i + 3 * i + 2 + T]) for i, T in enumerate(lengths)]  # histories of 2, 5, 8 tokens
+
+    def with_history() -> list:
+        states = []
+        for i, x in enumerate(ids):
+            states.append(model.new_state())
+            model(x[:3 * i + 2], states[-1])
+            states[-1].commit(3 * i + 2)
+        return states
+
+    alone, together = with_history(), with_history()
+    want = [model(x[3 * i + 2:], s) for i, (x, s) in enumerate(zip(ids, alone))]
+    got = forward_batch(model, [(x[3 * i + 2:], s) for i, (x, s) in enumerate(zip(ids, together))])
+    for (logits, hidden), (want_logits, want_hidden) in zip(got, want, strict=True):
+        assert_near(logits, want_logits, "logits")
+        assert_near(hidden, want_hidden, "hidden")
+    for a, b in zip(together, alone):
+        a.commit(a.staged)
+        b.commit(b.staged)
+        assert_same_head(a, b)
+
+
+# ---- the embedded pair ----
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_model(DEFAULT_TARGET, device="cuda"), load_model(DEFAULT_DRAFT, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    tokenizer = load_tokenizer(DEFAULT_TARGET)
+    return [tokenizer.encode(p) for p in PROMPTS[:4]]
+
+
+@pytest.fixture(scope="module")
+def greedy(pair, prompts) -> list[list[int]]:
+    return [generate(pair[0], p, N).token_ids for p in prompts]
+
+
+def drafter(name: str, target, draft, sampling: SamplingParams = SamplingParams()):
+    return ModelDrafter(draft, sampling, 0.3) if name == "draft" else make_drafter(name, target, sampling)
+
+
+def test_target_only_greedy_matches_cpu(prompts, greedy):
+    cpu = load_model(DEFAULT_TARGET)
+    assert [generate(cpu, p, N).token_ids for p in prompts] == greedy
+
+
+@pytest.mark.parametrize("name,k", [("draft", 4), ("draft", 16), ("mtp", 4), ("ngram", 4)])
+def test_greedy_speculation_equals_target_only(pair, prompts, greedy, name, k):
+    for prompt, want in zip(prompts, greedy):
+        result = generate(pair[0], prompt, N, drafter(name, *pair), k)
+        assert result.token_ids == want
+        assert name == "ngram" or result.stats.accepted > 0
+
+
+@pytest.mark.parametrize("name", ["draft", "mtp", "ngram"])
+def test_sampled_speculation_draws_what_the_cpu_draws(pair, prompts, name):
+    cpu = load_model(DEFAULT_TARGET), load_model(DEFAULT_DRAFT)
+    for prompt in prompts[:2]:
+        got = generate(pair[0], prompt, N, drafter(name, *pair, SAMPLED), 4, SAMPLED)
+        want = generate(cpu[0], prompt, N, drafter(name, *cpu, SAMPLED), 4, SAMPLED)
+        assert got.token_ids == want.token_ids
+        assert got.stats.drafted > got.stats.accepted  # rejections happened: the residual draws ran on the GPU
+
+
+# ---- served on the GPU ----
+
+
+@pytest.fixture(scope="module")
+def served():
+    """Both services in this process, models and states on the GPU; the target speculates with the draft."""
+    from draft_service import servicer as draft_servicer
+    from target_service import servicer as target_servicer
+    from test_rpc_support import start
+
+    with start(draft_servicer.service(lambda: load_model(DEFAULT_DRAFT, device="cuda"))) as draft:
+        peer = target_servicer.DraftPeer(draft.address, timeout_s=30.0)  # a first proposal may wait on Triton's JIT
+        with start(target_servicer.service(lambda: (load_model(DEFAULT_TARGET, device="cuda"),
+                                                    load_tokenizer(DEFAULT_TARGET)), draft=peer)) as target:
+            yield target.address, draft.address
+
+
+def test_served_greedy_equals_in_process(served, prompts, greedy):
+    from shared.rpc.client import generate_client_driven, generate_on_server
+
+    target, draft = served
+    result, _ = generate_on_server(target, prompts[0], "", N)
+    assert result.token_ids == greedy[0] and result.stats.accepted > 0
+    result, _ = generate_client_driven(target, draft, prompts[0], "", N, draft_timeout_s=30.0)
+    assert result.token_ids == greedy[0] and result.stats.accepted > 0
+    with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent sessions: batched passes on both servers
+        loops = [pool.submit(generate_on_server, target, p, "", N) for p in prompts]
+        loops += [pool.submit(generate_client_driven, target, draft, p, "", N, draft_timeout_s=30.0) for p in prompts]
+        assert [f.result()[0].token_ids for f in loops] == greedy + greedy
+
+
+def test_served_sampled_equals_in_process(served, pair, prompts):
+    from shared.rpc.client import generate_client_driven, generate_on_server
+
+    target, draft = served
+    want = generate(pair[0], prompts[0], N, ModelDrafter(pair[1], SAMPLED), 4, SAMPLED)
+    assert want.stats.drafted > want.stats.accepted
+    assert generate_on_server(target, prompts[0], "", N, 4, SAMPLED)[0].token_ids == want.token_ids
+    assert generate_client_driven(target, draft, prompts[0], "", N, 4, SAMPLED,
+                                  draft_timeout_s=30.0)[0].token_ids == want.token_ids
