@@ -37,11 +37,14 @@ def accept_greedy(target_scores: Tensor, drafts: list[int]) -> Verdict:
 def accept_rejection(
     target_probs: Tensor, drafts: list[int], draft_probs: Tensor | None, generator: torch.Generator
 ) -> Verdict:
-    """target_probs `(k+1, V)`, draft_probs `(k, V)` or None for a deterministic proposal."""
+    """target_probs `(k+1, V)`, draft_probs `(k, V)` or None for a deterministic proposal; q is read where p is
+    (draft probabilities arrive on the CPU, from the wire or a drafter on another device)."""
+    if draft_probs is not None:
+        draft_probs = draft_probs.to(target_probs.device)
     for i, token in enumerate(drafts):
         p = target_probs[i]
         q = draft_probs[i] if draft_probs is not None else torch.nn.functional.one_hot(
-            torch.tensor(token), p.shape[-1]).float()
+            torch.tensor(token, device=p.device), p.shape[-1]).float()
         ratio = float(p[token]) / max(float(q[token]), 1e-30)
         if float(torch.rand((), generator=generator)) >= min(1.0, ratio):
             residual = (p - q).clamp_min(0.0)
