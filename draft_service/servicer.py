@@ -47,6 +47,7 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
         self.sessions.reserve(caller())
         session = await asyncio.to_thread(DraftSession, self.model, list(request.token_ids), sampling, self.stop_below,
                                           answers_sent_by_caller=True)
+        session.sparse_probs = request.sparse_probs
         return pb.DraftServiceCreateSessionResponse(session_id=self.sessions.add(session, caller()),
                                                     max_draft_tokens=MAX_DRAFT_TOKENS)
 
@@ -63,7 +64,7 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
             span.set_attributes({attr.SESSION_ID: request.session_id, attr.ROUND_ID: request.round_id,
                                  attr.DRAFT_TOKENS: len(rnd.proposal.tokens)})
         return pb.ProposeResponse(draft_tokens=rnd.proposal.tokens, assumed_next_token=rnd.guess,
-                                  draft_probs=probs_to_proto(rnd.proposal.probs, greedy))
+                                  **probs_to_proto(rnd.proposal.probs, greedy, session.sparse_probs))
 
     async def Commit(self, request: pb.DraftServiceCommitRequest, context) -> pb.DraftServiceCommitResponse:
         with self.sessions.use(request.session_id, caller()) as session:

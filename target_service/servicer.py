@@ -78,11 +78,11 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         return pb.CreateSessionResponse(
             session_id=self.sessions.add(session, caller()), head_version=session.version, prompt_ids=prompt,
             vocab_size=self.vocab_size, eos_token_ids=sorted(self.eos), max_draft_tokens=MAX_DRAFT_TOKENS,
-            target_address=self.advertise_address)
+            target_address=self.advertise_address, sparse_probs=True)
 
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         with self.sessions.use(request.session_id, caller()) as session:
-            probs = probs_from_proto(request.draft_probs, list(request.draft_tokens), self.vocab_size, "draft_probs")
+            probs = probs_from_proto(request, list(request.draft_tokens), self.vocab_size)
             probs = None if session.sampling.greedy else probs  # checked even so: garbage is refused, not ignored
             started = time.perf_counter()
             parent = request.parent_round_id or None

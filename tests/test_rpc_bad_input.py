@@ -193,6 +193,17 @@ def probs(L: Loop, row: Callable[[int], list[float]]) -> list[float]:
     return [p for i in range(len(L.drafts)) for p in row(L.drafts[i])]
 
 
+def sparse(L: Loop, rows: int = 0, extra_id: bool = False, second: int | None = None,
+           p: float = 0.5) -> sampling_pb2.SparseDistributions:
+    """Rows of two entries, the drafted token (`p`) and another (`second`; -1: the drafted token again);
+    `rows` more or fewer rows than drafts, `extra_id` one id too many for the sizes."""
+    drafts = [*L.drafts, *L.drafts[:1] * max(rows, 0)][:len(L.drafts) + rows]
+    others = [(t + 1) % VOCAB if second is None else t if second == -1 else second for t in drafts]
+    ids = [i for t, o in zip(drafts, others) for i in (t, o)]
+    return sampling_pb2.SparseDistributions(row_sizes=[2] * len(drafts), token_ids=ids + [0] * extra_id,
+                                            probs=[x for _ in drafts for x in (p, 0.5)] + [0.0] * extra_id)
+
+
 def one_hot(token: int, scale: float = 1.0) -> list[float]:
     return [scale if t == token else 0.0 for t in range(VOCAB)]
 
@@ -353,6 +364,27 @@ CASES = [
     Case("draft probabilities zero on the drafted token", T, "proposed",
          lambda L: L.t.Verify(L.verify_request(round_id="x", draft_probs=probs(L, lambda t: one_hot((t + 1) % VOCAB)))),
          IA, "draft_probs"),
+    Case("draft probabilities dense and sparse both", T, "proposed",
+         lambda L: L.t.Verify(L.verify_request(round_id="x", draft_probs=probs(L, one_hot),
+                                               draft_probs_sparse=sparse(L))), IA, "draft_probs_sparse"),
+    Case("sparse draft probabilities: a row missing", T, "proposed",
+         lambda L: L.t.Verify(L.verify_request(round_id="x", draft_probs_sparse=sparse(L, rows=-1))), IA,
+         "draft_probs_sparse.row_sizes"),
+    Case("sparse draft probabilities: sizes and entries disagree", T, "proposed",
+         lambda L: L.t.Verify(L.verify_request(round_id="x", draft_probs_sparse=sparse(L, extra_id=True))), IA,
+         "draft_probs_sparse"),
+    Case("sparse draft probabilities: token id = vocab size", T, "proposed",
+         lambda L: L.t.Verify(L.verify_request(round_id="x", draft_probs_sparse=sparse(L, second=VOCAB))), IA,
+         "draft_probs_sparse.token_ids"),
+    Case("sparse draft probabilities: a token twice in a row", T, "proposed",
+         lambda L: L.t.Verify(L.verify_request(round_id="x", draft_probs_sparse=sparse(L, second=-1))), IA,
+         "draft_probs_sparse.token_ids"),
+    Case("sparse draft probabilities unnormalised", T, "proposed",
+         lambda L: L.t.Verify(L.verify_request(round_id="x", draft_probs_sparse=sparse(L, p=0.7))), IA,
+         "draft_probs_sparse"),
+    Case("sparse draft probabilities zero on the drafted token", T, "proposed",
+         lambda L: L.t.Verify(L.verify_request(round_id="x", draft_probs_sparse=sparse(L, p=0.0))), IA,
+         "draft_probs_sparse"),
     Case("Verify over the message size limit", T, "proposed",
          lambda L: raw(L.s, TARGET + "Verify", L.verify_request(round_id="x").SerializeToString()
                        + string_field(2, b"r" * OVERSIZED), limit=-1), RE, None),

@@ -12,6 +12,7 @@ from shared.decoding.speculative import generate
 from shared.decoding.session_table import Limits
 from shared.model.loader import load_model
 from shared.rpc.client import generate_on_server
+from shared.rpc.convert import probs_from_proto
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
                               target_service)
 
@@ -24,9 +25,9 @@ def stub(pair):
         yield draft_stub(server.address)
 
 
-def open_session(stub, **sampling) -> str:
+def open_session(stub, sparse_probs: bool = False, **sampling) -> str:
     return stub.CreateSession(pb.DraftServiceCreateSessionRequest(
-        token_ids=PROMPT, sampling=sampling_pb2.SamplingParams(**sampling))).session_id
+        token_ids=PROMPT, sampling=sampling_pb2.SamplingParams(**sampling), sparse_probs=sparse_probs)).session_id
 
 
 def outcome(round_id: str, accepted: int, next_token: int) -> pb.RoundOutcome:
@@ -80,6 +81,20 @@ def test_probabilities_travel_only_when_sampling(stub):
     q = torch.tensor(list(reply.draft_probs)).view(len(reply.draft_tokens), 257)
     assert torch.allclose(q.sum(-1), torch.ones(len(reply.draft_tokens)), atol=1e-5)
     stub.CloseSession(pb.DraftServiceCloseSessionRequest(session_id=sid))
+
+
+def test_top_k_probabilities_travel_sparse_to_a_caller_that_reads_them(stub):
+    """The same proposal, dense to a caller that did not ask (an older client), sparse to one that did."""
+    replies = []
+    for sparse in (False, True):
+        sid = open_session(stub, sparse, temperature=0.8, top_k=20, seed=3)
+        replies.append(stub.Propose(pb.ProposeRequest(session_id=sid, round_id="r1", k=3)))
+        stub.CloseSession(pb.DraftServiceCloseSessionRequest(session_id=sid))
+    dense, sparse = replies
+    assert not dense.HasField("draft_probs_sparse") and not sparse.draft_probs
+    assert list(sparse.draft_probs_sparse.row_sizes) == [20] * 3 and dense.draft_tokens == sparse.draft_tokens
+    tokens = list(dense.draft_tokens)
+    assert torch.equal(probs_from_proto(sparse, tokens, 257), probs_from_proto(dense, tokens, 257))
 
 
 def test_refused_sessions(stub):

@@ -3,6 +3,7 @@
 Sections: the cost of one step (ATen calls and time, layer path vs fused path); acceptance and
 speed-up by drafter and k; long generations (96 to 1024 tokens: speculative, our target-only and
 HF transformers' generate(), alternated, with each round's phases); the gRPC path over in-process;
+draft distributions on the wire, dense and sparse, at Qwen3.5's vocabulary (`shared.bench.wire`);
 tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over decode 1);
 pipelined vs serial rounds over gRPC with 0, 1 and 5 ms of network delay, and what a round costs in CPU time
 and draft passes (`shared.bench.pipeline`); load
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shared.bench import generation, load, pipeline, report, session_memory, steps as step_costs
+from shared.bench import generation, load, pipeline, report, session_memory, steps as step_costs, wire
 from shared.bench.rollback import compare
 from shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
 from shared.decoding.drafters import make_drafter
@@ -37,7 +38,7 @@ from shared.telemetry.overhead import tracing_overhead
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
-SECTIONS = ("steps", "acceptance", "generations", "grpc", "tracing", "rollback", "memory", "pipeline", "load",
+SECTIONS = ("steps", "acceptance", "generations", "grpc", "wire", "tracing", "rollback", "memory", "pipeline", "load",
             "sessions", "compiled", "gpu")
 
 
@@ -86,6 +87,9 @@ def run(args: argparse.Namespace) -> dict:
             from shared.rpc.overhead import measure
 
             result["grpc"] = measure(max_new_tokens=new_tokens, repeats=2 if quick else 3)
+            bar.update()
+        if "wire" in steps:
+            result["wire"] = wire.draft_probs_wire(repeats=3 if quick else 7)
             bar.update()
         if "tracing" in steps:
             result["tracing"] = tracing_overhead(target, ModelDrafter(draft), prompts[0], new_tokens,
@@ -139,6 +143,8 @@ def print_tables(result: dict) -> None:
         g = result["grpc"]["ratio_to_in_process"]
         print(f"\ngRPC loopback over in-process tokens/s: server loop {g['server_loop']:.2f}, "
               f"client-driven {g['client_driven']:.2f}")
+    if "wire" in result:
+        wire.print_rows(result["wire"])
     if "tracing" in result:
         t = result["tracing"]
         print(f"Tracing off vs compiled out: {t['off_tokens_per_s']:.1f} vs {t['compiled_out_tokens_per_s']:.1f} "

@@ -99,6 +99,7 @@ class DraftSession:
         self.opened = threading.Condition(self.lock)  # notified when a plain proposal opens a round
         self.overtaken = False  # a speculative request waits for the plain proposal it overtook
         self.answers = Answers(answers_sent_by_caller)  # speculative work waits for them to leave
+        self.sparse_probs = False  # the caller reads sparse draft distributions (a service's session)
 
     def propose(self, round_id: str, k: int, previous: Outcome | None = None, speculative: bool = False,
                 parent: str | None = None) -> DraftRound:

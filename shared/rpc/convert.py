@@ -21,29 +21,70 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
                                        seed=params.seed)
 
 
-def probs_to_proto(probs: Tensor | None, greedy: bool) -> list[float]:
-    """Draft distributions travel only when sampling: greedy verification never reads them."""
-    return [] if probs is None or greedy else probs.float().flatten().tolist()
+def probs_to_proto(probs: Tensor | None, greedy: bool, sparse: bool = False) -> dict:
+    """The message fields that carry draft distributions q: none when greedy (verification never reads them);
+    `draft_probs_sparse` when the peer reads it (`sparse`) and most entries are 0, as top-k and top-p leave them
+    (exact: every entry left out is 0); else the dense `draft_probs`."""
+    if probs is None or greedy:
+        return {}
+    probs = probs.detach().float().cpu()
+    if sparse and 2 * int(torch.count_nonzero(probs)) < probs.numel():  # an entry costs two numbers
+        rows, ids = probs.nonzero(as_tuple=True)
+        return {"draft_probs_sparse": sampling_pb2.SparseDistributions(
+            row_sizes=torch.bincount(rows, minlength=probs.shape[0]).tolist(), token_ids=ids.tolist(),
+            probs=probs[rows, ids].tolist())}
+    return {"draft_probs": probs.flatten().tolist()}
 
 
-def probs_from_proto(values, tokens: list[int], vocab_size: int, field_name: str) -> Tensor | None:
-    """A `(len(tokens), vocab)` float32 tensor of distributions that could have drawn `tokens`, or None when
-    none were sent; anything else (wrong length, NaN, negative, not summing to 1, zero on a drafted token) is
-    refused, since rejection sampling divides by it."""
-    if not len(values):
+def probs_from_proto(msg, tokens: list[int], vocab_size: int) -> Tensor | None:
+    """A `(len(tokens), vocab)` float32 tensor of the distributions in `msg.draft_probs` (dense, row-major) or
+    `msg.draft_probs_sparse`, or None when neither is set. Anything else (both set, wrong sizes, a token outside
+    the vocabulary or twice in a row, NaN, negative, rows not summing to 1, zero on a drafted token) is refused
+    naming the field, since rejection sampling divides by it."""
+    dense = msg.draft_probs
+    sparse = msg.draft_probs_sparse if msg.HasField("draft_probs_sparse") else None
+    if sparse is not None and len(dense):
+        raise InvalidArgument("draft_probs and draft_probs_sparse are both set: send one", "draft_probs_sparse")
+    rows = len(tokens)
+    if sparse is None and not len(dense):
         return None
     check_tokens(tokens, vocab_size, "draft_tokens")
-    rows = len(tokens)
-    if len(values) != rows * vocab_size:
-        raise InvalidArgument(f"{len(values)} draft probabilities, expected {rows} x {vocab_size}", field_name)
-    q = torch.tensor(values, dtype=torch.float32).view(rows, vocab_size)
-    if not (torch.isfinite(q).all() and (q >= 0).all()):
+    if sparse is not None:
+        field_name = "draft_probs_sparse"
+        q, values = _dense(sparse, rows, vocab_size)
+    else:
+        field_name = "draft_probs"
+        if len(dense) != rows * vocab_size:
+            raise InvalidArgument(f"{len(dense)} draft probabilities, expected {rows} x {vocab_size}", field_name)
+        values = torch.tensor(dense, dtype=torch.float32)
+        q = values.view(rows, vocab_size)
+    if not (torch.isfinite(values).all() and (values >= 0).all()):
         raise InvalidArgument("draft probabilities must be finite and >= 0", field_name)
     if not torch.allclose(q.sum(-1), torch.ones(rows), atol=1e-3):
         raise InvalidArgument(f"draft probabilities must sum to 1 per token, got {q.sum(-1).tolist()}", field_name)
     if not (q[torch.arange(rows), torch.tensor(tokens, dtype=torch.long)] > 0).all():
         raise InvalidArgument("draft probabilities give a drafted token probability 0", field_name)
     return q
+
+
+def _dense(msg: sampling_pb2.SparseDistributions, rows: int, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """The `(rows, vocab)` tensor a `SparseDistributions` lists, its layout checked, and the listed values."""
+    field_name = "draft_probs_sparse"
+    sizes, ids = list(msg.row_sizes), list(msg.token_ids)
+    if len(sizes) != rows:
+        raise InvalidArgument(f"{len(sizes)} rows for {rows} draft tokens", f"{field_name}.row_sizes")
+    if sum(sizes) != len(ids) or len(ids) != len(msg.probs):
+        raise InvalidArgument(f"row sizes sum to {sum(sizes)}, with {len(ids)} token ids and {len(msg.probs)} "
+                              "probabilities: all three must agree", field_name)
+    check_tokens(ids, vocab_size, f"{field_name}.token_ids")
+    at = torch.repeat_interleave(torch.arange(rows), torch.tensor(sizes, dtype=torch.long)) * vocab_size + \
+        torch.tensor(ids, dtype=torch.long)
+    if torch.unique(at).numel() != at.numel():
+        raise InvalidArgument("a token id appears twice in one row", f"{field_name}.token_ids")
+    values = torch.tensor(list(msg.probs), dtype=torch.float32)
+    q = torch.zeros(rows * vocab_size)
+    q[at] = values
+    return q.view(rows, vocab_size), values
 
 
 def stats_to_proto(stats: Stats, draft_failures: int = 0) -> sampling_pb2.GenerationStats:

@@ -253,7 +253,7 @@ class RemoteDrafter:
         log.warning("draft failed (%s); %d round(s) without speculation", _describe(e), self.skip)
 
     def _create_request(self) -> draft_service_pb2.DraftServiceCreateSessionRequest:
-        return draft_service_pb2.DraftServiceCreateSessionRequest(token_ids=self.history,
+        return draft_service_pb2.DraftServiceCreateSessionRequest(token_ids=self.history, sparse_probs=True,
                                                                   sampling=sampling_to_proto(self.sampling))
 
     def close(self, wait: bool = True) -> None:
@@ -284,10 +284,10 @@ class RemoteDrafter:
         tokens = list(reply.draft_tokens)
         if len(tokens) > k or any(t >= self.vocab_size for t in tokens):
             raise MalformedProposal(f"{len(tokens)} tokens for k = {k}, or a token outside the vocabulary")
-        if self.sampling.greedy or not reply.draft_probs:
+        if self.sampling.greedy:
             return Proposal(tokens)
         try:
-            return Proposal(tokens, probs_from_proto(reply.draft_probs, tokens, self.vocab_size, "draft_probs"))
+            return Proposal(tokens, probs_from_proto(reply, tokens, self.vocab_size))
         except InvalidArgument as e:
             raise MalformedProposal(str(e)) from None
 

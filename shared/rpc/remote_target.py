@@ -62,6 +62,11 @@ class RemoteTargetSession:
         self.max_draft_tokens: int = self._created.max_draft_tokens
 
     @property
+    def sparse_probs(self) -> bool:
+        """Whether the target that holds the session reads sparse draft distributions (older ones do not)."""
+        return self._created.sparse_probs
+
+    @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
@@ -77,7 +82,7 @@ class RemoteTargetSession:
         try:
             reply = self.stub.Verify(pb.VerifyRequest(
                 session_id=self.session_id, round_id=round_id, base_version=base_version, draft_tokens=drafts,
-                draft_probs=probs_to_proto(draft_probs, self.sampling.greedy), parent_round_id=parent,
+                **probs_to_proto(draft_probs, self.sampling.greedy, self.sparse_probs), parent_round_id=parent,
                 parent_next_token=guess), **self._opts())
         except grpc.RpcError as e:
             refusal = NotFound if e.code() == grpc.StatusCode.NOT_FOUND else FailedPrecondition
@@ -117,7 +122,7 @@ class RemoteTargetSession:
         round_id, drafts, probs = self._in_flight  # type: ignore[misc]
         reply = self.stub.Verify(pb.VerifyRequest(
             session_id=self.session_id, round_id=round_id, base_version=self.version, draft_tokens=drafts,
-            draft_probs=probs_to_proto(probs, self.sampling.greedy)), **self._opts())
+            **probs_to_proto(probs, self.sampling.greedy, self.sparse_probs)), **self._opts())
         self._round = Round(round_id, self.version, tuple(drafts), Verdict(reply.accepted, reply.next_token),
                             reply.round.staged_bytes, hidden=torch.empty(0))
         return self._round
