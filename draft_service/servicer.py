@@ -19,7 +19,7 @@ from shared.decoding.session_table import Limits, SessionTable
 from shared.decoding.target import MAX_DRAFT_TOKENS
 from shared.model.hybrid import HybridLM
 from shared.state.rollback import CHAIN_LOG_CAPACITY
-from shared.rpc.convert import probs_to_proto, sampling_from_proto
+from shared.rpc.convert import put_probs, sampling_from_proto
 from shared.rpc.security import caller
 from shared.rpc.server import Service, answered_call
 from shared.telemetry import Telemetry
@@ -63,8 +63,9 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
         if span.is_recording():
             span.set_attributes({attr.SESSION_ID: request.session_id, attr.ROUND_ID: request.round_id,
                                  attr.DRAFT_TOKENS: len(rnd.proposal.tokens)})
-        return pb.ProposeResponse(draft_tokens=rnd.proposal.tokens, assumed_next_token=rnd.guess,
-                                  **probs_to_proto(rnd.proposal.probs, greedy, session.sparse_probs))
+        reply = pb.ProposeResponse(draft_tokens=rnd.proposal.tokens, assumed_next_token=rnd.guess)
+        put_probs(reply, rnd.proposal.probs, greedy, session.sparse_probs)
+        return reply
 
     async def Commit(self, request: pb.DraftServiceCommitRequest, context) -> pb.DraftServiceCommitResponse:
         with self.sessions.use(request.session_id, caller()) as session:

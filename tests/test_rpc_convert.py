@@ -8,7 +8,7 @@ from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import target_service_pb2 as pb
 from shared.bench.wire import draft_probs_wire
 from shared.decoding.sampling import SamplingParams, draw, probabilities
-from shared.rpc.convert import probs_from_proto, probs_to_proto
+from shared.rpc.convert import probs_from_proto, put_probs
 
 VOCAB = 1000
 
@@ -18,6 +18,12 @@ def proposal(sampling: SamplingParams, k: int = 4, seed: int = 0) -> tuple[torch
     gen = torch.Generator().manual_seed(seed)
     q = probabilities(torch.randn(k, VOCAB, generator=gen) * 3, sampling)
     return q, [draw(row, gen) for row in q]
+
+
+def sent(message, q: torch.Tensor, tokens: list[int], greedy: bool = False, sparse: bool = False):
+    msg = message(draft_tokens=tokens)
+    put_probs(msg, q, greedy, sparse)
+    return msg
 
 
 @pytest.mark.parametrize("sampling, sparse", [
@@ -30,22 +36,27 @@ def proposal(sampling: SamplingParams, k: int = 4, seed: int = 0) -> tuple[torch
 def test_draft_distributions_arrive_exactly(sampling, sparse, message):
     for seed in range(3):
         q, tokens = proposal(sampling, seed=seed)
-        fields = probs_to_proto(q, greedy=False, sparse=True)
-        assert list(fields) == ["draft_probs_sparse" if sparse else "draft_probs"]
-        msg = message(draft_tokens=tokens, **fields)
-        got = probs_from_proto(message.FromString(msg.SerializeToString()), tokens, VOCAB)
-        assert torch.equal(got, q)
+        msg = sent(message, q, tokens, sparse=True)
+        assert msg.HasField("draft_probs_sparse") == sparse and bool(msg.draft_probs) != sparse
+        assert torch.equal(probs_from_proto(message.FromString(msg.SerializeToString()), tokens, VOCAB), q)
         if sparse:  # a few numbers a row instead of the vocabulary
-            assert msg.ByteSize() < message(draft_tokens=tokens, **probs_to_proto(q, False)).ByteSize() / 4
+            assert msg.ByteSize() < sent(message, q, tokens).ByteSize() / 4
+
+
+@pytest.mark.parametrize("message", [pb.VerifyRequest, dpb.ProposeResponse])
+def test_dense_distributions_are_the_bytes_protobuf_itself_writes(message):
+    """The dense field is written as raw packed float32: byte for byte what protobuf writes from a list."""
+    q, tokens = proposal(SamplingParams(temperature=0.9))
+    reference = message(draft_tokens=tokens, draft_probs=q.flatten().tolist())
+    assert sent(message, q, tokens).SerializeToString() == reference.SerializeToString()
 
 
 def test_a_peer_that_reads_no_sparse_field_gets_dense_and_greedy_gets_none():
     q, tokens = proposal(SamplingParams(temperature=0.8, top_k=40))
-    assert list(probs_to_proto(q, greedy=False)) == ["draft_probs"]
-    assert torch.equal(probs_from_proto(pb.VerifyRequest(draft_tokens=tokens, **probs_to_proto(q, False)),
-                                        tokens, VOCAB), q)
-    assert probs_to_proto(q, greedy=True, sparse=True) == {}
-    assert probs_from_proto(pb.VerifyRequest(draft_tokens=tokens), tokens, VOCAB) is None
+    dense = sent(pb.VerifyRequest, q, tokens)
+    assert not dense.HasField("draft_probs_sparse") and torch.equal(probs_from_proto(dense, tokens, VOCAB), q)
+    greedy = sent(pb.VerifyRequest, q, tokens, greedy=True, sparse=True)
+    assert greedy == pb.VerifyRequest(draft_tokens=tokens) and probs_from_proto(greedy, tokens, VOCAB) is None
 
 
 def test_the_wire_bench_sends_top_k_sparse_and_temperature_alone_dense():

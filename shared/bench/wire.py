@@ -14,7 +14,7 @@ import torch
 
 from deltaspec.v1 import target_service_pb2 as pb
 from shared.decoding.sampling import SamplingParams, draw, probabilities
-from shared.rpc.convert import probs_from_proto, probs_to_proto
+from shared.rpc.convert import probs_from_proto, put_probs
 
 QWEN35_VOCAB = 248320
 CASES = (("top-k 50", SamplingParams(temperature=0.8, top_k=50)),
@@ -24,7 +24,7 @@ CASES = (("top-k 50", SamplingParams(temperature=0.8, top_k=50)),
 
 def draft_probs_wire(vocab: int = QWEN35_VOCAB, k: int = 4, repeats: int = 5) -> list[dict]:
     """One row per (sampling, encoding): bytes of a Verify's distributions and the median ms to encode
-    (`probs_to_proto` + serialise) and decode (parse + `probs_from_proto`, checks included)."""
+    (`put_probs` + serialise) and decode (parse + `probs_from_proto`, checks included)."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for name, sampling in CASES:
@@ -34,7 +34,9 @@ def draft_probs_wire(vocab: int = QWEN35_VOCAB, k: int = 4, repeats: int = 5) ->
             encode, decode = [], []
             for _ in range(repeats + 1):  # the first warms
                 t0 = time.perf_counter()
-                wire = pb.VerifyRequest(draft_tokens=tokens, **probs_to_proto(q, False, sparse)).SerializeToString()
+                msg = pb.VerifyRequest(draft_tokens=tokens)
+                put_probs(msg, q, False, sparse)
+                wire = msg.SerializeToString()
                 t1 = time.perf_counter()
                 got = probs_from_proto(pb.VerifyRequest.FromString(wire), tokens, vocab)
                 t2 = time.perf_counter()

@@ -1,6 +1,7 @@
 """Conversions between deltaspec.v1 messages and engine types; each one in one place."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,19 +22,32 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
                                        seed=params.seed)
 
 
-def probs_to_proto(probs: Tensor | None, greedy: bool, sparse: bool = False) -> dict:
-    """The message fields that carry draft distributions q: none when greedy (verification never reads them);
-    `draft_probs_sparse` when the peer reads it (`sparse`) and most entries are 0, as top-k and top-p leave them
-    (exact: every entry left out is 0); else the dense `draft_probs`."""
+def put_probs(msg, probs: Tensor | None, greedy: bool, sparse: bool = False) -> None:
+    """Write draft distributions q into a fresh `msg` (a VerifyRequest or ProposeResponse): nothing when greedy
+    (verification never reads them); `draft_probs_sparse` when the peer reads it (`sparse`) and most entries are 0,
+    as top-k and top-p leave them (exact: every entry left out is 0); else the dense `draft_probs`, written as
+    the wire has it (a packed float32 array: a list of a million Python floats costs ten times as much)."""
     if probs is None or greedy:
-        return {}
+        return
     probs = probs.detach().float().cpu()
     if sparse and 2 * int(torch.count_nonzero(probs)) < probs.numel():  # an entry costs two numbers
         rows, ids = probs.nonzero(as_tuple=True)
-        return {"draft_probs_sparse": sampling_pb2.SparseDistributions(
+        msg.draft_probs_sparse.CopyFrom(sampling_pb2.SparseDistributions(
             row_sizes=torch.bincount(rows, minlength=probs.shape[0]).tolist(), token_ids=ids.tolist(),
-            probs=probs[rows, ids].tolist())}
-    return {"draft_probs": probs.flatten().tolist()}
+            probs=probs[rows, ids].tolist()))
+        return
+    data = probs.numpy().astype("<f4", copy=False).tobytes()
+    number = msg.DESCRIPTOR.fields_by_name["draft_probs"].number
+    msg.MergeFromString(_varint(number << 3 | 2) + _varint(len(data)) + data)  # wire type 2: length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def probs_from_proto(msg, tokens: list[int], vocab_size: int) -> Tensor | None:
@@ -56,7 +70,7 @@ def probs_from_proto(msg, tokens: list[int], vocab_size: int) -> Tensor | None:
         field_name = "draft_probs"
         if len(dense) != rows * vocab_size:
             raise InvalidArgument(f"{len(dense)} draft probabilities, expected {rows} x {vocab_size}", field_name)
-        values = torch.tensor(dense, dtype=torch.float32)
+        values = torch.from_numpy(np.array(dense, dtype=np.float32))  # read as one buffer, not float by float
         q = values.view(rows, vocab_size)
     if not (torch.isfinite(values).all() and (values >= 0).all()):
         raise InvalidArgument("draft probabilities must be finite and >= 0", field_name)
@@ -81,7 +95,7 @@ def _dense(msg: sampling_pb2.SparseDistributions, rows: int, vocab_size: int) ->
         torch.tensor(ids, dtype=torch.long)
     if torch.unique(at).numel() != at.numel():
         raise InvalidArgument("a token id appears twice in one row", f"{field_name}.token_ids")
-    values = torch.tensor(list(msg.probs), dtype=torch.float32)
+    values = torch.from_numpy(np.array(msg.probs, dtype=np.float32))
     q = torch.zeros(rows * vocab_size)
     q[at] = values
     return q.view(rows, vocab_size), values

@@ -34,7 +34,7 @@ from shared.decoding.sampling import SamplingParams
 from shared.decoding.target import Round
 from shared.decoding.verify import Verdict
 from shared.errors import FailedPrecondition, NotFound
-from shared.rpc.convert import probs_to_proto, sampling_to_proto
+from shared.rpc.convert import put_probs, sampling_to_proto
 from shared.rpc.status import field_of
 
 
@@ -80,10 +80,10 @@ class RemoteTargetSession:
     def _verify_chained(self, round_id: str, drafts: list[int], base_version: int | None,
                         draft_probs: Tensor | None, parent: str, guess: int | None) -> Round:
         try:
-            reply = self.stub.Verify(pb.VerifyRequest(
-                session_id=self.session_id, round_id=round_id, base_version=base_version, draft_tokens=drafts,
-                **probs_to_proto(draft_probs, self.sampling.greedy, self.sparse_probs), parent_round_id=parent,
-                parent_next_token=guess), **self._opts())
+            request = pb.VerifyRequest(session_id=self.session_id, round_id=round_id, base_version=base_version,
+                                       draft_tokens=drafts, parent_round_id=parent, parent_next_token=guess)
+            put_probs(request, draft_probs, self.sampling.greedy, self.sparse_probs)
+            reply = self.stub.Verify(request, **self._opts())
         except grpc.RpcError as e:
             refusal = NotFound if e.code() == grpc.StatusCode.NOT_FOUND else FailedPrecondition
             raise refusal(f"round {round_id!r} was not staged on {parent!r}: {e.code().name}: {e.details()}",
@@ -120,9 +120,10 @@ class RemoteTargetSession:
 
     def _verify(self) -> Round:
         round_id, drafts, probs = self._in_flight  # type: ignore[misc]
-        reply = self.stub.Verify(pb.VerifyRequest(
-            session_id=self.session_id, round_id=round_id, base_version=self.version, draft_tokens=drafts,
-            **probs_to_proto(probs, self.sampling.greedy, self.sparse_probs)), **self._opts())
+        request = pb.VerifyRequest(session_id=self.session_id, round_id=round_id, base_version=self.version,
+                                   draft_tokens=drafts)
+        put_probs(request, probs, self.sampling.greedy, self.sparse_probs)
+        reply = self.stub.Verify(request, **self._opts())
         self._round = Round(round_id, self.version, tuple(drafts), Verdict(reply.accepted, reply.next_token),
                             reply.round.staged_bytes, hidden=torch.empty(0))
         return self._round
