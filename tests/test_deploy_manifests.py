@@ -186,6 +186,19 @@ def test_network_policy_only_clients_reach_the_target_only_the_target_reaches_th
     assert set(target["policyTypes"]) == set(draft["policyTypes"]) == {"Ingress", "Egress"}
 
 
+def test_pods_ask_prometheus_to_scrape_the_port_they_serve_metrics_on(rendered):
+    _, _, docs = rendered
+    port = settings(docs)["DELTASPEC_METRICS_PORT"]
+    for kind, name in (("StatefulSet", "deltaspec-target"), ("Deployment", "deltaspec-draft")):
+        template = find(docs, kind, name)["spec"]["template"]
+        annotations = template["metadata"]["annotations"]
+        assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": port,
+                               "prometheus.io/path": "/metrics"}
+        container = template["spec"]["containers"][0]
+        assert "--metrics-port=$(DELTASPEC_METRICS_PORT)" in container["args"]
+        assert {"name": "metrics", "containerPort": int(port)} in container["ports"]
+
+
 def test_settings_in_a_configmap_secrets_in_secrets_and_an_otel_collector(rendered):
     _, _, docs = rendered
     assert settings(docs)["DELTASPEC_DRAFT_ADDR"] == "deltaspec-draft:50052"
