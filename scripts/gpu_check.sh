@@ -4,10 +4,11 @@
 #      and an import of the generated deltaspec/v1 modules (their grpcio/protobuf version checks);
 #   2. pytest: tests/test_triton_kernel.py (the Triton kernel compiled for the GPU against the naive loop) and
 #      tests/test_cuda.py (models, state, decoding loop and served models on CUDA against the CPU);
-#   3. bench: `deltaspec bench --only gpu --quick` (the verify/decode ratio and the load table, both servers on CUDA).
-# Each step has a time limit (all of them together at most $GPU_CHECK_BUDGET_S, default 420 s) and a failing step
+#   3. bench: `deltaspec bench --only gpu --quick` (the verify/decode ratio and the load table, both servers on CUDA);
+#   4. pipeline: pipelined vs serial rounds at 1 and 5 ms on the machine's cores (CPU models, a core per service).
+# Each step has a time limit (all of them together at most $GPU_CHECK_BUDGET_S, default 540 s) and a failing step
 # does not stop the next. Logs go to $OUT (a temporary directory when unset): env.txt, pytest.log, junit.xml,
-# bench_gpu.log, bench_gpu.json, summary.txt. Exit status 1 when any step failed.
+# bench_gpu.log, bench_gpu.json, pipeline.log, summary.txt. Exit status 1 when any step failed.
 #
 # The machine's python3 has torch and triton but maybe not this repo's grpcio/protobuf/OpenTelemetry: carry them
 # as cp312 wheels in the git-ignored .whl/ (see the device README), with the generated, git-ignored deltaspec/.
@@ -18,7 +19,7 @@ REPO=$PWD
 PY=${PYTHON:-python3}
 OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 mkdir -p "$OUT"
-BUDGET=${GPU_CHECK_BUDGET_S:-420}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
 START=$SECONDS
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 SUMMARY=()
@@ -155,6 +156,16 @@ EOF
         note bench "$(status $rc)" "exit $rc: see bench_gpu.log"
     fi
 fi
+
+# ---- 4. the pipeline bench on this machine's cores (CPU models; a core for each service, more for the client) ----
+STEP_START=$SECONDS
+echo "=== 4. pipelined vs serial rounds at 1 and 5 ms (shared.bench.pipeline, one repeat)"
+t=$(limit 200)
+run "$OUT/pipeline.log" "$t" "$PY" -c "import torch; torch.set_num_threads(1); from shared.bench import pipeline; \
+pipeline.print_rows(pipeline.compare(delays_ms=(1, 5), repeats=1))"
+rc=$?
+note pipeline "$(status $rc)" "$(awk '$2 ~ /^(client|server)$/ && $6 ~ /^[0-9]+$/ {printf "%s ms %s %sx; ", $1, $2, $5}' \
+    "$OUT/pipeline.log")"
 
 # ---- summary ----
 {
