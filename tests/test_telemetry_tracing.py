@@ -6,12 +6,16 @@ off installs nothing, and the OTEL_* variables are read as the specification say
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -229,10 +233,54 @@ def test_service_name_from_the_environment(monkeypatch, env, name):
 
 
 @pytest.mark.parametrize("env", [{"OTEL_TRACES_EXPORTER": "zipkin"},
-                                 {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}],
-                         ids=["unknown-exporter", "http-protocol"])
+                                 {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}],
+                         ids=["unknown-exporter", "json-protocol"])
 def test_unsupported_settings_are_refused(monkeypatch, env):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match="OTEL_"):
         tracing.setup_tracing(TARGET, install=False)
+
+
+class _OtlpHttp(BaseHTTPRequestHandler):
+    """A collector's OTLP/HTTP traces endpoint: POST /v1/traces, a protobuf ExportTraceServiceRequest."""
+
+    received: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/v1/traces" and self.headers["Content-Type"] == "application/x-protobuf":
+            self.received.append(trace_service_pb2.ExportTraceServiceRequest.FromString(body))
+            self.send_response(200)
+        else:
+            self.send_response(404)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_otlp_over_http_reaches_a_collector(servers, monkeypatch):
+    """OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf: a generation's client spans arrive at a real HTTP endpoint."""
+    receiver = ThreadingHTTPServer(("127.0.0.1", 0), _OtlpHttp)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.server_address[1]}")
+    client = Telemetry(tracing.setup_tracing(CLIENT, install=False))
+    try:
+        result, _ = generate_on_server(servers[0], PROMPT, "", N, telemetry=client)
+    finally:
+        client.shutdown()  # flushes the batch
+        receiver.shutdown()
+    spans = [(rs.resource, span) for request in _OtlpHttp.received for rs in request.resource_spans
+             for ss in rs.scope_spans for span in ss.spans]
+    assert {a.value.string_value for resource, _ in spans for a in resource.attributes
+            if a.key == "service.name"} == {CLIENT}
+    roots = [span for _, span in spans if not span.parent_span_id]
+    assert [r.name for r in roots] == [f"{attr.OPERATION} deltaspec-target"] and len(result.token_ids) == N
+    assert {span.trace_id for _, span in spans} == {roots[0].trace_id} and len(spans) > 1

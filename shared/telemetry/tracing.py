@@ -2,7 +2,8 @@
 
 - `OTEL_TRACES_EXPORTER`: `otlp`, `console` or `none` (default `none`; a comma list is allowed).
 - `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`), headers, timeout: read by the OTLP
-  exporter itself; `OTEL_EXPORTER_OTLP_PROTOCOL` must be `grpc` (the only one shipped).
+  exporter itself; `OTEL_EXPORTER_OTLP_PROTOCOL` (or `..._TRACES_PROTOCOL`): `grpc` (default, port 4317)
+  or `http/protobuf` (port 4318, `/v1/traces` appended to a base endpoint).
 - `OTEL_SERVICE_NAME`, then `service.name` in `OTEL_RESOURCE_ATTRIBUTES`, then the default
   (`deltaspec-client`, `deltaspec-target`, `deltaspec-draft`).
 
@@ -40,10 +41,12 @@ def exporters_from_env() -> list[SpanExporter]:
         elif name == "otlp":
             protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
                                       os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
-            if protocol != "grpc":
-                raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: only 'grpc' is supported")
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
+            if protocol == "grpc":
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            elif protocol == "http/protobuf":
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
+            else:
+                raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: expected grpc or http/protobuf")
             exporters.append(OTLPSpanExporter())
         else:
             raise ValueError(f"OTEL_TRACES_EXPORTER={name!r}: expected otlp, console or none")
