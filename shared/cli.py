@@ -63,6 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shared.model.loader import load_model
     from shared.model.tokenizer import load_tokenizer
     from shared.state.rollback import CHAIN_LOG_CAPACITY
+    from shared.telemetry import CLIENT, Telemetry
 
     target_dir = Path(args.target or DEFAULT_TARGET)
     draft = args.draft if args.draft is not None else (str(DEFAULT_DRAFT) if args.target is None else "none")
@@ -74,7 +75,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     drafter = make_drafter(draft, target, sampling, stop_below)
     if args.compile and isinstance(drafter, ModelDrafter):
         drafter.model.compile(warm_up=True, log_capacity=CHAIN_LOG_CAPACITY)
-    result = generate(target, prompt, args.max_new_tokens, drafter, k, sampling)
+    telemetry = Telemetry.from_env(CLIENT)  # spans as OTEL_* say: a root span over the rounds
+    try:
+        result = generate(target, prompt, args.max_new_tokens, drafter, k, sampling, telemetry.tracer,
+                          target_dir.name)
+    finally:
+        telemetry.shutdown()
     _print_generation(result, tokenizer.decode(result.token_ids), args.json)
     return 0
 

@@ -22,6 +22,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from draft_service import servicer as draft_servicer
+from shared.decoding.drafters.model_drafter import ModelDrafter
+from shared.decoding.speculative import generate
 from shared.model.loader import load_model
 from shared.model.tokenizer import load_tokenizer
 from shared.rpc.client import generate_client_driven, generate_on_server
@@ -284,3 +286,23 @@ def test_otlp_over_http_reaches_a_collector(servers, monkeypatch):
     roots = [span for _, span in spans if not span.parent_span_id]
     assert [r.name for r in roots] == [f"{attr.OPERATION} deltaspec-target"] and len(result.token_ids) == N
     assert {span.trace_id for _, span in spans} == {roots[0].trace_id} and len(spans) > 1
+
+
+def test_in_process_generation_is_one_trace_of_rounds(pair):
+    """`generate` with a tracer (what `deltaspec generate` passes in process): a root span over its rounds."""
+    role = Role(CLIENT)
+    target, draft = (load_model(d) for d in pair)
+    tracer = role.telemetry.tracer
+    result = generate(target, PROMPT, N, ModelDrafter(draft), 4, tracer=tracer, model="target")
+    spans = role.exporter.get_finished_spans()
+    root = next(s for s in spans if s.parent is None)
+    assert [s for s in spans if s.parent is None] == [root] and root.name == f"{attr.OPERATION} target"
+    assert root.attributes[attr.LOOP] == "in_process"
+    assert root.attributes[attr.GEN_AI_USAGE_OUTPUT_TOKENS] == len(result.token_ids) == N
+    assert {s.context.trace_id for s in spans} == {root.context.trace_id}
+    rounds = [s for s in spans if s.name == "round"]
+    assert len(rounds) == result.stats.rounds and all(r.parent.span_id == root.context.span_id for r in rounds)
+    assert sum(r.attributes[attr.ACCEPTED_TOKENS] for r in rounds) == result.stats.accepted
+    for r in rounds:
+        assert sorted(s.name for s in spans if s.parent is not None and s.parent.span_id == r.context.span_id) == \
+            ["commit", "propose", "verify"]

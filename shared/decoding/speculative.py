@@ -18,6 +18,7 @@ from shared.decoding.sampling import SamplingParams
 from shared.decoding.target import Round, TargetSession
 from shared.model.hybrid import HybridLM
 from shared.telemetry import attributes as attr
+from shared.telemetry.spans import generation_span, record_usage
 
 NO_TRACER = NoOpTracer()
 
@@ -154,15 +155,22 @@ def generate(
     drafter: Drafter | None = None,
     num_draft_tokens: int = 4,
     sampling: SamplingParams = SamplingParams(),
+    tracer: Tracer = NO_TRACER,
+    model: str = "deltaspec-target",
 ) -> Generation:
-    """Exactly `max_new_tokens` new tokens unless the target's EOS appears (it is included, then we stop)."""
+    """Exactly `max_new_tokens` new tokens unless the target's EOS appears (it is included, then we stop).
+
+    With a recording `tracer`: one trace, a root span named for `model` over the rounds' spans."""
     drafter = drafter or NoDrafter()
-    started = time.perf_counter()
-    session = TargetSession(target, prompt_ids, sampling)
-    drafter.start(list(prompt_ids))
-    attach(drafter, session)
-    stats = Stats(prefill_seconds=time.perf_counter() - started)
-    for _ in decode(session, drafter, max_new_tokens, num_draft_tokens, set(target.config.eos_token_id), stats):
-        stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
-    stats.seconds = time.perf_counter() - started
+    with generation_span(tracer, "in_process", model, max_new_tokens) as span:
+        started = time.perf_counter()
+        session = TargetSession(target, prompt_ids, sampling)
+        drafter.start(list(prompt_ids))
+        attach(drafter, session)
+        stats = Stats(prefill_seconds=time.perf_counter() - started)
+        for _ in decode(session, drafter, max_new_tokens, num_draft_tokens, set(target.config.eos_token_id), stats,
+                        tracer):
+            stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
+        stats.seconds = time.perf_counter() - started
+        record_usage(span, list(prompt_ids), session.generated)
     return Generation(list(prompt_ids), session.generated, stats)

@@ -17,11 +17,10 @@ the bearer token); the default is plaintext, which it allows only to loopback ad
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 
 import grpc
-from opentelemetry.trace import Span, SpanKind
 
 from deltaspec.v1 import draft_service_pb2_grpc, target_service_pb2, target_service_pb2_grpc
 from shared.decoding.drafters import NoDrafter
@@ -33,7 +32,7 @@ from shared.rpc.remote_drafter import RemoteDrafter
 from shared.rpc.remote_target import RemoteTargetSession
 from shared.rpc.security import ClientSecurity
 from shared.telemetry import Telemetry
-from shared.telemetry import attributes as attr
+from shared.telemetry.spans import generation_span, record_usage
 
 OnTokens = Callable[[list[int], str], None]
 
@@ -48,7 +47,7 @@ def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt
     started = time.perf_counter()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     prompt, out, text, stats = list(prompt_ids or []), [], "", Stats()
-    with _generation_span(telemetry, "server", model, max_new_tokens) as span, \
+    with generation_span(telemetry.tracer, "server", model, max_new_tokens) as span, \
             telemetry.channel(security.channel(target_address)) as ch:
         stub = target_service_pb2_grpc.TargetServiceStub(ch)
         failures = 0  # broken streams in a row that brought no token
@@ -76,7 +75,7 @@ def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt
                 if e.code() != grpc.StatusCode.UNAVAILABLE or failures == max_attempts:
                     raise
                 time.sleep(min(0.05 * 2 ** failures, 1.0) if failures else 0.0)  # a restarted target loads first
-        _usage(span, prompt, out)
+        record_usage(span, prompt, out)
     stats.seconds = time.perf_counter() - started
     return Generation(prompt, out, stats), text
 
@@ -92,7 +91,7 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
     started = time.perf_counter()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with ExitStack() as stack:
-        span = stack.enter_context(_generation_span(telemetry, "client", model, max_new_tokens))
+        span = stack.enter_context(generation_span(telemetry.tracer, "client", model, max_new_tokens))
         target_ch = stack.enter_context(telemetry.channel(security.channel(target_address)))
         replicas = stack.enter_context(_ReplicaChannels(telemetry, security))  # closed after the session, which may use one
         session = RemoteTargetSession(target_service_pb2_grpc.TargetServiceStub(target_ch), prompt_ids, prompt_text,
@@ -113,7 +112,7 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
             if on_tokens:
                 on_tokens(new, "")
         text = session.text()
-        _usage(span, session.tokens[:session.prompt_len], session.generated)
+        record_usage(span, session.tokens[:session.prompt_len], session.generated)
     stats.seconds = time.perf_counter() - started
     return Generation(session.tokens[:session.prompt_len], session.generated, stats), text
 
@@ -131,20 +130,6 @@ class _ReplicaChannels(ExitStack):
             self.stubs[address] = target_service_pb2_grpc.TargetServiceStub(
                 self.enter_context(self.telemetry.channel(self.security.channel(address))))
         return self.stubs[address]
-
-
-@contextmanager
-def _generation_span(telemetry: Telemetry, loop: str, model: str, max_new_tokens: int) -> Iterator[Span]:
-    """The root span of one generation, named and attributed as the GenAI conventions say."""
-    with telemetry.tracer.start_as_current_span(f"{attr.OPERATION} {model}", kind=SpanKind.CLIENT, attributes={
-            attr.GEN_AI_OPERATION_NAME: attr.OPERATION, attr.GEN_AI_PROVIDER_NAME: attr.PROVIDER,
-            attr.GEN_AI_REQUEST_MODEL: model, attr.GEN_AI_REQUEST_MAX_TOKENS: max_new_tokens,
-            attr.LOOP: loop}) as span:
-        yield span
-
-
-def _usage(span: Span, prompt: list[int], generated: list[int]) -> None:
-    span.set_attributes({attr.GEN_AI_USAGE_INPUT_TOKENS: len(prompt), attr.GEN_AI_USAGE_OUTPUT_TOKENS: len(generated)})
 
 
 def _merge(total: Stats, part: Stats) -> None:
