@@ -174,7 +174,11 @@ def _listen(args: argparse.Namespace):
         raise ValueError("TLS needs both --tls-cert and --tls-key (and --tls-client-ca only with them)")
     tls = ServerTLS(Path(args.tls_cert), Path(args.tls_key),
                     Path(args.tls_client_ca) if args.tls_client_ca else None) if args.tls_cert else None
-    security = ServerSecurity(tls, TokenStore(args.tokens) if args.tokens else None, args.insecure)
+    if args.max_calls_per_second_per_caller < 0:
+        raise ValueError(f"--max-calls-per-second-per-caller is 0 (no limit) or more, not "
+                         f"{args.max_calls_per_second_per_caller}")
+    security = ServerSecurity(tls, TokenStore(args.tokens) if args.tokens else None, args.insecure,
+                              args.max_calls_per_second_per_caller)
     security.check(args.host)
     return Listen(args.host, args.port, security, args.health_port)
 
@@ -282,6 +286,10 @@ def _add_server(p: argparse.ArgumentParser, model: str) -> None:
     p.add_argument("--max-sessions-per-caller", type=int, default=0,
                    help="sessions one caller (token name, client certificate, or 'anonymous') may hold open; "
                         "0: only --max-sessions bounds it")
+    p.add_argument("--max-calls-per-second-per-caller", type=float, default=0,
+                   help="calls a second one caller may make on average (bursts of one second's worth); a call over "
+                        "it is refused RESOURCE_EXHAUSTED with RetryInfo. Health checks are not counted; a target's "
+                        "calls to its draft count against the target there (2-3 a round a session). 0: no limit")
     p.add_argument("--state-memory-mib", type=float, default=0,
                    help="memory for session state: every session's GDN state (preallocated slots: state, spare, "
                         "mark snapshot, conv windows, round logs; constant per session) and attention K/V (grows "

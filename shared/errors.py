@@ -26,3 +26,11 @@ class FailedPrecondition(DeltaspecError):
 
 class ResourceExhausted(DeltaspecError):
     """Too many sessions, too long a prompt."""
+
+
+class RateLimited(ResourceExhausted):
+    """A caller over its call rate: its next call may go in `retry_after_s` seconds."""
+
+    def __init__(self, message: str, field: str | None, retry_after_s: float) -> None:
+        super().__init__(message, field)
+        self.retry_after_s = retry_after_s

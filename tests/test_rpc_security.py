@@ -37,7 +37,7 @@ from shared.model.loader import load_model
 from shared.model.tokenizer import load_tokenizer
 from shared.rpc.client import generate_client_driven, generate_on_server
 from shared.rpc.options import channel
-from shared.rpc.security import PLACEHOLDER, ClientSecurity, ServerSecurity, ServerTLS, TokenStore
+from shared.rpc.security import PLACEHOLDER, CallRate, ClientSecurity, ServerSecurity, ServerTLS, TokenStore
 from shared.rpc.server import BackgroundServer
 from target_service import servicer as target_servicer
 from target_service.servicer import NAME as TARGET_NAME
@@ -376,3 +376,52 @@ def test_flags_and_environment(tmp_path, monkeypatch, capsys):
     assert _client_security(args, "draft_").token_file == tmp_path / "target" and args.tls_cert.endswith("missing.crt")
     assert cli_main(["serve-draft", "--port", "0"]) == 2  # a missing certificate stops it with one line
     assert "cannot read the TLS certificate or key" in capsys.readouterr().err
+
+
+def test_call_rate_counts_each_caller_in_its_own_bucket():
+    now = [0.0]
+    rate = CallRate(4, clock=lambda: now[0])
+    assert [rate.take("alice") for _ in range(4)] == [0.0] * 4  # a second's worth at once
+    assert rate.take("alice") == pytest.approx(0.25)  # then one call every 1/4 s
+    assert rate.take("bob") == 0.0  # others have their own bucket
+    now[0] = 0.2
+    assert rate.take("alice") == pytest.approx(0.05)
+    now[0] = 0.25
+    assert rate.take("alice") == 0.0 and rate.take("alice") == pytest.approx(0.25)
+    now[0] = 100.0  # long idle: a full burst again, never more
+    assert [rate.take("alice") for _ in range(5)][-2:] == [0.0, pytest.approx(0.25)]
+    with pytest.raises(ValueError, match="calls a second"):
+        CallRate(0)
+
+
+def test_a_caller_over_its_call_rate_is_refused_with_retry_info(pair, token_file):
+    security = ServerSecurity(tokens=TokenStore(token_file), calls_per_second=3)
+    with serve(target_service(pair[0]), security=security) as server:
+        alice = target_of(ClientSecurity(token=TOKENS["alice"]), server.address)
+        bob = target_of(ClientSecurity(token=TOKENS["bob"]), server.address)
+        close = pb.CloseSessionRequest(session_id="nobody")
+        for _ in range(3):  # counted, then answered as ever
+            refused(lambda: alice.CloseSession(close), Code.NOT_FOUND)
+        err = refused(lambda: alice.CloseSession(close), Code.RESOURCE_EXHAUSTED, "caller")
+        assert "'alice' is over its rate of 3 calls a second" in err.details()
+        retry = next(d for d in rpc_status.from_call(err).details if d.Is(error_details_pb2.RetryInfo.DESCRIPTOR))
+        info = error_details_pb2.RetryInfo()
+        retry.Unpack(info)
+        assert 0 < info.retry_delay.ToTimedelta().total_seconds() <= 1 / 3
+        refused(lambda: list(alice.Generate(pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=1))),
+                Code.RESOURCE_EXHAUSTED, "caller")  # streams too
+        assert health(server.address, service=TARGET_NAME) == health_pb2.HealthCheckResponse.SERVING  # not counted
+        refused(lambda: bob.CloseSession(close), Code.NOT_FOUND)  # others are not held back
+        time.sleep(info.retry_delay.ToTimedelta().total_seconds() + 0.05)
+        refused(lambda: alice.CloseSession(close), Code.NOT_FOUND)
+
+
+def test_the_call_rate_flag_reaches_the_server_and_refuses_a_negative_rate():
+    from shared.cli import _listen
+
+    parser = build_parser()
+    listen = _listen(parser.parse_args(["serve-draft", "--port", "0", "--max-calls-per-second-per-caller", "50"]))
+    assert listen.security.calls_per_second == 50
+    assert isinstance(listen.security.interceptors()[0].rate, CallRate)
+    with pytest.raises(ValueError, match="--max-calls-per-second-per-caller"):
+        _listen(parser.parse_args(["serve-draft", "--port", "0", "--max-calls-per-second-per-caller", "-1"]))

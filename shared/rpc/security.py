@@ -12,6 +12,10 @@ Server side (`ServerSecurity`):
   `insecure=True` on any other.
 - The caller's identity (`caller()`): the token's name, else the client certificate's subject
   under mutual TLS, else "anonymous". Sessions belong to it (`shared.decoding.session_table`).
+- A call rate per caller (`calls_per_second`, off by default): a token bucket per identity, bursts of
+  one second's worth; a call over it is refused RESOURCE_EXHAUSTED with QuotaFailure (subject `caller`)
+  and RetryInfo (when the next call may go), before it reaches the service. Health and reflection
+  are not counted; a target's calls to its draft count against the target's own identity there.
 
 Client side (`ClientSecurity`): the same rule for plaintext, TLS with a CA (and a certificate and
 key for mutual TLS), and the token sent as metadata on every call.
@@ -23,6 +27,7 @@ import hmac
 import ipaddress
 import logging
 import ssl
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -33,7 +38,9 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from shared.decoding.session_table import ANONYMOUS
+from shared.errors import RateLimited
 from shared.rpc.options import CHANNEL_OPTIONS
+from shared.rpc.status import to_status
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +153,38 @@ def _check_token(token: str, where: str) -> None:
                          "(e.g. openssl rand -hex 32)")
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Checks the bearer token (when tokens are on) and sets the caller's identity for the handler."""
+class CallRate:
+    """A token bucket per caller: `rate` calls a second on average, in bursts of up to one second's worth."""
 
-    def __init__(self, tokens: TokenStore | None) -> None:
-        self.tokens = tokens
+    MAX_CALLERS = 4096  # beyond, idle callers' buckets (full again) are forgotten
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not rate > 0:
+            raise ValueError(f"a call rate must be > 0 calls a second, got {rate}")
+        self.rate, self.burst, self.clock = rate, max(1.0, rate), clock
+        self.buckets: dict[str, tuple[float, float]] = {}  # caller -> (calls left, when counted)
+
+    def take(self, who: str) -> float:
+        """0 when `who` may call now (a call is counted); else the seconds until it may."""
+        now = self.clock()
+        left, then = self.buckets.get(who, (self.burst, now))
+        left = min(self.burst, left + (now - then) * self.rate)
+        if len(self.buckets) >= self.MAX_CALLERS and who not in self.buckets:
+            full = self.burst / self.rate
+            self.buckets = {k: v for k, v in self.buckets.items() if now - v[1] < full}
+        if left >= 1.0:
+            self.buckets[who] = (left - 1.0, now)
+            return 0.0
+        self.buckets[who] = (left, now)
+        return (1.0 - left) / self.rate
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks the bearer token (when tokens are on), sets the caller's identity for the handler, and holds each
+    caller to its call rate (when one is set)."""
+
+    def __init__(self, tokens: TokenStore | None, rate: CallRate | None = None) -> None:
+        self.tokens, self.rate = tokens, rate
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -164,16 +198,25 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     def _unary(self, behavior):
         async def wrapped(request, context: grpc.aio.ServicerContext):
-            _CALLER.set(await self._identify(context))  # this call's task only
+            await self._admit(context)
             return await behavior(request, context)
         return wrapped
 
     def _stream(self, behavior):
         async def wrapped(request, context: grpc.aio.ServicerContext):
-            _CALLER.set(await self._identify(context))
+            await self._admit(context)
             async for response in behavior(request, context):
                 yield response
         return wrapped
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
+        who = await self._identify(context)
+        _CALLER.set(who)  # this call's task only
+        wait = self.rate.take(who) if self.rate is not None else 0.0
+        if wait:
+            await context.abort_with_status(to_status(RateLimited(
+                f"caller {who!r} is over its rate of {self.rate.rate:g} calls a second: retry in "  # type: ignore[union-attr]
+                f"{wait * 1e3:.0f} ms", "caller", wait)))
 
     async def _identify(self, context: grpc.aio.ServicerContext) -> str:
         if self.tokens is not None:
@@ -240,6 +283,7 @@ class ServerSecurity:
     tls: ServerTLS | None = None
     tokens: TokenStore | None = None
     insecure: bool = False  # plaintext on a non-loopback address
+    calls_per_second: float = 0.0  # per caller (`CallRate`); 0: no limit
 
     def check(self, host: str) -> None:
         if self.tls is None and not self.insecure and not is_loopback(host):
@@ -248,9 +292,10 @@ class ServerSecurity:
                              "on a trusted network; plaintext needs no flag only on 127.0.0.1, ::1 or localhost")
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        """None when no one is authenticated: every caller is then "anonymous"."""
+        """None when no one is authenticated and no call rate is set: every caller is then "anonymous"."""
         mtls = self.tls is not None and self.tls.client_ca is not None
-        return [AuthInterceptor(self.tokens)] if self.tokens is not None or mtls else []
+        rate = CallRate(self.calls_per_second) if self.calls_per_second else None
+        return [AuthInterceptor(self.tokens, rate)] if self.tokens is not None or mtls or rate else []
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
         if self.tls is None:

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf import any_pb2, empty_pb2, unknown_fields
+from google.protobuf import any_pb2, duration_pb2, empty_pb2, unknown_fields
 from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from shared.errors import DeltaspecError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from shared.errors import DeltaspecError, FailedPrecondition, InvalidArgument, NotFound, RateLimited, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,17 @@ MAPPING: dict[type[DeltaspecError], tuple[int, Callable[[str, str], Message]]] =
 
 
 def to_status(err: DeltaspecError) -> grpc.Status:
+    """The error's status; a `RateLimited` also carries RetryInfo (when the next call may go)."""
     code, detail = next(v for cls, v in MAPPING.items() if isinstance(err, cls))
     status = status_pb2.Status(code=code, message=str(err))
-    if err.field:
+    details = [detail(err.field, str(err))] if err.field else []
+    if isinstance(err, RateLimited):
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(max(1, round(err.retry_after_s * 1e9)))
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+    for message in details:
         packed = any_pb2.Any()
-        packed.Pack(detail(err.field, str(err)))
+        packed.Pack(message)
         status.details.append(packed)
     return rpc_status.to_status(status)
 
