@@ -31,7 +31,7 @@ from shared.model.hybrid import HybridLM
 from shared.model.tokenizer import Tokenizer
 from shared.rpc.convert import probs_from_proto, sampling_from_proto, stats_to_proto
 from shared.rpc.remote_drafter import RemoteDrafter
-from shared.rpc.security import ClientSecurity, caller
+from shared.rpc.security import ClientSecurity, Redialing, caller
 from shared.rpc.server import Service, answered_call
 from shared.telemetry import Telemetry
 from shared.telemetry import attributes as attr
@@ -67,8 +67,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         self.model = serving(model, self.limits, self.batching, self.metrics)
         self.vocab_size = self.model.config.vocab_size
         self.eos = set(self.model.config.eos_token_id)
-        self.draft_stub = (draft_service_pb2_grpc.DraftServiceStub(
-            self.telemetry.channel(self.draft.security.channel(self.draft.address))) if self.draft else None)
+        self.draft_channel = (Redialing(self.draft.security, self.draft.address, self.telemetry.channel)
+                              if self.draft else None)  # made again when the client certificate is renewed
 
     async def CreateSession(self, request: pb.CreateSessionRequest, context) -> pb.CreateSessionResponse:
         prompt, sampling = self._prompt(request), sampling_from_proto(request.sampling)
@@ -187,9 +187,10 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
             cancelled.set()
 
     def _remote_drafter(self, sampling: SamplingParams, deadline: float | None, k: int) -> RemoteDrafter | None:
-        if self.draft_stub is None or k == 0:
+        if self.draft_channel is None or k == 0:
             return None
-        return RemoteDrafter(self.draft_stub, sampling, self.vocab_size, self.draft.timeout_s, deadline)  # type: ignore[union-attr]
+        return RemoteDrafter(draft_service_pb2_grpc.DraftServiceStub(self.draft_channel.channel()), sampling,
+                             self.vocab_size, self.draft.timeout_s, deadline)  # type: ignore[union-attr]
 
     def _prompt(self, request: pb.CreateSessionRequest | pb.GenerateRequest) -> list[int]:
         if request.prompt_ids and request.prompt_text:

@@ -425,3 +425,33 @@ def test_the_call_rate_flag_reaches_the_server_and_refuses_a_negative_rate():
     assert isinstance(listen.security.interceptors()[0].rate, CallRate)
     with pytest.raises(ValueError, match="--max-calls-per-second-per-caller"):
         _listen(parser.parse_args(["serve-draft", "--port", "0", "--max-calls-per-second-per-caller", "-1"]))
+
+
+def test_a_renewed_client_certificate_dials_the_draft_without_a_restart(pair, pki, tmp_path):
+    """The target's certificate towards its draft is replaced under it: the next generation dials with the new one."""
+    n = 12
+    expected = generate(load_model(pair[0]), PROMPT, n).token_ids
+    live = pki.ca.issue("target", False, tmp_path / "client.crt", tmp_path / "client.key")
+
+    def renew(ca: CA, stamp: float) -> None:  # what a Secret update or cert-manager renewal does
+        ca.issue("target", False, live.cert, live.key)
+        for path in (live.cert, live.key):
+            os.utime(path, (stamp, stamp))  # a different mtime even on a coarse clock
+
+    with serve(draft_service(pair[1]), security=mtls(pki)) as draft:
+        peer = DraftPeer(draft.address, 5.0, ClientSecurity(pki.ca.path, live.cert, live.key))
+        target_svc = target_servicer.service(lambda: (load_model(pair[0]), load_tokenizer(pair[0])), draft=peer)
+        with serve(target_svc, security=ServerSecurity()) as target:
+            def run():
+                result, _ = generate_on_server(target.address, PROMPT, "", n)
+                assert result.token_ids == expected  # whatever the draft does
+                return result.stats
+
+            assert run().drafted > 0
+            renew(pki.rogue, time.time() + 2)  # a certificate the draft does not trust: speculation stops
+            assert run().drafted == 0
+            live.key.write_text("not a key")  # half-written: the channel it has stays (and fails), no crash
+            os.utime(live.key, (time.time() + 4, time.time() + 4))
+            assert run().drafted == 0
+            renew(pki.ca, time.time() + 6)  # trusted again
+            assert run().drafted > 0

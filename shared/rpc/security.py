@@ -18,7 +18,9 @@ Server side (`ServerSecurity`):
   are not counted; a target's calls to its draft count against the target's own identity there.
 
 Client side (`ClientSecurity`): the same rule for plaintext, TLS with a CA (and a certificate and
-key for mutual TLS), and the token sent as metadata on every call.
+key for mutual TLS), and the token sent as metadata on every call. A long-lived client (the target's
+channel to its draft) dials through `Redialing`: when its TLS files change (a renewed client
+certificate) the next call goes on a new channel made from them, without a restart.
 """
 from __future__ import annotations
 
@@ -310,6 +312,31 @@ def _read(path: Path) -> bytes:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
 
 
+class Redialing:
+    """A channel to `address`, made again from the client's TLS files when they change: each `channel()` looks
+    (a stat per file); calls in flight finish on the channel they started on. Files that do not load yet (a
+    half-written pair) keep the last channel until they do. `wrap` decorates each new channel (tracing)."""
+
+    def __init__(self, security: ClientSecurity, address: str,
+                 wrap: Callable[[grpc.Channel], grpc.Channel] = lambda ch: ch) -> None:
+        self.security, self.address, self.wrap = security, address, wrap
+        self.watch = _Watched(*security.files())
+        self.watch.changed()
+        self.current = wrap(security.channel(address))
+
+    def channel(self) -> grpc.Channel:
+        if self.watch.paths and self.watch.changed():
+            try:
+                self.security.check_files()
+            except ValueError as e:
+                log.warning("%s; dialling %s with the previous ones", e, self.address)
+                self.watch.seen = None  # look again next time
+                return self.current
+            self.current = self.wrap(self.security.channel(self.address))
+            log.info("client TLS files changed: dialling %s with the new ones", self.address)
+        return self.current
+
+
 class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     """Adds `authorization: Bearer <token>` to every call."""
 
@@ -384,6 +411,21 @@ class ClientSecurity:
             ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         token = self._token_source()
         return grpc.intercept_channel(ch, _BearerToken(token)) if token else ch
+
+    def files(self) -> list[Path]:
+        """The TLS files a channel is made from."""
+        return [p for p in (self.ca, self.cert, self.key) if p is not None]
+
+    def check_files(self) -> None:
+        """ValueError unless the TLS files load: the CA, and the certificate with its key (a matching pair)."""
+        try:
+            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+            if self.ca is not None:
+                context.load_verify_locations(self.ca)
+            if self.cert is not None:
+                context.load_cert_chain(self.cert, self.key)
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"the client TLS files {', '.join(map(str, self.files()))} do not load: {e}") from None
 
     def _token_source(self) -> Callable[[], str] | None:
         if self.token_file is not None:
