@@ -74,7 +74,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         prompt, sampling = self._prompt(request), sampling_from_proto(request.sampling)
         self.sessions.reserve(caller())
         session = await asyncio.to_thread(TargetSession, self.model, prompt, sampling, self.pipeline_depth,
-                                          answers_sent_by_caller=True)
+                                          answers_sent_by_caller=True, chain_ended=self.metrics.chain_ended)
         return pb.CreateSessionResponse(
             session_id=self.sessions.add(session, caller()), head_version=session.version, prompt_ids=prompt,
             vocab_size=self.vocab_size, eos_token_ids=sorted(self.eos), max_draft_tokens=MAX_DRAFT_TOKENS,
@@ -146,7 +146,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                 local = self.local_draft if request.num_draft_tokens else "none"
                 drafter = remote or make_drafter(local, self.model, sampling)
                 drafter.start(list(prompt))  # a remote draft opens its session while the target prefills
-                session = TargetSession(self.model, prompt, sampling, self.pipeline_depth)
+                session = TargetSession(self.model, prompt, sampling, self.pipeline_depth,
+                                        chain_ended=self.metrics.chain_ended)
                 attach(drafter, session)
                 stats = Stats()
                 session.session_id = self.sessions.add(session, owner)  # type: ignore[attr-defined]

@@ -36,6 +36,7 @@ from shared.decoding.speculative import Stats, decode, generate
 from shared.decoding.target import TargetSession
 from shared.errors import FailedPrecondition, NotFound
 from shared.model.checkpoint import hf_config, random_model
+from shared.telemetry import Telemetry
 from shared.model.loader import load_model
 from shared.model.tokenizer import load_tokenizer
 from shared.rpc.client import generate_client_driven, generate_on_server
@@ -70,9 +71,12 @@ def assert_head_exact(session: TargetSession) -> None:
 
 
 def chained_pair(k: int = 3) -> tuple[TargetSession, list[int], int]:
-    """A session with round r (k drafts the target accepts) pending and r+1 staged on it; r+1's drafts, r's bonus."""
+    """A session with round r (k drafts the target accepts) pending and r+1 staged on it; r+1's drafts, r's bonus.
+    `session.told`: how chained rounds ended, as `chain_ended` hears it."""
     ref = greedy(2 * k + 2)
-    session = TargetSession(MODEL, START)
+    told: list[str] = []
+    session = TargetSession(MODEL, START, chain_ended=told.append)
+    session.told = told  # type: ignore[attr-defined]
     r = session.verify("r", ref[:k], 0)
     assert r.verdict.accepted == k and r.verdict.next_token == ref[k]
     child = session.verify("r+1", ref[k + 1:2 * k + 1], 1, parent="r", guess=ref[k])
@@ -86,6 +90,7 @@ def test_chain_kept_is_the_serial_round():
     assert session.commit("r", k) == 1
     assert session.pending.round_id == "r+1" and session.chained is None
     assert session.commit("r", k) == 1  # a retried commit of r, after r+1 took its place
+    assert session.told == ["kept"]  # type: ignore[attr-defined]
     assert session.verify("r+1", ref[k + 1:2 * k + 1], 1, parent="r", guess=ref[k]).verdict.accepted == k  # retry
     assert session.commit("r+1", 1) == 2  # a partial commit of the chained round
     assert session.generated == ref[:k + 2] + [ref[k + 2]]
@@ -103,7 +108,7 @@ def test_chain_dropped_when_the_parent_ends_otherwise(ending):
         session.commit("r+1", 0)
     with pytest.raises(FailedPrecondition, match="'r\\+1'"):
         session.verify("r+1", ref[k + 1:2 * k + 1], 1, parent="r", guess=ref[k])
-    assert session.pending is None and session.chained is None
+    assert session.pending is None and session.chained is None and session.told == ["dropped"]  # type: ignore
     assert session.generated == ([*ref[:1], ref[1]] if ending == "fewer kept" else [])
     session.verify("again", ref[len(session.generated):len(session.generated) + 2], session.version)
     session.commit("again", 2)
@@ -114,7 +119,7 @@ def test_chain_dropped_when_the_parent_ends_otherwise(ending):
 def test_chained_round_reverted_alone():
     session, ref, k = chained_pair()
     session.revert("r+1")
-    assert session.pending.round_id == "r" and session.chained is None
+    assert session.pending.round_id == "r" and session.chained is None and session.told == ["reverted"]  # type: ignore
     session.commit("r", k)
     session.verify("next", ref[k + 1:k + 3], 1)
     session.commit("next", 2)
@@ -437,12 +442,20 @@ def test_draft_speculation_equals_the_serial_proposal():
 # ---- over loopback gRPC ----
 
 
+TARGET_METRICS = Telemetry()  # the served target's
+
+
+def pipelined_rounds(outcome: str) -> float:
+    return TARGET_METRICS.metrics.registry.get_sample_value("deltaspec_pipelined_rounds_total",
+                                                            {"outcome": outcome}) or 0.0
+
+
 @pytest.fixture(scope="module")
 def servers(pair):
     target_dir, draft_dir = pair
     load = (lambda: (load_model(target_dir), load_tokenizer(target_dir)))
     with start(draft_service(draft_dir)) as d, start(target_servicer.service(
-            load, draft=target_servicer.DraftPeer(d.address, 10.0))) as t:
+            load, draft=target_servicer.DraftPeer(d.address, 10.0), telemetry=TARGET_METRICS)) as t:
         yield t.address, d.address, load_model(target_dir)
 
 
@@ -467,6 +480,7 @@ def test_chain_over_grpc(servers):
     t_addr, _, target = servers
     stub = target_stub(t_addr)
     ref = generate(target, PROMPT, 10, None, 0).token_ids
+    before = {o: pipelined_rounds(o) for o in ("kept", "dropped", "reverted")}
     sid = stub.CreateSession(pb.CreateSessionRequest(prompt_ids=PROMPT)).session_id
     stub.Verify(pb.VerifyRequest(session_id=sid, round_id="r", base_version=0, draft_tokens=ref[:2]))
     chained = pb.VerifyRequest(session_id=sid, round_id="r+1", base_version=1, draft_tokens=ref[3:5],
@@ -504,6 +518,8 @@ def test_chain_over_grpc(servers):
                   grpc.StatusCode.FAILED_PRECONDITION, "round_id")
     assert "'s+1'" in err.details()
     assert list(stub.GetSession(pb.GetSessionRequest(session_id=sid)).generated_ids) == ref[:7]
+    # the metric: r+1 kept, s+1 dropped (the refused verifies staged nothing)
+    assert {o: pipelined_rounds(o) - before[o] for o in before} == {"kept": 1, "dropped": 1, "reverted": 0}
 
 
 def test_speculative_propose_over_grpc(servers):

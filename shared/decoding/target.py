@@ -25,6 +25,7 @@ the head twice; the same round id with other input is refused. Refused calls cha
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -67,7 +68,10 @@ class TargetSession:
     """One sequence on the target. Thread-safe: every public method holds the session lock."""
 
     def __init__(self, model: HybridLM, prompt_ids: list[int], sampling: SamplingParams = SamplingParams(),
-                 max_chain: int = 1, answers_sent_by_caller: bool = False) -> None:
+                 max_chain: int = 1, answers_sent_by_caller: bool = False,
+                 chain_ended: Callable[[str], None] | None = None) -> None:
+        """`chain_ended(outcome)` is told how each chained round ended: kept (its parent's commit made it the
+        pending round), dropped (the commit kept fewer drafts or another next token) or reverted (a metric)."""
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty", "prompt")
         check_tokens(prompt_ids, model.config.vocab_size, "prompt_ids")
@@ -79,6 +83,7 @@ class TargetSession:
         self.chained: Round | None = None  # a pipelined round staged on top of the pending one
         self.earlier: tuple[Round, ...] = ()  # rounds kept for retries: the one before, the last dropped
         self.max_chain = max_chain  # pipelined rounds staged at once: 0 (refused) or 1
+        self.chain_ended = chain_ended
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)  # notified when a commit or revert ends the pending round
         self.waiting = 0  # verifies waiting for their parent to become the pending round
@@ -247,6 +252,8 @@ class TargetSession:
             if keep_child:
                 self.earlier = (rnd, *self.earlier[1:])
                 self.round, self.chained = child, None
+                if self.chain_ended is not None:
+                    self.chain_ended("kept")
             self.changed.notify_all()
             return self.version
 
@@ -270,6 +277,8 @@ class TargetSession:
             self.chained.outcome = outcome
             self.earlier = (*self.earlier[:1], self.chained)
             self.chained = None
+            if self.chain_ended is not None:
+                self.chain_ended(outcome)
 
     def _round(self, round_id: str) -> Round:
         rnd = self.find(round_id)

@@ -6,7 +6,9 @@ Speculative-decoding counters are named as vLLM's (`vllm:spec_decode_num_drafts`
 - `deltaspec_spec_decode_num_accepted_tokens_per_pos_total{position}`: rounds whose draft token at
   `position` (0-based) was kept
 Rounds: `deltaspec_round_{propose,verify,commit}_seconds` histograms, `deltaspec_commits_total`,
-`deltaspec_reverts_total`, `deltaspec_staged_bytes_total`. Generations (the server-side loop):
+`deltaspec_reverts_total`, `deltaspec_staged_bytes_total`. Pipelined rounds (staged on a pending round):
+`deltaspec_pipelined_rounds_total{outcome}`, kept | dropped | reverted: kept over all is the pipeline's hit
+rate. Generations (the server-side loop):
 `deltaspec_time_to_first_token_seconds`, `deltaspec_time_per_output_token_seconds`. Sessions:
 `deltaspec_sessions` (live) and `deltaspec_sessions_expired_total`. Batching (`shared.decoding.batcher`):
 `deltaspec_batch_size` (sequences per forward pass), `deltaspec_batch_tokens`, `deltaspec_batch_wait_seconds`
@@ -48,6 +50,9 @@ class Metrics:
         self.commits = Counter("deltaspec_commits", "Rounds committed", registry=r)
         self.reverts = Counter("deltaspec_reverts", "Rounds reverted", registry=r)
         self.staged_bytes = Counter("deltaspec_staged_bytes", "Bytes staged for rollback", registry=r)
+        self.pipelined_rounds = Counter("deltaspec_pipelined_rounds", "Pipelined rounds staged on a pending one, "
+                                        "by how they ended: kept, dropped (their parent missed) or reverted",
+                                        ["outcome"], registry=r)
         self.ttft = Histogram("deltaspec_time_to_first_token_seconds", "Request to first generated token",
                               buckets=TOKEN_BUCKETS, registry=r)
         self.tpot = Histogram("deltaspec_time_per_output_token_seconds", "Mean time per token after the first",
@@ -84,6 +89,10 @@ class Metrics:
                                    (self.commit_seconds, commit_s)):
             if seconds is not None:
                 histogram.observe(seconds)
+
+    def chain_ended(self, outcome: str) -> None:
+        """A pipelined round ended: kept, dropped or reverted (`TargetSession`'s `chain_ended`)."""
+        self.pipelined_rounds.labels(outcome).inc()
 
     def generation(self, first_token_s: float | None, per_output_token_s: float | None) -> None:
         if first_token_s is not None:
