@@ -56,11 +56,15 @@ class Server:
         """Open sessions, from the server's own `deltaspec_sessions` gauge."""
         return int(self.metric("deltaspec_sessions"))
 
-    def metric(self, name: str) -> float:
-        """One unlabelled sample of the server's /metrics (`deltaspec_batch_size_sum`, ...)."""
+    def metric(self, name: str, default: float | None = None) -> float:
+        """One sample of the server's /metrics (`deltaspec_batch_size_sum`, `name{label="value"}`); `default` when
+        the server has none yet (a labelled counter appears with its first count), else LookupError."""
         with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as reply:
-            return float(next(line.split()[1] for line in reply.read().decode().splitlines()
-                              if line.startswith(name + " ")))
+            samples = (line.rsplit(" ", 1) for line in reply.read().decode().splitlines() if not line.startswith("#"))
+            found = next((float(value) for sample, value in samples if sample == name), default)
+        if found is None:
+            raise LookupError(f"no sample {name} in {self.metrics}/metrics")
+        return found
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -88,7 +88,7 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                 proxy.delay_s = delay / 1000
             for loop in LOOPS:
                 totals = {mode: dict.fromkeys(("tokens", "seconds", "rounds", "staged", "target_cpu", "draft_cpu",
-                                               "draft_passes"), 0.0) for mode in (False, True)}
+                                               "draft_passes", "kept"), 0.0) for mode in (False, True)}
                 run(loop, False, prompts[0]), run(loop, True, prompts[0])  # warm: connections, sessions, caches
                 for _ in range(repeats):
                     for prompt, want in zip(prompts, expected):
@@ -109,6 +109,7 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                              "serial_staged_bytes_per_round": totals[False]["staged"] / totals[False]["rounds"],
                              "pipelined_staged_bytes_per_round": totals[True]["staged"] / totals[True]["rounds"],
                              "rounds": (totals[False]["rounds"], totals[True]["rounds"]), "identical_tokens": True,
+                             "kept_share": totals[True]["kept"] / totals[True]["rounds"],  # the pipeline's hit rate
                              "num_draft_tokens": num_draft_tokens,
                              **_per_round(totals), "pinned": pinned, "kept_rounds": study,
                              "load_average": os.getloadavg()[0]})
@@ -153,9 +154,11 @@ def _per_round(totals: dict[bool, dict[str, float]]) -> dict[str, tuple[float, f
 
 
 def _costs(target: Server, draft: Server) -> dict[str, float]:
-    """CPU seconds the two processes have used so far, and the draft's forward passes."""
+    """CPU seconds the two processes have used so far, the draft's forward passes, and the pipelined rounds the
+    target kept (staged on a pending round, then made the pending round by its commit)."""
     return {"target_cpu": target.cpu_s(), "draft_cpu": draft.cpu_s(),
-            "draft_passes": draft.metric("deltaspec_batch_pass_seconds_count")}
+            "draft_passes": draft.metric("deltaspec_batch_pass_seconds_count"),
+            "kept": target.metric('deltaspec_pipelined_rounds_total{outcome="kept"}', 0.0)}
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -163,11 +166,14 @@ def print_rows(rows: list[dict]) -> None:
     print(f"\nPipelined vs serial rounds over loopback gRPC, services in their own processes ({cores}), delay each "
           "way on every link (greedy; every output equal to target-only decoding)")
     print(f"{'delay ms':>8} {'loop':>6} {'serial tok/s':>12} {'pipelined':>9} {'x serial':>8} "
-          f"{'staged B/round serial':>21} {'pipelined':>9} {'load':>5}")
+          f"{'staged B/round serial':>21} {'pipelined':>9} {'kept':>5} {'load':>5}")
     for r in rows:
         print(f"{r['delay_ms']:>8g} {r['loop']:>6} {r['serial_tokens_per_s']:>12.1f} "
               f"{r['pipelined_tokens_per_s']:>9.1f} {r['speedup']:>8.2f} {r['serial_staged_bytes_per_round']:>21.0f} "
-              f"{r['pipelined_staged_bytes_per_round']:>9.0f} {r['load_average']:>5.1f}")
+              f"{r['pipelined_staged_bytes_per_round']:>9.0f} {r.get('kept_share', float('nan')):>5.0%} "
+              f"{r['load_average']:>5.1f}")
+    print("kept: pipelined rounds the target staged on the round before and kept (its "
+          "deltaspec_pipelined_rounds_total{outcome=\"kept\"}), over all pipelined rounds")
     print("\nWhat a round costs, serial -> pipelined: wall time, CPU time of the target and draft processes (not the "
           "bench's own: client and proxies), the draft's forward passes, and the cores those two processes kept busy")
     print(f"{'delay ms':>8} {'loop':>6} {'wall ms':>13} {'target CPU ms':>13} {'draft CPU ms':>13} "
