@@ -18,7 +18,8 @@ proxy with speculations in flight, greedy and sampled seed for seed.
 import asyncio
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -36,13 +37,13 @@ from shared.decoding.speculative import Stats, decode, generate
 from shared.decoding.target import TargetSession
 from shared.errors import FailedPrecondition, NotFound
 from shared.model.checkpoint import hf_config, random_model
-from shared.telemetry import Telemetry
 from shared.model.loader import load_model
 from shared.model.tokenizer import load_tokenizer
 from shared.rpc.client import generate_client_driven, generate_on_server
 from shared.rpc.proxy import TcpProxy
 from shared.rpc.server import answered_call
 from shared.rpc.remote_drafter import RemoteDrafter
+from shared.telemetry import Telemetry
 from target_service import servicer as target_servicer
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
                               target_stub)
@@ -884,3 +885,44 @@ def test_kept_rounds_study_reads_the_serial_rounds_off_the_output():
     assert c["second_choice_rejected"] <= c["rejected"] and c["second_choice_wrong_guess"] <= c["wrong_guess"]
     stats = generate(MODEL, START, n, ModelDrafter(NOISY), k).stats
     assert stats.rounds - 2 <= c["rounds"] < stats.rounds
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "the draft went away"
+
+
+class _AnsweredWhenAsked(Future):
+    """A call's future that completes (and runs its callbacks) only when its result is asked for."""
+
+    def __init__(self, reply) -> None:
+        super().__init__()
+        self.reply = reply
+
+    def result(self, timeout=None):
+        if not self.done():
+            self.set_result(self.reply)
+        return super().result(timeout)
+
+
+def test_a_speculation_failing_before_its_plain_propose_answers_counts_as_a_failure():
+    """The speculation fails while the plain Propose it was sent behind is still out; that one then succeeds: the
+    failure is counted once the plain one is in (it used to be lost: the callback read an unbound exception)."""
+    plain = _AnsweredWhenAsked(dpb.ProposeResponse(draft_tokens=[1, 2]))
+    failed: Future = Future()
+    failed.set_exception(_Unavailable())
+    calls = iter([plain, failed])
+    stub = SimpleNamespace(
+        CreateSession=SimpleNamespace(future=lambda *a, **k: _AnsweredWhenAsked(
+            dpb.DraftServiceCreateSessionResponse(session_id="s"))),
+        Propose=SimpleNamespace(future=lambda *a, **k: next(calls)),
+        CloseSession=SimpleNamespace(future=lambda *a, **k: _AnsweredWhenAsked(
+            dpb.DraftServiceCloseSessionResponse())))
+    drafter = RemoteDrafter(stub, SamplingParams(), vocab_size=MODEL.config.vocab_size)
+    drafter.start([1, 2, 3])
+    proposal, speculation, _ = drafter.propose_and_speculate(2, 2)
+    assert proposal.tokens == [1, 2] and speculation.result() is None
+    assert drafter.failures == 1 and drafter.skip == 1  # the next round goes without the draft

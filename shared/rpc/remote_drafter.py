@@ -205,7 +205,8 @@ class RemoteDrafter:
             refused = e.code() == grpc.StatusCode.FAILED_PRECONDITION or \
                 (spec.builds_on and e.code() == grpc.StatusCode.NOT_FOUND)
             if not refused:  # behind a plain Propose, it fails with it (it waits for it at the peer): counted once
-                (spec.behind or resolved(None)).add_done_callback(lambda plain: self._failed_alone(spec, plain, e))
+                (spec.behind or resolved(None)).add_done_callback(  # `e` is unbound once this block ends: bind it
+                    lambda plain, error=e: self._failed_alone(spec, plain, error))
         except MalformedProposal as e:
             with self.lock:
                 self._failed(e)
