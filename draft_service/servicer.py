@@ -46,7 +46,8 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
         self.limits.check_prompt(len(request.token_ids), "token_ids")
         self.sessions.reserve(caller())
         session = await asyncio.to_thread(DraftSession, self.model, list(request.token_ids), sampling, self.stop_below,
-                                          answers_sent_by_caller=True)
+                                          answers_sent_by_caller=True,
+                                          speculation_ended=self.telemetry.metrics.speculation_ended)
         session.sparse_probs = request.sparse_probs
         return pb.DraftServiceCreateSessionResponse(session_id=self.sessions.add(session, caller()),
                                                     max_draft_tokens=MAX_DRAFT_TOKENS)

@@ -926,3 +926,33 @@ def test_a_speculation_failing_before_its_plain_propose_answers_counts_as_a_fail
     proposal, speculation, _ = drafter.propose_and_speculate(2, 2)
     assert proposal.tokens == [1, 2] and speculation.result() is None
     assert drafter.failures == 1 and drafter.skip == 1  # the next round goes without the draft
+
+
+def test_every_draft_speculation_is_told_kept_or_dropped():
+    """`speculation_ended` hears of each speculation once, kept or dropped, whatever the loop does with it; the
+    draft service counts them in `deltaspec_draft_speculations_total`."""
+    told = {"kept": 0, "dropped": 0}
+    made = 0
+
+    class Counted(ModelDrafter):
+        def speculate(self, *args, **kwargs):
+            nonlocal made
+            made += 1
+            return super().speculate(*args, **kwargs)
+
+    drafter = Counted(NOISY)
+    drafter.speculation_ended = lambda outcome, n: told.__setitem__(outcome, told[outcome] + n)
+    for k in (2, 4):
+        tokens, _ = run_pipelined(MODEL, drafter, START, 48, k)
+        assert tokens == greedy(48)
+    assert told["kept"] > 0 and told["dropped"] > 0
+    assert made == told["kept"] + told["dropped"] + len(drafter.chain)
+    drafter.start(START)  # a new generation drops what is left
+    assert made == told["kept"] + told["dropped"] and not drafter.chain
+
+    session = DraftSession(NOISY, START, speculation_ended=drafter.speculation_ended)  # the same hook, served
+    first = session.propose("a", 2)
+    spec = session.propose("b", 2, speculative=True)
+    before = dict(told)
+    session.propose("c", 2, Outcome("a", len(first.proposal.tokens), spec.guess), speculative=True, parent="b")
+    assert told["kept"] == before["kept"] + 1  # b became the open round

@@ -179,10 +179,17 @@ def test_metrics_agree_with_the_stats(servers, roles):
     target, draft = servers
     metrics = roles[TARGET].telemetry.metrics
     port = metrics.serve(0, "127.0.0.1")
-    before = scrape(port)
+    draft_metrics = roles[DRAFT].telemetry.metrics.registry
+
+    def speculations() -> float:
+        return sum(draft_metrics.get_sample_value("deltaspec_draft_speculations_total", {"outcome": o}) or 0.0
+                   for o in ("kept", "dropped"))
+
+    before, speculated = scrape(port), speculations()
     a, _ = generate_on_server(target, PROMPT, "", N)
     b, _ = generate_client_driven(target, draft, PROMPT, "", N)
     after = scrape(port)
+    assert speculations() > speculated  # both loops pipeline: the draft counts how its speculations ended
 
     def grew(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.decoding.answers import Answers
@@ -80,12 +81,15 @@ class DraftSession:
     """One sequence on the draft. Thread-safe: every public method holds the session lock."""
 
     def __init__(self, model: HybridLM, history: list[int], sampling: SamplingParams = SamplingParams(),
-                 stop_below: float = 0.0, answers_sent_by_caller: bool = False) -> None:
+                 stop_below: float = 0.0, answers_sent_by_caller: bool = False,
+                 speculation_ended: Callable[[str, int], None] | None = None) -> None:
+        """`speculation_ended(outcome, n)`: told of speculations kept (made the open round) or dropped (a metric)."""
         if not history:
             raise InvalidArgument("the token history is empty", "token_ids")
         check_tokens(history, model.config.vocab_size, "token_ids")
         self.vocab_size = model.config.vocab_size
         self.drafter = ModelDrafter(model, sampling, stop_below)  # stop_below: dynamic draft length
+        self.drafter.speculation_ended = speculation_ended
         self.drafter.start(list(history))
         self.length = len(history)  # committed tokens the draft knows of
         self.round: DraftRound | None = None  # the open proposal, or the last finished one (for retries)

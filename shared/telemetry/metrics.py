@@ -8,7 +8,8 @@ Speculative-decoding counters are named as vLLM's (`vllm:spec_decode_num_drafts`
 Rounds: `deltaspec_round_{propose,verify,commit}_seconds` histograms, `deltaspec_commits_total`,
 `deltaspec_reverts_total`, `deltaspec_staged_bytes_total`. Pipelined rounds (staged on a pending round):
 `deltaspec_pipelined_rounds_total{outcome}`, kept | dropped | reverted: kept over all is the pipeline's hit
-rate. Generations (the server-side loop):
+rate. The draft's `deltaspec_draft_speculations_total{outcome}`, kept | dropped: the speculative rounds it
+proposed and how they ended (dropped ones are draft passes spent for nothing). Generations (the server-side loop):
 `deltaspec_time_to_first_token_seconds`, `deltaspec_time_per_output_token_seconds`. Sessions:
 `deltaspec_sessions` (live) and `deltaspec_sessions_expired_total`. Batching (`shared.decoding.batcher`):
 `deltaspec_batch_size` (sequences per forward pass), `deltaspec_batch_tokens`, `deltaspec_batch_wait_seconds`
@@ -50,6 +51,9 @@ class Metrics:
         self.commits = Counter("deltaspec_commits", "Rounds committed", registry=r)
         self.reverts = Counter("deltaspec_reverts", "Rounds reverted", registry=r)
         self.staged_bytes = Counter("deltaspec_staged_bytes", "Bytes staged for rollback", registry=r)
+        self.draft_speculations = Counter("deltaspec_draft_speculations", "Speculative rounds the draft proposed, "
+                                          "by how they ended: kept (they became the open round) or dropped (the "
+                                          "round below missed, or a plain proposal came)", ["outcome"], registry=r)
         self.pipelined_rounds = Counter("deltaspec_pipelined_rounds", "Pipelined rounds staged on a pending one, "
                                         "by how they ended: kept, dropped (their parent missed) or reverted",
                                         ["outcome"], registry=r)
@@ -89,6 +93,10 @@ class Metrics:
                                    (self.commit_seconds, commit_s)):
             if seconds is not None:
                 histogram.observe(seconds)
+
+    def speculation_ended(self, outcome: str, n: int = 1) -> None:
+        """Draft speculations ended: kept or dropped (`ModelDrafter`'s `speculation_ended`)."""
+        self.draft_speculations.labels(outcome).inc(n)
 
     def chain_ended(self, outcome: str) -> None:
         """A pipelined round ended: kept, dropped or reverted (`TargetSession`'s `chain_ended`)."""

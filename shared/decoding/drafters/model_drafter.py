@@ -46,14 +46,18 @@ class ModelDrafter:
         self.chain: list[tuple[int, list[int]]] = []  # speculations (guess, proposal), each on the one before
         self.guessed: tuple[int, int] | None = None  # (position, the most likely token there) once fed
         self.state: ModelState  # made by `start`: on a server each state takes a pool slot, none before it is needed
+        # told how speculations end, (outcome, how many): kept (made the open round) or dropped (a metric)
+        self.speculation_ended: Callable[[str, int], None] | None = None
 
     def start(self, prompt_ids: list[int]) -> None:
+        self._drop_chain()
         self.state = self.model.new_state(capacity=max(256, 2 * len(prompt_ids)), log_capacity=CHAIN_LOG_CAPACITY)
-        self.pending, self.proposed, self.chain, self.guessed = list(prompt_ids), [], [], None
+        self.pending, self.proposed, self.guessed = list(prompt_ids), [], None
 
     def propose(self, k: int) -> Proposal:
         self.state.revert()
-        self.proposed, self.chain = [], []
+        self._drop_chain()
+        self.proposed = []
         if len(self.pending) > 2:  # a prompt, or inputs piled up by zero-draft rounds: prefill all but the last
             self.model(torch.tensor(self.pending[:-1]), self.state)
             self.state.commit(self.state.staged)
@@ -124,7 +128,12 @@ class ModelDrafter:
         if self.chain:
             self.state.drop_marked()
             self.guessed = (self.state.length + self.state.staged, self.chain[0][0])
-            self.chain = []
+            self._drop_chain()
+
+    def _drop_chain(self) -> None:
+        if self.chain and self.speculation_ended is not None:
+            self.speculation_ended("dropped", len(self.chain))
+        self.chain = []
 
     def discard_last(self) -> None:
         """Drop the newest speculation, keep the others."""
@@ -134,6 +143,8 @@ class ModelDrafter:
             guess, _ = self.chain.pop()
             self.state.truncate(len(self._inputs()))
             self.guessed = (self.state.length + self.state.staged, guess)
+            if self.speculation_ended is not None:
+                self.speculation_ended("dropped", 1)
 
     def advance(self, accepted: int, next_token: int) -> None:
         """Commit pending + the accepted proposals that were fed; the rest waits in `pending`. A first speculation
@@ -145,6 +156,8 @@ class ModelDrafter:
                 self.pending, self.proposed, self.chain = [guess], tokens, self.chain[1:]
                 if self.chain:  # the next one stays staged on top: mark where it starts (from the logs)
                     self.state.mark(1 + len(tokens))
+                if self.speculation_ended is not None:
+                    self.speculation_ended("kept", 1)
                 return
             self.discard_speculation()
         kept = self.pending + self.proposed[:accepted]
