@@ -83,6 +83,13 @@ class CA:
         issued.cert.write_bytes(builder.sign(self.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
         return issued
 
+    def renew(self, common_name: str, server: bool, live: Issued, stamp: float) -> None:
+        """Issue into `live`'s files, as a Secret update or a cert-manager renewal does, stamped `stamp` (a
+        different mtime even on a coarse clock)."""
+        self.issue(common_name, server, live.cert, live.key)
+        for path in (live.cert, live.key):
+            os.utime(path, (stamp, stamp))
+
 
 def _builder(subject: x509.Name, issuer: x509.Name, public_key) -> x509.CertificateBuilder:
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -181,10 +188,7 @@ def test_a_renewed_certificate_is_served_to_new_connections_without_a_restart(pa
     with serve(draft_service(pair[1]), security=ServerSecurity(ServerTLS(live.cert, live.key))) as server:
         assert health(server.address, ClientSecurity(old_ca.path)) == health_pb2.HealthCheckResponse.SERVING
         refused(lambda: health(server.address, ClientSecurity(new_ca.path)), Code.UNAVAILABLE)
-        new_ca.issue("server", True, live.cert, live.key)  # what a Secret update or cert-manager renewal does
-        stamp = time.time() + 2
-        for path in (live.cert, live.key):
-            os.utime(path, (stamp, stamp))  # a different mtime even on a coarse clock
+        new_ca.renew("server", True, live, time.time() + 2)
         assert health(server.address, ClientSecurity(new_ca.path)) == health_pb2.HealthCheckResponse.SERVING
         refused(lambda: health(server.address, ClientSecurity(old_ca.path)), Code.UNAVAILABLE)
 
@@ -433,11 +437,6 @@ def test_a_renewed_client_certificate_dials_the_draft_without_a_restart(pair, pk
     expected = generate(load_model(pair[0]), PROMPT, n).token_ids
     live = pki.ca.issue("target", False, tmp_path / "client.crt", tmp_path / "client.key")
 
-    def renew(ca: CA, stamp: float) -> None:  # what a Secret update or cert-manager renewal does
-        ca.issue("target", False, live.cert, live.key)
-        for path in (live.cert, live.key):
-            os.utime(path, (stamp, stamp))  # a different mtime even on a coarse clock
-
     with serve(draft_service(pair[1]), security=mtls(pki)) as draft:
         peer = DraftPeer(draft.address, 5.0, ClientSecurity(pki.ca.path, live.cert, live.key))
         target_svc = target_servicer.service(lambda: (load_model(pair[0]), load_tokenizer(pair[0])), draft=peer)
@@ -448,10 +447,10 @@ def test_a_renewed_client_certificate_dials_the_draft_without_a_restart(pair, pk
                 return result.stats
 
             assert run().drafted > 0
-            renew(pki.rogue, time.time() + 2)  # a certificate the draft does not trust: speculation stops
+            pki.rogue.renew("target", False, live, time.time() + 2)  # one the draft does not trust: no speculation
             assert run().drafted == 0
             live.key.write_text("not a key")  # half-written: the channel it has stays (and fails), no crash
             os.utime(live.key, (time.time() + 4, time.time() + 4))
             assert run().drafted == 0
-            renew(pki.ca, time.time() + 6)  # trusted again
+            pki.ca.renew("target", False, live, time.time() + 6)  # trusted again
             assert run().drafted > 0

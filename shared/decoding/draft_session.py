@@ -89,7 +89,8 @@ class DraftSession:
         check_tokens(history, model.config.vocab_size, "token_ids")
         self.vocab_size = model.config.vocab_size
         self.drafter = ModelDrafter(model, sampling, stop_below)  # stop_below: dynamic draft length
-        self.drafter.speculation_ended = speculation_ended
+        if speculation_ended is not None:
+            self.drafter.speculation_ended = speculation_ended
         self.drafter.start(list(history))
         self.length = len(history)  # committed tokens the draft knows of
         self.round: DraftRound | None = None  # the open proposal, or the last finished one (for retries)

@@ -83,7 +83,7 @@ class TargetSession:
         self.chained: Round | None = None  # a pipelined round staged on top of the pending one
         self.earlier: tuple[Round, ...] = ()  # rounds kept for retries: the one before, the last dropped
         self.max_chain = max_chain  # pipelined rounds staged at once: 0 (refused) or 1
-        self.chain_ended = chain_ended
+        self.chain_ended = chain_ended or (lambda outcome: None)
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)  # notified when a commit or revert ends the pending round
         self.waiting = 0  # verifies waiting for their parent to become the pending round
@@ -252,8 +252,7 @@ class TargetSession:
             if keep_child:
                 self.earlier = (rnd, *self.earlier[1:])
                 self.round, self.chained = child, None
-                if self.chain_ended is not None:
-                    self.chain_ended("kept")
+                self.chain_ended("kept")
             self.changed.notify_all()
             return self.version
 
@@ -277,8 +276,7 @@ class TargetSession:
             self.chained.outcome = outcome
             self.earlier = (*self.earlier[:1], self.chained)
             self.chained = None
-            if self.chain_ended is not None:
-                self.chain_ended(outcome)
+            self.chain_ended(outcome)
 
     def _round(self, round_id: str) -> Round:
         rnd = self.find(round_id)

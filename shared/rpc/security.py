@@ -268,12 +268,7 @@ class ServerTLS:
         return [self.cert, self.key, *([self.client_ca] if self.client_ca else [])]
 
     def _config(self) -> grpc.ServerCertificateConfiguration:
-        try:
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)  # a matching pair
-        except ssl.SSLError as e:
-            raise ValueError(f"{self.cert} and {self.key} are not a certificate and its key: {e}") from None
-        except OSError as e:
-            raise ValueError(f"cannot read the TLS certificate or key: {e}") from None
+        _check_pair(self.cert, self.key)
         return grpc.ssl_server_certificate_configuration(
             [(_read(self.key), _read(self.cert))], _read(self.client_ca) if self.client_ca else None)
 
@@ -303,6 +298,16 @@ class ServerSecurity:
         if self.tls is None:
             return server.add_insecure_port(address)
         return server.add_secure_port(address, self.tls.credentials())
+
+
+def _check_pair(cert: Path, key: Path) -> None:
+    """ValueError unless `cert` and `key` load as a certificate and its key (a half-written pair does not)."""
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        raise ValueError(f"{cert} and {key} are not a certificate and its key: {e}") from None
+    except OSError as e:
+        raise ValueError(f"cannot read the TLS certificate or key: {e}") from None
 
 
 def _read(path: Path) -> bytes:
@@ -418,14 +423,13 @@ class ClientSecurity:
 
     def check_files(self) -> None:
         """ValueError unless the TLS files load: the CA, and the certificate with its key (a matching pair)."""
-        try:
-            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-            if self.ca is not None:
-                context.load_verify_locations(self.ca)
-            if self.cert is not None:
-                context.load_cert_chain(self.cert, self.key)
-        except (ssl.SSLError, OSError) as e:
-            raise ValueError(f"the client TLS files {', '.join(map(str, self.files()))} do not load: {e}") from None
+        if self.cert is not None:
+            _check_pair(self.cert, self.key)  # type: ignore[arg-type]
+        if self.ca is not None:
+            try:
+                ssl.create_default_context(cafile=self.ca)
+            except (ssl.SSLError, OSError) as e:
+                raise ValueError(f"{self.ca} is not a readable CA bundle: {e}") from None
 
     def _token_source(self) -> Callable[[], str] | None:
         if self.token_file is not None:

@@ -47,7 +47,7 @@ class ModelDrafter:
         self.guessed: tuple[int, int] | None = None  # (position, the most likely token there) once fed
         self.state: ModelState  # made by `start`: on a server each state takes a pool slot, none before it is needed
         # told how speculations end, (outcome, how many): kept (made the open round) or dropped (a metric)
-        self.speculation_ended: Callable[[str, int], None] | None = None
+        self.speculation_ended: Callable[[str, int], None] = lambda outcome, n: None
 
     def start(self, prompt_ids: list[int]) -> None:
         self._drop_chain()
@@ -131,7 +131,7 @@ class ModelDrafter:
             self._drop_chain()
 
     def _drop_chain(self) -> None:
-        if self.chain and self.speculation_ended is not None:
+        if self.chain:
             self.speculation_ended("dropped", len(self.chain))
         self.chain = []
 
@@ -143,8 +143,7 @@ class ModelDrafter:
             guess, _ = self.chain.pop()
             self.state.truncate(len(self._inputs()))
             self.guessed = (self.state.length + self.state.staged, guess)
-            if self.speculation_ended is not None:
-                self.speculation_ended("dropped", 1)
+            self.speculation_ended("dropped", 1)
 
     def advance(self, accepted: int, next_token: int) -> None:
         """Commit pending + the accepted proposals that were fed; the rest waits in `pending`. A first speculation
@@ -156,8 +155,7 @@ class ModelDrafter:
                 self.pending, self.proposed, self.chain = [guess], tokens, self.chain[1:]
                 if self.chain:  # the next one stays staged on top: mark where it starts (from the logs)
                     self.state.mark(1 + len(tokens))
-                if self.speculation_ended is not None:
-                    self.speculation_ended("kept", 1)
+                self.speculation_ended("kept", 1)
                 return
             self.discard_speculation()
         kept = self.pending + self.proposed[:accepted]
