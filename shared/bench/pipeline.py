@@ -39,22 +39,23 @@ LOOPS = ("client", "server")
 
 def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, prompts: list[list[int]] | None = None,
             max_new_tokens: int = 96, num_draft_tokens: int = 4, delays_ms: tuple[float, ...] = (0, 1, 5),
-            repeats: int = 1, compile: bool = False, pin: bool = True) -> list[dict]:
+            repeats: int = 1, compile: bool = False, pin: bool = True, device: str = "cpu") -> list[dict]:
     """One row per (delay, loop): tokens/s serial and pipelined, their ratio, bytes staged per round.
 
     `compile`: both services run `--compile` (their passes as compiled graphs). `pin`: a core for each service,
-    where there are two or more."""
+    where there are two or more. `device="cuda"`: both services' models and states on the GPU."""
     from shared.model.loader import load_model
     from shared.rpc.client import generate_client_driven, generate_on_server
 
     prompts = prompts or PROMPTS
     target = load_model(target_dir)
-    expected = target_only_outputs(target, prompts, max_new_tokens)
+    expected = target_only_outputs(load_model(target_dir, device=device) if device != "cpu" else target, prompts,
+                                   max_new_tokens)
     study = kept_rounds(target, load_model(draft_dir), prompts, expected, num_draft_tokens)
     rows = []
     with ExitStack() as stack:
-        compiled = ["--compile"] if compile else []
-        draft_server = Server("serve-draft", "--model", str(draft_dir), *compiled)
+        options = ["--device", device, *(["--compile"] if compile else [])]
+        draft_server = Server("serve-draft", "--model", str(draft_dir), *options)
         stack.callback(draft_server.stop)
         draft = draft_server.address
         to_draft = TcpProxy([draft])
@@ -63,7 +64,7 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
         for depth in (0, 1):
             server = targets[depth] = Server("serve-target", "--model", str(target_dir), "--draft-addr",
                                              to_draft.address, "--draft-timeout", "30", "--pipeline-depth", str(depth),
-                                             *compiled)
+                                             *options)
             stack.callback(server.stop)
         cores = sorted(os.sched_getaffinity(0))
         pinned = pin and len(cores) >= 2
@@ -111,7 +112,7 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                              "rounds": (totals[False]["rounds"], totals[True]["rounds"]), "identical_tokens": True,
                              "kept_share": totals[True]["kept"] / totals[True]["rounds"],  # the pipeline's hit rate
                              "num_draft_tokens": num_draft_tokens,
-                             **_per_round(totals), "pinned": pinned, "kept_rounds": study,
+                             **_per_round(totals), "pinned": pinned, "kept_rounds": study, "device": device,
                              "load_average": os.getloadavg()[0]})
     return rows
 
@@ -163,6 +164,8 @@ def _costs(target: Server, draft: Server) -> dict[str, float]:
 
 def print_rows(rows: list[dict]) -> None:
     cores = "a core each" if rows and rows[0].get("pinned") else "sharing the cores"
+    if rows and rows[0].get("device", "cpu") != "cpu":
+        cores += f", models on {rows[0]['device']}"
     print(f"\nPipelined vs serial rounds over loopback gRPC, services in their own processes ({cores}), delay each "
           "way on every link (greedy; every output equal to target-only decoding)")
     print(f"{'delay ms':>8} {'loop':>6} {'serial tok/s':>12} {'pipelined':>9} {'x serial':>8} "
@@ -231,13 +234,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="both services run with --compile")
     parser.add_argument("--no-pin", action="store_true", help="the services share the cores (default: one each)")
+    parser.add_argument("--device", default="cpu", help="where both services run their models (cpu, cuda)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--save", type=Path, help="write pipeline.txt and pipeline.png to this folder (e.g. docs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = compare(prompts=PROMPTS[:2] if args.quick else PROMPTS,
                    max_new_tokens=64 if args.quick else args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-                   repeats=1 if args.quick else args.repeats, compile=args.compile, pin=not args.no_pin)
+                   repeats=1 if args.quick else args.repeats, compile=args.compile, pin=not args.no_pin,
+                   device=args.device)
     print(json.dumps(rows)) if args.json else print_rows(rows)
     if args.save:
         report.save(args.save, "pipeline", rows, print_rows, plot)
