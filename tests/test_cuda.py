@@ -11,6 +11,9 @@ on CUDA beyond), compared per tensor to a relative 1e-4 of its scale as in test_
   n-gram) equals target-only; sampled speculation draws what the CPU draws, seed for seed.
 - Both services on the GPU over loopback gRPC: the server loop, the client-driven loop and concurrent (batched)
   sessions give the in-process tokens, greedy and sampled.
+- Compiled passes (`--compile`: Inductor's graphs for the GPU), both ways of compiling: a random model's rounds
+  equal the CPU's eager ones; the compiled embedded pair's greedy tokens, target-only and speculative, equal the
+  eager GPU's.
 """
 from __future__ import annotations
 
@@ -211,3 +214,34 @@ def test_served_sampled_equals_in_process(served, pair, prompts):
     assert generate_on_server(target, prompts[0], "", N, 4, SAMPLED)[0].token_ids == want.token_ids
     assert generate_client_driven(target, draft, prompts[0], "", N, 4, SAMPLED,
                                   draft_timeout_s=30.0)[0].token_ids == want.token_ids
+
+
+# ---- compiled passes (`--compile`) on the GPU ----
+
+
+@pytest.mark.parametrize("layer_types", [["linear_attention", "full_attention"],
+                                         ["full_attention", "linear_attention", "linear_attention", "full_attention",
+                                          "linear_attention"]], ids=["whole-graph", "per-layer-kind"])
+def test_compiled_rounds_on_cuda_match_cpu(layer_types):
+    """Inductor's graphs for the GPU, both ways of compiling (one graph for a shallow model, one per layer kind for a
+    deeper one): every pass and the head after every way a round ends equal the CPU's eager rounds."""
+    from shared.model.compiled import WHOLE_GRAPH_LAYERS
+
+    config = hf_config(layer_types=layer_types)
+    cpu, gpu = random_model(config, seed=7).fuse(), random_model(config, seed=7).to("cuda").fuse().compile()
+    assert gpu.compiled.per_layer == (len(layer_types) > WHOLE_GRAPH_LAYERS)
+    (want, ref), (got, state) = rounds(cpu), rounds(gpu)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert_near(a, b, f"logits of pass {i}")
+    assert_same_head(state, ref)
+
+
+def test_compiled_pair_on_cuda_speculates_target_only_tokens(prompts, greedy):
+    """The embedded pair compiled on the GPU (`--device cuda --compile`): target-only and speculative greedy tokens
+    equal the eager GPU's (and so the CPU's)."""
+    target = load_model(DEFAULT_TARGET, device="cuda").compile()
+    draft = load_model(DEFAULT_DRAFT, device="cuda").compile()
+    for prompt, want in zip(prompts[:2], greedy):
+        assert generate(target, prompt, N).token_ids == want
+        result = generate(target, prompt, N, ModelDrafter(draft), 4)
+        assert result.token_ids == want and result.stats.accepted > 0
