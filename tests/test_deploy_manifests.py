@@ -12,6 +12,7 @@ refused by the servers' own token loader.
 from __future__ import annotations
 
 import base64
+import os
 import re
 import shutil
 import subprocess
@@ -253,6 +254,60 @@ def test_both_services_serve_tls_and_tokens_from_the_mounted_secrets(rendered):
         "deltaspec-tls"
     assert target.draft_token_file == f"{target.tokens}/target"
     assert target.draft_addr == settings(docs)["DELTASPEC_DRAFT_ADDR"]
+
+
+def with_component(overlay: str, component: str, tmp_path: Path) -> list[dict]:
+    """`overlay` rendered with `component` added, as an overlay of one's own would add it."""
+    here = tmp_path / f"{overlay}-{component}"
+    here.mkdir()
+    (here / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S / "overlays" / overlay, here)],
+        "components": [os.path.relpath(K8S / "components" / component, here)]}))
+    text = subprocess.run([KUBECTL, "kustomize", str(here)], check=True, capture_output=True, text=True,
+                          timeout=60).stdout
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def covers(names: list[str], host: str) -> bool:
+    """Whether a certificate for `names` is valid for `host` (a wildcard stands for one leftmost label)."""
+    return host in names or any(n.startswith("*.") and host.partition(".")[2] == n[2:] for n in names)
+
+
+@needs_kubectl
+def test_cert_manager_component_issues_the_secret_the_pods_mount(rendered, tmp_path):
+    """deploy/k8s/components/cert-manager added to the overlay: its Certificate writes the Secret both pods read their
+    TLS material from, names every address a caller dials (the target's Service, each target pod's advertised name,
+    the draft's address), serves as server and as the target's client certificate, and chains through a CA Issuer
+    (so the Secret carries ca.crt) to a self-signed root, all in the pods' namespace; nothing else changes."""
+    overlay, _, plain = rendered
+    docs = with_component(overlay, "cert-manager", tmp_path)
+    assert [d for d in docs if not d["apiVersion"].startswith("cert-manager.io/")] == plain
+    namespace = find(docs, "Namespace", "deltaspec")["metadata"]["name"]
+    target, draft = parsed_args(docs, "StatefulSet", "deltaspec-target"), parsed_args(docs, "Deployment",
+                                                                                      "deltaspec-draft")
+    cert = next(d for d in docs if d["kind"] == "Certificate" and not d["spec"].get("isCA"))
+    for kind, name, paths in (("StatefulSet", "deltaspec-target", (target.tls_cert, target.draft_tls_ca)),
+                              ("Deployment", "deltaspec-draft", (draft.tls_cert, draft.tls_client_ca))):
+        for path in paths:
+            assert mounted(docs, kind, name, path)["secret"]["secretName"] == cert["spec"]["secretName"], path
+    assert {target.tls_cert, target.tls_key, target.draft_tls_ca} == {
+        f"/etc/deltaspec/tls/{key}" for key in ("tls.crt", "tls.key", "ca.crt")}  # the names cert-manager writes
+    domain = settings(docs)["DELTASPEC_CLUSTER_DOMAIN"]
+    sts = find(docs, "StatefulSet", "deltaspec-target")
+    advertised = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}[
+        "DELTASPEC_ADVERTISE_ADDRESS"]
+    advertised = advertised.replace("$(POD_NAME)", "deltaspec-target-0").replace("$(POD_NAMESPACE)", namespace)
+    advertised = advertised.replace("$(DELTASPEC_CLUSTER_DOMAIN)", domain)
+    hosts = ["deltaspec-target", f"deltaspec-target.{namespace}.svc.{domain}", advertised.rpartition(":")[0],
+             target.draft_addr.rpartition(":")[0], f"deltaspec-draft.{namespace}.svc.{domain}"]
+    assert all(covers(cert["spec"]["dnsNames"], host) for host in hosts), hosts
+    assert {"server auth", "client auth"} <= set(cert["spec"]["usages"])
+    ca_issuer = find(docs, "Issuer", cert["spec"]["issuerRef"]["name"])
+    ca = next(d for d in docs if d["kind"] == "Certificate" and d["spec"]["secretName"] == ca_issuer["spec"]["ca"][
+        "secretName"])
+    assert ca["spec"]["isCA"] and "selfSigned" in find(docs, "Issuer", ca["spec"]["issuerRef"]["name"])["spec"]
+    assert {d["metadata"]["namespace"] for d in docs if d["apiVersion"].startswith("cert-manager.io/")} == {namespace}
 
 
 def test_the_placeholder_tokens_do_not_start_a_server(rendered, tmp_path):
