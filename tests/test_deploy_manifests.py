@@ -310,6 +310,33 @@ def test_cert_manager_component_issues_the_secret_the_pods_mount(rendered, tmp_p
     assert {d["metadata"]["namespace"] for d in docs if d["apiVersion"].startswith("cert-manager.io/")} == {namespace}
 
 
+@needs_kubectl
+def test_prometheus_operator_component_scrapes_each_pod_where_it_serves_metrics(rendered, tmp_path):
+    """deploy/k8s/components/prometheus-operator added to the overlay: one PodMonitor per service selects exactly its
+    pods, in their namespace, and scrapes the container port and path they serve /metrics on, which the
+    NetworkPolicies open to a scraper's namespace; nothing else changes."""
+    overlay, _, plain = rendered
+    docs = with_component(overlay, "prometheus-operator", tmp_path)
+    monitors = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert [d for d in docs if d["kind"] != "PodMonitor"] == plain and len(monitors) == 2
+    for kind, name in (("StatefulSet", "deltaspec-target"), ("Deployment", "deltaspec-draft")):
+        template = find(docs, kind, name)["spec"]["template"]
+        monitor = find(docs, "PodMonitor", name)
+        assert monitor["metadata"]["namespace"] == find(docs, kind, name)["metadata"]["namespace"]
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= template["metadata"]["labels"].items()
+        others = [d for d in docs if d["kind"] in ("StatefulSet", "Deployment") and d["metadata"]["name"] != name]
+        assert all(not selector.items() <= d["spec"]["template"]["metadata"]["labels"].items() for d in others)
+        [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+        port = next(p for p in template["spec"]["containers"][0]["ports"] if p["name"] == endpoint["port"])
+        assert str(port["containerPort"]) == template["metadata"]["annotations"]["prometheus.io/port"]
+        assert endpoint["path"] == template["metadata"]["annotations"]["prometheus.io/path"]
+        policy = find(docs, "NetworkPolicy", name)
+        assert any(rule["from"] == [{"namespaceSelector": {"matchLabels": {"deltaspec.io/metrics-scraper": "true"}}}]
+                   and {"protocol": "TCP", "port": port["containerPort"]} in rule["ports"]
+                   for rule in policy["spec"]["ingress"])
+
+
 def test_the_placeholder_tokens_do_not_start_a_server(rendered, tmp_path):
     _, _, docs = rendered
     auth = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].startswith("deltaspec-auth"))
