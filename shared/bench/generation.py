@@ -14,6 +14,7 @@ drafts a round), so the two are compared in the same run.
 """
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -109,6 +110,49 @@ def long_generations(target: HybridLM, target_dir: Path, draft: HybridLM, prompt
             "identical_to_target_only": True, "identical_to_hf": identical_hf,
         })
     return rows
+
+
+def eager_and_compiled(target: HybridLM, draft: HybridLM, prompts: list[list[int]], length: int,
+                       repeats: int = 2) -> dict[str, dict]:
+    """Tokens/s of greedy target-only and dynamic speculative generations (`deltaspec generate`'s default), eager
+    and with both models' passes compiled, on the models' device: every run's tokens equal eager target-only's.
+    Warmed, the four runs of each (prompt, repeat) in a rotating order; median [min-max] per path, and the
+    compiled over eager ratio per sample."""
+    from shared.state.rollback import CHAIN_LOG_CAPACITY
+
+    compiled = (copy.deepcopy(target).compile(warm_up=True),
+                copy.deepcopy(draft).compile(warm_up=True, log_capacity=CHAIN_LOG_CAPACITY))
+    runs: dict[str, Callable[[list[int], int], Generation]] = {}
+    for path, (t, d) in (("eager", (target, draft)), ("compiled", compiled)):
+        runs[f"{path} target_only"] = lambda p, n, t=t: generate(t, p, n)
+        runs[f"{path} dynamic"] = lambda p, n, t=t, d=d: generate(t, p, n, ModelDrafter(d, stop_below=STOP_BELOW),
+                                                                  MAX_DRAFT_TOKENS)
+    for run in runs.values():
+        run(prompts[0], 32)
+    tps: dict[str, list[float]] = {name: [] for name in runs}
+    ratio: dict[str, list[float]] = {"target_only": [], "dynamic": []}
+    for i, prompt in enumerate(p for p in prompts for _ in range(repeats)):
+        names = list(runs)[i % len(runs):] + list(runs)[: i % len(runs)]
+        out = {name: runs[name](prompt, length) for name in names}
+        want = out["eager target_only"].token_ids
+        for name, g in out.items():
+            if g.token_ids != want:
+                raise AssertionError(f"{name}: tokens differ from eager target-only on prompt {i // repeats}")
+            tps[name].append(len(g.token_ids) / g.stats.seconds)
+        for kind in ratio:
+            ratio[kind].append(tps[f"compiled {kind}"][-1] / tps[f"eager {kind}"][-1])
+    return {"length": length, "device": str(target.device), "tokens_per_s": {n: spread(v) for n, v in tps.items()},
+            "compiled_over_eager": {n: spread(v) for n, v in ratio.items()}}
+
+
+def print_compiled(r: dict) -> None:
+    print(f"\nEager and compiled passes on {r['device']} ({r['length']} tokens, greedy, dynamic = "
+          f"{SPECULATIVE['dynamic']}; median [min-max] tok/s; identical tokens)")
+    for kind in ("target_only", "dynamic"):
+        e, c, q = (r["tokens_per_s"][f"eager {kind}"], r["tokens_per_s"][f"compiled {kind}"],
+                   r["compiled_over_eager"][kind])
+        print(f"{kind:>11}: eager {e['median']:.1f} [{e['min']:.1f}-{e['max']:.1f}], compiled {c['median']:.1f} "
+              f"[{c['min']:.1f}-{c['max']:.1f}], compiled/eager {q['median']:.2f} [{q['min']:.2f}-{q['max']:.2f}]")
 
 
 def _round_figures(t: dict[str, float]) -> dict:

@@ -120,7 +120,10 @@ def run(args: argparse.Namespace) -> dict:
                 long_prompts, lengths, repeats, bar.update)
         if "gpu" in steps:
             result["gpu"] = {"memory_bound": memory_bound_ratio(device="cuda"),
-                             "load": load.load(DEFAULT_TARGET, DEFAULT_DRAFT, quick, device="cuda")}
+                             "load": load.load(DEFAULT_TARGET, DEFAULT_DRAFT, quick, device="cuda"),
+                             "compiled": generation.eager_and_compiled(
+                                 load_model(DEFAULT_TARGET, device="cuda"), load_model(DEFAULT_DRAFT, device="cuda"),
+                                 long_prompts[:2], 256, 1 if quick else 2)}
             bar.update()
     return result
 
@@ -171,6 +174,7 @@ def print_tables(result: dict) -> None:
         print(f"GPU: verify/decode ratio {result['gpu']['memory_bound']['ratio']:.2f}")
         print("GPU: load (both servers --device cuda)", end="")
         load.print_rows(result["gpu"]["load"])
+        generation.print_compiled(result["gpu"]["compiled"])
 
 
 def plot(result: dict) -> None:
