@@ -4,7 +4,8 @@
 #      and an import of the generated deltaspec/v1 modules (their grpcio/protobuf version checks);
 #   2. pytest: tests/test_triton_kernel.py (the Triton kernel compiled for the GPU against the naive loop) and
 #      tests/test_cuda.py (models, state, decoding loop and served models on CUDA against the CPU);
-#   3. bench: `deltaspec bench --only gpu --quick` (the verify/decode ratio and the load table, both servers on CUDA);
+#   3. bench: `deltaspec bench --only gpu --quick` (the verify/decode ratio, the load table with both servers on
+#      CUDA, and eager against compiled generations on the GPU);
 #   4. pipeline: pipelined vs serial rounds at 1 and 5 ms on the machine's cores (CPU models, a core per service).
 # Each step has a time limit (all of them together at most $GPU_CHECK_BUDGET_S, default 540 s) and a failing step
 # does not stop the next. Logs go to $OUT (a temporary directory when unset): env.txt, pytest.log, junit.xml,
