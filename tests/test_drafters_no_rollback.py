@@ -5,7 +5,7 @@ rolled back, GDN not) is exact on full acceptance and drifts as soon as a draft 
 """
 from pathlib import Path
 
-from shared.bench.no_rollback import StaleSession, random_setup, stale_run
+from shared.bench.no_rollback import random_setup, stale_run
 from shared.decoding.drafters.model_drafter import ModelDrafter
 from shared.decoding.speculative import generate
 from shared.decoding.target import TargetSession
