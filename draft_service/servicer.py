@@ -50,7 +50,7 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
                                           speculation_ended=self.telemetry.metrics.speculation_ended)
         session.sparse_probs = request.sparse_probs
         return pb.DraftServiceCreateSessionResponse(session_id=self.sessions.add(session, caller()),
-                                                    max_draft_tokens=MAX_DRAFT_TOKENS)
+                                                    max_draft_tokens=MAX_DRAFT_TOKENS, stop_below=self.stop_below)
 
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         previous = _outcome(request.previous) if request.HasField("previous") else None

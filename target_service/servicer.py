@@ -153,7 +153,10 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                 session.session_id = self.sessions.add(session, owner)  # type: ignore[attr-defined]
                 try:
                     with self.sessions.use(session.session_id, owner):  # type: ignore[attr-defined]
-                        rounds = decode_pipelined if remote and self.pipeline_depth else decode
+                        # not on top of a dynamic draft length: its rounds end where the draft is unsure, so
+                        # speculations rarely hold (measured: pipelined 0.88-0.92x serial at 1 ms of delay)
+                        pipelined = remote and self.pipeline_depth and not remote.drafts_dynamically()
+                        rounds = decode_pipelined if pipelined else decode
                         for new in rounds(session, drafter, request.max_new_tokens, request.num_draft_tokens,
                                         self.eos, stats, self.telemetry.tracer, self.metrics):
                             stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started

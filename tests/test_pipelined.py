@@ -44,6 +44,7 @@ from shared.rpc.proxy import TcpProxy
 from shared.rpc.server import answered_call
 from shared.rpc.remote_drafter import RemoteDrafter
 from shared.telemetry import Telemetry
+from draft_service import servicer as draft_servicer
 from target_service import servicer as target_servicer
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
                               target_stub)
@@ -475,6 +476,26 @@ def test_both_loops_pipelined_equal_target_only(servers, k, monkeypatch):
     assert Counting.chained_rounds > 0
     assert piped.token_ids == serial.token_ids == server.token_ids == expected
     assert piped.stats.rounds == serial.stats.rounds and 0 < piped.stats.accepted < piped.stats.drafted
+
+
+def test_server_loop_does_not_pipeline_on_a_dynamic_draft_length(pair, monkeypatch):
+    """A draft service with a dynamic draft length says so when the session opens; the target's `Generate` then
+    runs serial rounds (its rounds end where the draft is unsure, so speculations rarely hold), still exactly
+    target-only. The client-driven loop still pipelines against it."""
+    target_dir, draft_dir = pair
+    load = (lambda: (load_model(target_dir), load_tokenizer(target_dir)))
+    dynamic = draft_servicer.service(lambda: load_model(draft_dir), stop_below=0.3)
+    monkeypatch.setattr(target_servicer, "TargetSession", Counting)
+    with start(dynamic) as d, start(target_servicer.service(load, draft=target_servicer.DraftPeer(d.address, 10.0))) \
+            as t:
+        opened = draft_stub(d.address).CreateSession(dpb.DraftServiceCreateSessionRequest(token_ids=PROMPT))
+        assert opened.stop_below == pytest.approx(0.3)
+        expected = generate(load_model(target_dir), PROMPT, 48, None, 0).token_ids
+        Counting.chained_rounds = 0
+        served, _ = generate_on_server(t.address, PROMPT, "", 48, 8)
+        assert served.token_ids == expected and served.stats.drafted > 0 and Counting.chained_rounds == 0
+        client, _ = generate_client_driven(t.address, d.address, PROMPT, "", 48, 8, draft_timeout_s=10.0)
+        assert client.token_ids == expected and Counting.chained_rounds > 0
 
 
 def test_chain_over_grpc(servers):

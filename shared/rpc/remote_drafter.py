@@ -100,6 +100,14 @@ class RemoteDrafter:
     def propose(self, k: int) -> Proposal:
         return self.propose_and_speculate(k, 0)[0]
 
+    def drafts_dynamically(self) -> bool:
+        """Whether the peer ends proposals early where it is unsure (a dynamic draft length), as the session
+        opened at `start` says; waits for it. False when it did not open (the rounds then run without drafts)."""
+        try:
+            return self.opening is not None and self.opening.result().stop_below > 0
+        except grpc.RpcError:
+            return False
+
     def propose_and_speculate(self, k: int, k_next: int, k_third: int = 0) -> tuple[Proposal, Future, Future]:
         """`propose(k)`, and with k_next > 0 the speculative request for the round after it (k_next tokens) sent right
         behind it, before its answer is back: a future of (guess, proposal) | None; with k_third > 0 also the one on
