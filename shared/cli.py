@@ -30,6 +30,22 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
+def _device(text: str) -> str:
+    """A device this machine has: cpu, or cuda[:N] where torch sees that GPU."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine's torch sees {seen} CUDA device(s)")
+    return text
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -53,6 +69,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.target_addr and args.compile:
         raise ValueError("--compile is for generating in process; the services take it: serve-target --compile, "
                          "serve-draft --compile")
+    if args.target_addr and args.device != "cpu":
+        raise ValueError("--device is for generating in process; the services take it: serve-target --device, "
+                         "serve-draft --device")
     if args.target_addr:
         return _generate_remote(args)
     if args.draft_addr:
@@ -70,7 +89,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(target_dir)
     prompt = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
     sampling = _sampling(args)
-    target = load_model(target_dir).compile(args.compile, warm_up=True)
+    target = load_model(target_dir, device=args.device).compile(args.compile, warm_up=True)
     k, stop_below = draft_settings(args.num_draft_tokens, args.stop_below, draft not in ("none", "mtp", "ngram"))
     drafter = make_drafter(draft, target, sampling, stop_below)
     if args.compile and isinstance(drafter, ModelDrafter):
@@ -263,7 +282,8 @@ def _add_server(p: argparse.ArgumentParser, model: str) -> None:
     p.add_argument("--model", help=f"checkpoint directory (default: the embedded {model})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True, help="0 picks a free port (printed on stderr)")
-    p.add_argument("--device", default="cpu", help="where the model and its sessions' state live: cpu, cuda, cuda:N")
+    p.add_argument("--device", type=_device, default="cpu",
+                   help="where the model and its sessions' state live: cpu, cuda, cuda:N")
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
     p.add_argument("--max-prompt-tokens", type=int, default=8192)
@@ -381,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     _add_sampling(p)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP + " (in process: the target and a draft model)")
+    p.add_argument("--device", type=_device, default="cpu",
+                   help="in process: where both models and their state live (cpu, cuda, cuda:N)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     p.add_argument("--target-addr", help="HOST:PORT of a target service: generate there instead of in process")
     p.add_argument("--draft-addr", help="HOST:PORT of a draft service: drive the loop from here (with --target-addr)")

@@ -73,6 +73,24 @@ def test_compile_is_refused_where_it_would_do_nothing():
     assert "serve-draft --compile" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_generate_in_process_on_a_device():
+    out = run("generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--device", "cpu", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1])["token_ids"] == generate(load_model(DEFAULT_TARGET), [1, 2, 3],
+                                                                              8).token_ids
+    out = run("generate", "--prompt", "x", "--target-addr", "127.0.0.1:1", "--device", "cpu:0")
+    assert out.returncode == 2 and "serve-target --device" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve-target", "--port", "0"],
+                                     ["serve-draft", "--port", "0"]])
+@pytest.mark.parametrize("device", ["bogus", "mps", "cuda:99"])
+def test_a_device_this_machine_lacks_is_one_clear_error(command, device):
+    out = run(*command, "--device", device)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert ("must be cpu, cuda or cuda:N" if device != "cuda:99" else "CUDA device(s)") in out.stderr
+
+
 def test_generate_drafts_dynamically_by_default():
     """In process, a draft model proposes up to the target's limit and stops below STOP_BELOW unless told; other
     drafters and gRPC generations propose a fixed k; explicit values win."""

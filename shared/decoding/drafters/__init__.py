@@ -72,7 +72,7 @@ def make_drafter(spec: str | None, target: object, sampling: object = None, stop
     from shared.decoding.drafters.model_drafter import ModelDrafter
     from shared.model.loader import load_model
 
-    draft = load_model(spec)
+    draft = load_model(spec, device=getattr(target, "device", "cpu"))  # beside the target: q meets p there
     if draft.config.vocab_size != target.config.vocab_size:  # type: ignore[attr-defined]
         raise ValueError(f"draft vocabulary {draft.config.vocab_size} differs from the target's "
                          f"{target.config.vocab_size}")  # type: ignore[attr-defined]
