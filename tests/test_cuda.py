@@ -14,6 +14,7 @@ on CUDA beyond), compared per tensor to a relative 1e-4 of its scale as in test_
 - Compiled passes (`--compile`: Inductor's graphs for the GPU), both ways of compiling: a random model's rounds
   equal the CPU's eager ones; the compiled embedded pair's greedy tokens, target-only and speculative, equal the
   eager GPU's.
+- `deltaspec generate --device cuda` from the command line gives the CPU's greedy tokens.
 """
 from __future__ import annotations
 
@@ -245,3 +246,18 @@ def test_compiled_pair_on_cuda_speculates_target_only_tokens(prompts, greedy):
         assert generate(target, prompt, N).token_ids == want
         result = generate(target, prompt, N, ModelDrafter(draft), 4)
         assert result.token_ids == want and result.stats.accepted > 0
+
+
+def test_generate_on_the_gpu_from_the_command_line(prompts, greedy):
+    """`deltaspec generate --device cuda`: the embedded pair on the GPU, the CPU's greedy tokens."""
+    import json
+    import subprocess
+    import sys
+
+    ids = ",".join(map(str, prompts[0]))
+    out = subprocess.run([sys.executable, "-m", "shared.cli", "generate", "--device", "cuda", "--prompt-ids", ids,
+                          "--max-new-tokens", str(N), "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["token_ids"] == greedy[0] and result["stats"]["drafted"] > 0
+
