@@ -11,8 +11,9 @@ and draft passes (`shared.bench.pipeline`); load
 context and sessions per GiB (`shared.bench.session_memory`, computed from the configs); compiled passes
 (steps fused vs compiled, and the long generations again with both models compiled); and, only where CUDA is
 present, the GPU: the verify/decode ratio, the load table with both servers on CUDA, and eager against
-compiled generations (`generation.eager_and_compiled`). `--only` runs some sections. Plots go to docs/; a full run's tables
-also go to docs/bench.txt (all sections) and docs/load.txt (the load section, whenever it runs in full).
+compiled generations (`generation.eager_and_compiled`). `--only` runs some sections. Plots go to docs/; a full
+run's tables also go to docs/bench.txt (all sections) and docs/load.txt (the load section, whenever it runs in
+full).
 """
 from __future__ import annotations
 
