@@ -18,6 +18,9 @@ on CUDA beyond), compared per tensor to a relative 1e-4 of its scale as in test_
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -250,10 +253,6 @@ def test_compiled_pair_on_cuda_speculates_target_only_tokens(prompts, greedy):
 
 def test_generate_on_the_gpu_from_the_command_line(prompts, greedy):
     """`deltaspec generate --device cuda`: the embedded pair on the GPU, the CPU's greedy tokens."""
-    import json
-    import subprocess
-    import sys
-
     ids = ",".join(map(str, prompts[0]))
     out = subprocess.run([sys.executable, "-m", "shared.cli", "generate", "--device", "cuda", "--prompt-ids", ids,
                           "--max-new-tokens", str(N), "--json"], capture_output=True, text=True, timeout=300)

@@ -44,10 +44,9 @@ from shared.rpc.proxy import TcpProxy
 from shared.rpc.server import answered_call
 from shared.rpc.remote_drafter import RemoteDrafter
 from shared.telemetry import Telemetry
-from draft_service import servicer as draft_servicer
 from target_service import servicer as target_servicer
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
-                              target_stub)
+                              target_service, target_stub)
 from test_sampling_lossless import ALPHA, DRAFT, T1, TARGET, p_values
 
 CFG = hf_config(layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
@@ -483,11 +482,9 @@ def test_server_loop_does_not_pipeline_on_a_dynamic_draft_length(pair, monkeypat
     runs serial rounds (its rounds end where the draft is unsure, so speculations rarely hold), still exactly
     target-only. The client-driven loop still pipelines against it."""
     target_dir, draft_dir = pair
-    load = (lambda: (load_model(target_dir), load_tokenizer(target_dir)))
-    dynamic = draft_servicer.service(lambda: load_model(draft_dir), stop_below=0.3)
     monkeypatch.setattr(target_servicer, "TargetSession", Counting)
-    with start(dynamic) as d, start(target_servicer.service(load, draft=target_servicer.DraftPeer(d.address, 10.0))) \
-            as t:
+    with start(draft_service(draft_dir, stop_below=0.3)) as d, \
+            start(target_service(target_dir, draft_address=d.address, draft_timeout_s=10.0)) as t:
         opened = draft_stub(d.address).CreateSession(dpb.DraftServiceCreateSessionRequest(token_ids=PROMPT))
         assert opened.stop_below == pytest.approx(0.3)
         expected = generate(load_model(target_dir), PROMPT, 48, None, 0).token_ids

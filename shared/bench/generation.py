@@ -26,6 +26,7 @@ from shared.decoding.drafters.model_drafter import STOP_BELOW, ModelDrafter
 from shared.decoding.speculative import Generation, generate
 from shared.decoding.target import MAX_DRAFT_TOKENS
 from shared.model.hybrid import HybridLM
+from shared.state.rollback import CHAIN_LOG_CAPACITY
 
 PHASES = ("propose", "verify", "commit", "prefill")
 FIXED_K = 8
@@ -118,8 +119,6 @@ def eager_and_compiled(target: HybridLM, draft: HybridLM, prompts: list[list[int
     and with both models' passes compiled, on the models' device: every run's tokens equal eager target-only's.
     Warmed, the four runs of each (prompt, repeat) in a rotating order; median [min-max] per path, and the
     compiled over eager ratio per sample."""
-    from shared.state.rollback import CHAIN_LOG_CAPACITY
-
     compiled = (copy.deepcopy(target).compile(warm_up=True),
                 copy.deepcopy(draft).compile(warm_up=True, log_capacity=CHAIN_LOG_CAPACITY))
     runs: dict[str, Callable[[list[int], int], Generation]] = {}
