@@ -35,12 +35,7 @@ class Server:
                                f"{''.join(self.log[-20:])}")
 
     def pin(self, cpus: set[int]) -> None:
-        """Run every thread of the server on `cpus` only; threads it starts later inherit the set from their creator."""
-        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except ProcessLookupError:  # a thread that ended meanwhile
-                pass
+        pin_threads(self.proc.pid, cpus)
 
     def rss_mib(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:
@@ -85,6 +80,15 @@ class Server:
                 self.serving = True
                 self.ready.set()
         self.ready.set()  # stderr closed: the process ended (a start that failed says why in the log)
+
+
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Run every thread of process `pid` on `cpus` only; threads it starts later inherit the set from their creator."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def start_pair(target_dir: Path, draft_dir: Path, *extra: str) -> dict[str, Server]:

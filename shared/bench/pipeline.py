@@ -2,9 +2,11 @@
 
 Each service runs as its own `serve-draft` / `serve-target` process (`shared.bench.loopback`), as on
 its own host (the draft's work overlaps the target's only across processes). Where the machine has two
-cores or more, each service also gets a core of its own (`pin`: the targets the first, the draft the
-second; the bench's own process, client and proxies, runs on any): on its own host the draft's speculative
-work never takes the target's core, while on shared cores every pass of it can delay a verify. Every link passes
+cores or more, each service also gets cores of its own (`pin` of them each, 1 by default: the targets the
+first, the draft the next; the bench's own process, client and proxies, runs on the cores left, or on any
+when none are): on its own host the draft's speculative work never takes the target's core, while on shared
+cores every pass of it can delay a verify. With one core a service's gRPC, loop and model threads share it,
+as they would not on a host of its own; `--cores-per-service N` gives each N, where the machine has them. Every link passes
 a `TcpProxy` adding the same delay each way: client to target, client to draft, and target to draft.
 Two target processes share the draft: one stages pipelined rounds and pipelines its own `Generate`
 loop (`--pipeline-depth 1`), one does neither (0), so the server-side loop runs both ways; the
@@ -22,13 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import time
 from contextlib import ExitStack
+from math import nan
 from pathlib import Path
 
 import torch
 
 from shared.bench import report
-from shared.bench.loopback import Server, check_greedy, target_only_outputs
+from shared.bench.loopback import Server, check_greedy, pin_threads, target_only_outputs
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.model.hybrid import HybridLM
 from shared.rpc.proxy import TcpProxy
@@ -39,11 +44,11 @@ LOOPS = ("client", "server")
 
 def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, prompts: list[list[int]] | None = None,
             max_new_tokens: int = 96, num_draft_tokens: int = 4, delays_ms: tuple[float, ...] = (0, 1, 5),
-            repeats: int = 1, compile: bool = False, pin: bool = True, device: str = "cpu") -> list[dict]:
+            repeats: int = 1, compile: bool = False, pin: int = 1, device: str = "cpu") -> list[dict]:
     """One row per (delay, loop): tokens/s serial and pipelined, their ratio, bytes staged per round.
 
-    `compile`: both services run `--compile` (their passes as compiled graphs). `pin`: a core for each service,
-    where there are two or more. `device="cuda"`: both services' models and states on the GPU."""
+    `compile`: both services run `--compile` (their passes as compiled graphs). `pin`: cores for each service
+    (0: none, all share), where there are that many for both; the bench's process then runs on the rest. `device="cuda"`: both services' models and states on the GPU."""
     from shared.model.loader import load_model
     from shared.rpc.client import generate_client_driven, generate_on_server
 
@@ -51,7 +56,9 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
     target = load_model(target_dir)
     expected = target_only_outputs(load_model(target_dir, device=device) if device != "cpu" else target, prompts,
                                    max_new_tokens)
-    study = kept_rounds(target, load_model(draft_dir), prompts, expected, num_draft_tokens)
+    draft_model = load_model(draft_dir)
+    plans = [serial_rounds(draft_model, p, out, num_draft_tokens) for p, out in zip(prompts, expected)]
+    study = _counted(plans)
     rows = []
     with ExitStack() as stack:
         options = ["--device", device, *(["--compile"] if compile else [])]
@@ -67,22 +74,29 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                                              *options)
             stack.callback(server.stop)
         cores = sorted(os.sched_getaffinity(0))
-        pinned = pin and len(cores) >= 2
+        pinned = pin if 0 < pin and 2 * pin <= len(cores) else 0
         if pinned:
-            draft_server.pin({cores[1]})
+            draft_server.pin(set(cores[pinned:2 * pinned]))
             for server in targets.values():
-                server.pin({cores[0]})
+                server.pin(set(cores[:pinned]))
+            if len(cores) > 2 * pinned:  # the client and proxies (this process's threads) off the services' cores
+                pin_threads(os.getpid(), set(cores[2 * pinned:]))
+                stack.callback(pin_threads, os.getpid(), set(cores))
         client_draft = TcpProxy([draft])
         client_target = {depth: TcpProxy([server.address]) for depth, server in targets.items()}
         for proxy in (client_draft, *client_target.values()):
             stack.callback(proxy.close)
 
-        def run(loop: str, pipelined: bool, prompt: list[int]):
+        def run(loop: str, pipelined: bool, prompt: list[int], arrivals: list[tuple[float, int]] | None = None):
+            """A generation; `arrivals` gets (when, how many) for each round's tokens as the client receives them."""
             address = client_target[int(pipelined)].address
+            on_tokens = None if arrivals is None else \
+                lambda tokens, _: arrivals.append((time.perf_counter(), len(tokens))) if tokens else None
             if loop == "client":
                 return generate_client_driven(address, client_draft.address, prompt, "", max_new_tokens,
-                                              num_draft_tokens, draft_timeout_s=30.0, pipeline=pipelined)[0]
-            return generate_on_server(address, prompt, "", max_new_tokens, num_draft_tokens)[0]
+                                              num_draft_tokens, draft_timeout_s=30.0, on_tokens=on_tokens,
+                                              pipeline=pipelined)[0]
+            return generate_on_server(address, prompt, "", max_new_tokens, num_draft_tokens, on_tokens=on_tokens)[0]
 
         for delay in delays_ms:
             for proxy in (to_draft, client_draft, *client_target.values()):
@@ -90,13 +104,16 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
             for loop in LOOPS:
                 totals = {mode: dict.fromkeys(("tokens", "seconds", "rounds", "staged", "target_cpu", "draft_cpu",
                                                "draft_passes", "kept"), 0.0) for mode in (False, True)}
+                gaps: dict[str, list[float]] = {"serial": [], "after_kept": [], "after_miss": []}
                 run(loop, False, prompts[0]), run(loop, True, prompts[0])  # warm: connections, sessions, caches
                 for _ in range(repeats):
-                    for prompt, want in zip(prompts, expected):
+                    for prompt, want, plan in zip(prompts, expected, plans):
                         for pipelined in (False, True):
                             before = _costs(targets[int(pipelined)], draft_server)
-                            gen = run(loop, pipelined, prompt)
+                            arrivals: list[tuple[float, int]] = []
+                            gen = run(loop, pipelined, prompt, arrivals)
                             check_greedy(gen.token_ids, want, f"{loop} loop, pipelined={pipelined}, {delay} ms")
+                            _round_gaps(gaps, plan, arrivals, pipelined)
                             t = totals[pipelined]
                             for name, value in _costs(targets[int(pipelined)], draft_server).items():
                                 t[name] += value - before[name]
@@ -112,6 +129,8 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                              "rounds": (totals[False]["rounds"], totals[True]["rounds"]), "identical_tokens": True,
                              "kept_share": totals[True]["kept"] / totals[True]["rounds"],  # the pipeline's hit rate
                              "num_draft_tokens": num_draft_tokens,
+                             "round_ms": {name: statistics.median(v) for name, v in gaps.items() if v},
+                             "rounds_timed": {name: len(v) for name, v in gaps.items()},
                              **_per_round(totals), "pinned": pinned, "kept_rounds": study, "device": device,
                              "load_average": os.getloadavg()[0]})
     return rows
@@ -119,31 +138,54 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
 
 def kept_rounds(target: HybridLM, draft: HybridLM, prompts: list[list[int]], outputs: list[list[int]],
                 k: int) -> dict[str, int]:
-    """Which greedy rounds of k drafts a pipelined loop can keep, read off the target's own outputs: accepted drafts
-    are the target's tokens, so the draft's choices along an output (one pass over it) are those it makes in the
-    rounds. A round is kept when its k drafts and the guessed next token hold; it misses by a rejected draft or by
-    a wrong guess. `second_choice_*`: misses where the draft's second most likely token at the position that
-    decided the round is the target's, i.e. where a second speculation, built on that token, would have held."""
+    """Which greedy rounds of k drafts a pipelined loop can keep (`serial_rounds`), counted. `second_choice_*`:
+    misses where the draft's second most likely token at the position that decided the round is the target's,
+    i.e. where a second speculation, built on that token, would have held."""
+    return _counted([serial_rounds(draft, prompt, output, k) for prompt, output in zip(prompts, outputs)])
+
+
+def _counted(plans: list[list[tuple[int, str, bool]]]) -> dict[str, int]:
     counts = dict.fromkeys(("rounds", "kept", "rejected", "wrong_guess", "second_choice_rejected",
                             "second_choice_wrong_guess"), 0)
-    for prompt, output in zip(prompts, outputs):
-        ids = prompt + output
-        with torch.no_grad():
-            logits, _ = draft(torch.tensor(ids[:-1]), draft.new_state(capacity=len(ids)))
-        top2 = logits.topk(2, -1).indices.tolist()  # top2[p]: the draft's choices for ids[p + 1]
-        start = len(prompt)  # the round's first token
-        while start + k < len(ids):  # (not a round the output ends inside)
-            held = next((i for i in range(k) if top2[start + i - 1][0] != ids[start + i]), k)
-            decided = start + held  # the target's correction, or after k drafts its next token
-            kind = "rejected" if held < k else "wrong_guess"
+    for plan in plans:
+        for _, kind, second in plan:
             counts["rounds"] += 1
-            if top2[decided - 1][0] == ids[decided]:
-                counts["kept"] += 1
-            else:
-                counts[kind] += 1
-                counts[f"second_choice_{kind}"] += top2[decided - 1][1] == ids[decided]
-            start = decided + 1
+            counts[kind] += 1
+            if kind != "kept":
+                counts[f"second_choice_{kind}"] += second
     return counts
+
+
+def serial_rounds(draft: HybridLM, prompt: list[int], output: list[int], k: int) -> list[tuple[int, str, bool]]:
+    """The serial loop's greedy rounds of k drafts along the target's own `output` (all but the one it ends inside),
+    read off it: accepted drafts are the target's tokens, so the draft's choices along the output (one pass over
+    it) are those it makes in the rounds. Each round: the tokens it commits; "kept" when its k drafts and the
+    guessed next token hold (a pipelined loop keeps its speculation), else "rejected" (a draft) or "wrong_guess";
+    whether the draft's second choice at the position that decided it is the target's token."""
+    ids = prompt + output
+    with torch.no_grad():
+        logits, _ = draft(torch.tensor(ids[:-1]), draft.new_state(capacity=len(ids)))
+    top2 = logits.topk(2, -1).indices.tolist()  # top2[p]: the draft's choices for ids[p + 1]
+    rounds, start = [], len(prompt)  # the round's first token
+    while start + k < len(ids):
+        held = next((i for i in range(k) if top2[start + i - 1][0] != ids[start + i]), k)
+        decided = start + held  # the target's correction, or after k drafts its next token
+        kind = "kept" if top2[decided - 1][0] == ids[decided] else "rejected" if held < k else "wrong_guess"
+        rounds.append((held + 1, kind, top2[decided - 1][1] == ids[decided]))
+        start = decided + 1
+    return rounds
+
+
+def _round_gaps(gaps: dict[str, list[float]], plan: list[tuple[int, str, bool]], arrivals: list[tuple[float, int]],
+                pipelined: bool) -> None:
+    """Milliseconds from one round's tokens to the next's at the client, for a generation whose rounds are those
+    of `plan` (else nothing): all alike when serial; pipelined, apart after a round the loop could keep and after
+    one it could not (a miss, after which the next proposal is asked for only at the verdict)."""
+    if [n for _, n in arrivals[:len(plan)]] != [size for size, _, _ in plan]:
+        return
+    for i in range(1, len(plan)):
+        name = "serial" if not pipelined else "after_kept" if plan[i - 1][1] == "kept" else "after_miss"
+        gaps[name].append(1e3 * (arrivals[i][0] - arrivals[i - 1][0]))
 
 
 def _per_round(totals: dict[bool, dict[str, float]]) -> dict[str, tuple[float, float]]:
@@ -163,7 +205,8 @@ def _costs(target: Server, draft: Server) -> dict[str, float]:
 
 
 def print_rows(rows: list[dict]) -> None:
-    cores = "a core each" if rows and rows[0].get("pinned") else "sharing the cores"
+    pinned = rows[0].get("pinned", 0) if rows else 0
+    cores = "sharing the cores" if not pinned else "a core each" if pinned == 1 else f"{pinned} cores each"
     if rows and rows[0].get("device", "cpu") != "cpu":
         cores += f", models on {rows[0]['device']}"
     print(f"\nPipelined vs serial rounds over loopback gRPC, services in their own processes ({cores}), delay each "
@@ -186,6 +229,15 @@ def print_rows(rows: list[dict]) -> None:
         busy = tuple((target[i] + draft[i]) / wall[i] for i in (0, 1))
         print(f"{r['delay_ms']:>8g} {r['loop']:>6} {_pair(wall):>13} {_pair(target):>13} {_pair(draft):>13} "
               f"{_pair(r['draft_passes_per_round']):>12} {_pair(busy, 2):>11}")  # type: ignore[arg-type]
+    if rows and "round_ms" in rows[0]:
+        print("\nFrom one round's tokens to the next's, read at the client (median ms): serial rounds; pipelined rounds "
+              "after one whose speculation could hold (every draft and the guess kept, read off the output), and "
+              "after one whose could not")
+        print(f"{'delay ms':>8} {'loop':>6} {'serial':>7} {'after kept':>10} {'after miss':>10} {'miss / serial':>13}")
+        for r in rows:
+            ms = r["round_ms"]
+            print(f"{r['delay_ms']:>8g} {r['loop']:>6} {ms.get('serial', nan):>7.1f} {ms.get('after_kept', nan):>10.1f} "
+                  f"{ms.get('after_miss', nan):>10.1f} {ms.get('after_miss', nan) / ms.get('serial', nan):>13.2f}")
     if rows and "kept_rounds" in rows[0]:
         _print_kept(rows[0]["kept_rounds"], rows[0]["num_draft_tokens"])
 
@@ -233,7 +285,9 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="both services run with --compile")
-    parser.add_argument("--no-pin", action="store_true", help="the services share the cores (default: one each)")
+    parser.add_argument("--cores-per-service", type=int, default=1,
+                        help="cores pinned to each service, the bench's client and proxies on the rest (default 1)")
+    parser.add_argument("--no-pin", action="store_true", help="the services share the cores")
     parser.add_argument("--device", default="cpu", help="where both services run their models (cpu, cuda)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--save", type=Path, help="write pipeline.txt and pipeline.png to this folder (e.g. docs)")
@@ -241,7 +295,8 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = compare(prompts=PROMPTS[:2] if args.quick else PROMPTS,
                    max_new_tokens=64 if args.quick else args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-                   repeats=1 if args.quick else args.repeats, compile=args.compile, pin=not args.no_pin,
+                   repeats=1 if args.quick else args.repeats, compile=args.compile,
+                   pin=0 if args.no_pin else args.cores_per_service,
                    device=args.device)
     print(json.dumps(rows)) if args.json else print_rows(rows)
     if args.save:
