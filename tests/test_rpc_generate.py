@@ -30,7 +30,7 @@ from shared.rpc.remote_drafter import RemoteDrafter
 from shared.rpc.server import BackgroundServer, Service
 from target_service import servicer as target_servicer_module
 from target_service.servicer import NAME as TARGET_NAME, TargetServicer
-from test_rpc_support import (PROMPT, draft_service, one_torch_thread, pair, start, target_service,  # noqa: F401
+from test_rpc_support import (PROMPT, one_torch_thread, pair, start, target_service,  # noqa: F401
                               target_stub)
 
 N = 24
