@@ -185,8 +185,8 @@ def _env_flag(name: str) -> bool:
 
 
 def _listen(args: argparse.Namespace):
-    """Where and how a server listens, from its flags; a placeholder or malformed token file stops it here."""
-    from shared.rpc.security import ServerSecurity, ServerTLS, TokenStore
+    """Where and how a server listens, from its flags; a placeholder or malformed token or grants file stops it here."""
+    from shared.rpc.security import Grants, ServerSecurity, ServerTLS, TokenStore
     from shared.rpc.server import Listen
 
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
@@ -197,7 +197,7 @@ def _listen(args: argparse.Namespace):
         raise ValueError(f"--max-calls-per-second-per-caller is 0 (no limit) or more, not "
                          f"{args.max_calls_per_second_per_caller}")
     security = ServerSecurity(tls, TokenStore(args.tokens) if args.tokens else None, args.insecure,
-                              args.max_calls_per_second_per_caller)
+                              args.max_calls_per_second_per_caller, Grants(args.grants) if args.grants else None)
     security.check(args.host)
     return Listen(args.host, args.port, security, args.health_port)
 
@@ -331,6 +331,11 @@ def _add_server(p: argparse.ArgumentParser, model: str) -> None:
                           "or 'token' lines, or a directory of files named for their caller (a mounted Kubernetes "
                           "Secret); read again when it changes; health and reflection stay open "
                           "(default: $DELTASPEC_TOKENS; none: no token needed)")
+    tls.add_argument("--grants", default=env("DELTASPEC_GRANTS"),
+                     help="the methods each caller may call: a file of 'caller: Method, Method' lines ('*' for every "
+                          "method; a '*' caller for those not listed, who otherwise may call every method); a call "
+                          "outside them is refused PERMISSION_DENIED; read again when it changes "
+                          "(default: $DELTASPEC_GRANTS; none: every caller may call every method)")
     tls.add_argument("--insecure", action="store_true", default=_env_flag("DELTASPEC_INSECURE"),
                      help="allow plaintext on a non-loopback address (default: $DELTASPEC_INSECURE=1)")
     p.add_argument("--health-port", type=int, default=int(env("DELTASPEC_HEALTH_PORT", "0")) or None,

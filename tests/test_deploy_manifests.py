@@ -24,7 +24,7 @@ import yaml
 
 from draft_service.servicer import NAME as DRAFT_NAME
 from shared.cli import build_parser
-from shared.rpc.security import TokenStore
+from shared.rpc.security import Grants, TokenStore
 from target_service.servicer import NAME as TARGET_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,6 +254,19 @@ def test_both_services_serve_tls_and_tokens_from_the_mounted_secrets(rendered):
         "deltaspec-tls"
     assert target.draft_token_file == f"{target.tokens}/target"
     assert target.draft_addr == settings(docs)["DELTASPEC_DRAFT_ADDR"]
+
+
+def test_the_draft_grants_the_target_only_the_calls_its_generate_makes(rendered, tmp_path):
+    """The draft's grants file, mounted from its ConfigMap, loads and grants the target's token exactly the three
+    methods a target's `Generate` calls (a generation under these grants: tests/test_rpc_security.py)."""
+    _, _, docs = rendered
+    path = parsed_args(docs, "Deployment", "deltaspec-draft").grants
+    volume = mounted(docs, "Deployment", "deltaspec-draft", path)
+    grants = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == volume["configMap"]["name"])
+    local = tmp_path / "grants"
+    local.write_text(grants["data"][Path(path).name])
+    assert Grants(local).allowed("target") == {"CreateSession", "Propose", "CloseSession"}
+    assert parsed_args(docs, "StatefulSet", "deltaspec-target").grants is None  # the target's callers: every method
 
 
 def with_component(overlay: str, component: str, tmp_path: Path) -> list[dict]:

@@ -37,7 +37,8 @@ from shared.model.loader import load_model
 from shared.model.tokenizer import load_tokenizer
 from shared.rpc.client import generate_client_driven, generate_on_server
 from shared.rpc.options import channel
-from shared.rpc.security import PLACEHOLDER, CallRate, ClientSecurity, ServerSecurity, ServerTLS, TokenStore
+from shared.rpc.security import (PLACEHOLDER, CallRate, ClientSecurity, Grants, ServerSecurity, ServerTLS,
+                                  TokenStore)
 from shared.rpc.server import BackgroundServer
 from target_service import servicer as target_servicer
 from target_service.servicer import NAME as TARGET_NAME
@@ -204,14 +205,12 @@ def test_tokens_missing_or_wrong_are_unauthenticated_and_health_stays_open(pair,
         create(target_of(ClientSecurity(token=TOKENS["alice"]), server.address))
 
         carol = secrets.token_hex(16)  # the file changes: a new token works, a removed one stops working
-        token_file.write_text(f"carol:{carol}\nbob:{TOKENS['bob']}\n")
         stamp = time.time() + 2
-        os.utime(token_file, (stamp, stamp))
+        _rewrite(token_file, f"carol:{carol}\nbob:{TOKENS['bob']}\n", stamp)
         create(target_of(ClientSecurity(token=carol), server.address))
         refused(lambda: create(target_of(ClientSecurity(token=TOKENS["alice"]), server.address)),
                 Code.UNAUTHENTICATED)
-        token_file.write_text(f"carol:{PLACEHOLDER}-token\n")  # a bad reload keeps the tokens in force
-        os.utime(token_file, (stamp + 2, stamp + 2))
+        _rewrite(token_file, f"carol:{PLACEHOLDER}-token\n", stamp + 2)  # a bad reload keeps the tokens in force
         create(target_of(ClientSecurity(token=carol), server.address))
 
 
@@ -325,11 +324,15 @@ def test_per_caller_session_quota(pair, token_file):
         create(alice)
 
 
-def test_generation_over_mutual_tls_and_tokens_with_the_draft_channel_authenticated(pair, pki, token_file):
-    """Both servers demand a client certificate and a token; the target dials its draft with its own."""
+def test_generation_over_mutual_tls_and_tokens_with_the_draft_channel_authenticated(pair, pki, token_file, tmp_path):
+    """Both servers demand a client certificate and a token; the target dials its draft with its own, and the
+    draft grants it only the calls a target's `Generate` makes."""
     n = 16
     expected = generate(load_model(pair[0]), PROMPT, n).token_ids
-    with serve(draft_service(pair[1]), security=mtls(pki, token_file)) as draft:
+    grants = tmp_path / "grants"
+    grants.write_text("target: CreateSession, Propose, CloseSession\nalice: *\n")
+    draft_security = ServerSecurity(mtls(pki, token_file).tls, TokenStore(token_file), grants=Grants(grants))
+    with serve(draft_service(pair[1]), security=draft_security) as draft:
         peer = DraftPeer(draft.address, 30.0, as_client(pki, "target", TOKENS["target"]))
         target_svc = target_servicer.service(lambda: (load_model(pair[0]), load_tokenizer(pair[0])), draft=peer)
         with serve(target_svc, security=mtls(pki, token_file)) as target:
@@ -418,6 +421,58 @@ def test_a_caller_over_its_call_rate_is_refused_with_retry_info(pair, token_file
         refused(lambda: bob.CloseSession(close), Code.NOT_FOUND)  # others are not held back
         time.sleep(info.retry_delay.ToTimedelta().total_seconds() + 0.05)
         refused(lambda: alice.CloseSession(close), Code.NOT_FOUND)
+
+
+def _rewrite(path: Path, text: str, stamp: float) -> None:
+    """Replace a watched file's content, stamped `stamp` (a different mtime even on a coarse clock)."""
+    path.write_text(text)
+    os.utime(path, (stamp, stamp))
+
+
+def test_grants_hold_each_caller_to_its_methods_and_reload(pair, token_file, tmp_path):
+    grants = tmp_path / "grants"
+    grants.write_text("# alice only generates\nalice: Generate\n")
+    security = ServerSecurity(tokens=TokenStore(token_file), grants=Grants(grants))
+    with serve(target_service(pair[0]), security=security) as server:
+        alice = target_of(ClientSecurity(token=TOKENS["alice"]), server.address)
+        bob = target_of(ClientSecurity(token=TOKENS["bob"]), server.address)
+        generate = pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=2)
+        assert [m.token_ids for m in alice.Generate(generate) if m.token_ids]  # granted
+        err = refused(lambda: create(alice), Code.PERMISSION_DENIED)
+        assert "caller 'alice' may not call CreateSession on this server (its grants: Generate)" == err.details()
+        create(bob)  # not listed, and no '*' rule: every method
+        assert health(server.address, service=TARGET_NAME) == health_pb2.HealthCheckResponse.SERVING  # open
+
+        stamp = time.time() + 2  # the file changes: alice may call everything, the others only Generate
+        _rewrite(grants, "alice: *\n*: Generate\n", stamp)
+        create(alice)
+        refused(lambda: create(bob), Code.PERMISSION_DENIED)
+        assert [m.token_ids for m in bob.Generate(generate) if m.token_ids]
+        _rewrite(grants, "alice: Generat\n", stamp + 2)  # a bad reload keeps the grants in force
+        create(alice)
+        refused(lambda: create(bob), Code.PERMISSION_DENIED)
+
+
+def test_grants_files_are_checked_and_the_flag_reaches_the_server(tmp_path, capsys):
+    from shared.cli import _listen
+
+    path = tmp_path / "grants"
+    for text, words in (("alice: Generat\n", "line 1: no deltaspec service has Generat"),
+                        ("alice Generate\n", "line 1: expected 'caller: Method, Method'"),
+                        ("# who\nalice: \n", "line 2: expected"),
+                        ("alice: Generate\nalice: Verify\n", "line 2: caller 'alice' is given twice")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=words):
+            Grants(path)
+    assert cli_main(["serve-draft", "--port", "0", "--grants", str(path)]) == 2  # before loading anything
+    assert "given twice" in capsys.readouterr().err
+
+    path.write_text("cert:CN=target: Propose, Commit  # the target's certificate subject\nbob: *\n")
+    grants = Grants(path)
+    assert grants.allowed("cert:CN=target") == {"Propose", "Commit"}
+    assert grants.allowed("bob") is None and grants.allowed("anyone else") is None
+    listen = _listen(build_parser().parse_args(["serve-draft", "--port", "0", "--grants", str(path)]))
+    assert listen.security.interceptors()[0].grants.allowed("cert:CN=target") == {"Propose", "Commit"}
 
 
 def test_the_call_rate_flag_reaches_the_server_and_refuses_a_negative_rate():

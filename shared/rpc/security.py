@@ -12,6 +12,8 @@ Server side (`ServerSecurity`):
   `insecure=True` on any other.
 - The caller's identity (`caller()`): the token's name, else the client certificate's subject
   under mutual TLS, else "anonymous". Sessions belong to it (`shared.decoding.session_table`).
+- Grants (`Grants`, off by default): the methods each caller may call, from a file read again when it
+  changes; a call outside them is refused PERMISSION_DENIED naming the caller and the method.
 - A call rate per caller (`calls_per_second`, off by default): a token bucket per identity, bursts of
   one second's worth; a call over it is refused RESOURCE_EXHAUSTED with QuotaFailure (subject `caller`)
   and RetryInfo (when the next call may go), before it reaches the service. Health and reflection
@@ -155,6 +157,63 @@ def _check_token(token: str, where: str) -> None:
                          "(e.g. openssl rand -hex 32)")
 
 
+def _method_names() -> frozenset[str]:
+    """Every method of the deltaspec.v1 services, by its own name (`Generate`, `Propose`...)."""
+    from deltaspec.v1 import draft_service_pb2, target_service_pb2
+
+    return frozenset(m.name for module in (target_service_pb2, draft_service_pb2)
+                     for service in module.DESCRIPTOR.services_by_name.values() for m in service.methods)
+
+
+class Grants:
+    """The methods each caller may call, from a file read again when it changes.
+
+    One `caller: Method, Method` a line, the caller as `caller()` names it (a token's name, `cert:<subject>`,
+    `anonymous`); `*` for a method grants every one; a `*` caller is the rule for callers not listed (without
+    it, they may call every method). Blank lines and `#` comments are skipped. A method no deltaspec service
+    has, a caller given twice or a line without methods refuses the whole file: at start-up an error, on a
+    reload a logged error, the previous grants staying in force. Health and reflection stay open.
+    """
+
+    ALL = "*"
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._watch = _Watched(self.path)
+        self._watch.changed()
+        self.grants = self._read()
+
+    def allowed(self, caller: str) -> frozenset[str] | None:
+        """The methods `caller` may call; None: every one."""
+        if self._watch.changed():
+            try:
+                self.grants = self._read()
+            except (OSError, ValueError) as e:
+                log.error("grants file %s not reloaded, the previous grants stay: %s", self.path, e)
+        methods = self.grants.get(caller, self.grants.get(self.ALL))
+        return None if methods is None or self.ALL in methods else methods
+
+    def _read(self) -> dict[str, frozenset[str]]:
+        known, grants = _method_names(), {}
+        for n, line in enumerate(self.path.read_text().splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            caller, sep, listed = line.rpartition(":")
+            caller, methods = caller.strip(), frozenset(m.strip() for m in listed.split(",") if m.strip())
+            where = f"{self.path}, line {n}"
+            if not sep or not caller or not methods:
+                raise ValueError(f"{where}: expected 'caller: Method, Method' (or '*' for every method), got {line!r}")
+            unknown = sorted(methods - known - {self.ALL})
+            if unknown:
+                raise ValueError(f"{where}: no deltaspec service has {', '.join(unknown)} "
+                                 f"(methods: {', '.join(sorted(known))})")
+            if caller in grants:
+                raise ValueError(f"{where}: caller {caller!r} is given twice")
+            grants[caller] = methods
+        return grants
+
+
 class CallRate:
     """A token bucket per caller: `rate` calls a second on average, in bursts of up to one second's worth."""
 
@@ -182,38 +241,44 @@ class CallRate:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Checks the bearer token (when tokens are on), sets the caller's identity for the handler, and holds each
-    caller to its call rate (when one is set)."""
+    """Checks the bearer token (when tokens are on), sets the caller's identity for the handler, holds each caller
+    to its grants (when there are any) and to its call rate (when one is set)."""
 
-    def __init__(self, tokens: TokenStore | None, rate: CallRate | None = None) -> None:
-        self.tokens, self.rate = tokens, rate
+    def __init__(self, tokens: TokenStore | None, rate: CallRate | None = None, grants: Grants | None = None) -> None:
+        self.tokens, self.rate, self.grants = tokens, rate, grants
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.split("/")[1] in OPEN_SERVICES:
+        _, service, method = handler_call_details.method.split("/")
+        if handler is None or service in OPEN_SERVICES:
             return handler
         if handler.unary_unary:
-            return handler._replace(unary_unary=self._unary(handler.unary_unary))
+            return handler._replace(unary_unary=self._unary(handler.unary_unary, method))
         if handler.unary_stream:
-            return handler._replace(unary_stream=self._stream(handler.unary_stream))
+            return handler._replace(unary_stream=self._stream(handler.unary_stream, method))
         return handler
 
-    def _unary(self, behavior):
+    def _unary(self, behavior, method: str):
         async def wrapped(request, context: grpc.aio.ServicerContext):
-            await self._admit(context)
+            await self._admit(context, method)
             return await behavior(request, context)
         return wrapped
 
-    def _stream(self, behavior):
+    def _stream(self, behavior, method: str):
         async def wrapped(request, context: grpc.aio.ServicerContext):
-            await self._admit(context)
+            await self._admit(context, method)
             async for response in behavior(request, context):
                 yield response
         return wrapped
 
-    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
+    async def _admit(self, context: grpc.aio.ServicerContext, method: str) -> None:
         who = await self._identify(context)
         _CALLER.set(who)  # this call's task only
+        allowed = self.grants.allowed(who) if self.grants is not None else None
+        if allowed is not None and method not in allowed:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"caller {who!r} may not call {method} on this server (its grants: "
+                                f"{', '.join(sorted(allowed))})")
         wait = self.rate.take(who) if self.rate is not None else 0.0
         if wait:
             await context.abort_with_status(to_status(RateLimited(
@@ -281,6 +346,7 @@ class ServerSecurity:
     tokens: TokenStore | None = None
     insecure: bool = False  # plaintext on a non-loopback address
     calls_per_second: float = 0.0  # per caller (`CallRate`); 0: no limit
+    grants: Grants | None = None  # the methods each caller may call; None: every one
 
     def check(self, host: str) -> None:
         if self.tls is None and not self.insecure and not is_loopback(host):
@@ -289,10 +355,11 @@ class ServerSecurity:
                              "on a trusted network; plaintext needs no flag only on 127.0.0.1, ::1 or localhost")
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        """None when no one is authenticated and no call rate is set: every caller is then "anonymous"."""
+        """None when no one is authenticated and no call rate or grants are set: every caller is then "anonymous"."""
         mtls = self.tls is not None and self.tls.client_ca is not None
         rate = CallRate(self.calls_per_second) if self.calls_per_second else None
-        return [AuthInterceptor(self.tokens, rate)] if self.tokens is not None or mtls or rate else []
+        needed = self.tokens is not None or mtls or rate or self.grants is not None
+        return [AuthInterceptor(self.tokens, rate, self.grants)] if needed else []
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
         if self.tls is None:
