@@ -185,7 +185,8 @@ def _env_flag(name: str) -> bool:
 
 
 def _listen(args: argparse.Namespace):
-    """Where and how a server listens, from its flags; a placeholder or malformed token or grants file stops it here."""
+    """Where and how a server listens, from its flags; a placeholder or malformed token or grants file stops it
+    here."""
     from shared.rpc.security import Grants, ServerSecurity, ServerTLS, TokenStore
     from shared.rpc.server import Listen
 

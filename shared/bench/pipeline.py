@@ -6,8 +6,8 @@ cores or more, each service also gets cores of its own (`pin` of them each, 1 by
 first, the draft the next; the bench's own process, client and proxies, runs on the cores left, or on any
 when none are): on its own host the draft's speculative work never takes the target's core, while on shared
 cores every pass of it can delay a verify. With one core a service's gRPC, loop and model threads share it,
-as they would not on a host of its own; `--cores-per-service N` gives each N, where the machine has them. Every link passes
-a `TcpProxy` adding the same delay each way: client to target, client to draft, and target to draft.
+as they would not on a host of its own; `--cores-per-service N` gives each N, where the machine has them.
+Every link passes a `TcpProxy` adding the same delay each way: client to target, client to draft, and target to draft.
 Two target processes share the draft: one stages pipelined rounds and pipelines its own `Generate`
 loop (`--pipeline-depth 1`), one does neither (0), so the server-side loop runs both ways; the
 client-driven loop runs `pipeline=True` and `False` against them. Configurations alternate, and every
@@ -48,7 +48,8 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
     """One row per (delay, loop): tokens/s serial and pipelined, their ratio, bytes staged per round.
 
     `compile`: both services run `--compile` (their passes as compiled graphs). `pin`: cores for each service
-    (0: none, all share), where there are that many for both; the bench's process then runs on the rest. `device="cuda"`: both services' models and states on the GPU."""
+    (0: none, all share), where there are that many for both; the bench's process then runs on the rest.
+    `device="cuda"`: both services' models and states on the GPU."""
     from shared.model.loader import load_model
     from shared.rpc.client import generate_client_driven, generate_on_server
 
@@ -230,14 +231,14 @@ def print_rows(rows: list[dict]) -> None:
         print(f"{r['delay_ms']:>8g} {r['loop']:>6} {_pair(wall):>13} {_pair(target):>13} {_pair(draft):>13} "
               f"{_pair(r['draft_passes_per_round']):>12} {_pair(busy, 2):>11}")  # type: ignore[arg-type]
     if rows and "round_ms" in rows[0]:
-        print("\nFrom one round's tokens to the next's, read at the client (median ms): serial rounds; pipelined rounds "
-              "after one whose speculation could hold (every draft and the guess kept, read off the output), and "
-              "after one whose could not")
+        print("\nFrom one round's tokens to the next's, read at the client (median ms): serial rounds; pipelined "
+              "rounds after one whose speculation could hold (every draft and the guess kept, read off the output), "
+              "and after one whose could not")
         print(f"{'delay ms':>8} {'loop':>6} {'serial':>7} {'after kept':>10} {'after miss':>10} {'miss / serial':>13}")
         for r in rows:
             ms = r["round_ms"]
-            print(f"{r['delay_ms']:>8g} {r['loop']:>6} {ms.get('serial', nan):>7.1f} {ms.get('after_kept', nan):>10.1f} "
-                  f"{ms.get('after_miss', nan):>10.1f} {ms.get('after_miss', nan) / ms.get('serial', nan):>13.2f}")
+            serial, kept, miss = (ms.get(name, nan) for name in ("serial", "after_kept", "after_miss"))
+            print(f"{r['delay_ms']:>8g} {r['loop']:>6} {serial:>7.1f} {kept:>10.1f} {miss:>10.1f} {miss / serial:>13.2f}")
     if rows and "kept_rounds" in rows[0]:
         _print_kept(rows[0]["kept_rounds"], rows[0]["num_draft_tokens"])
 
