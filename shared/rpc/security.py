@@ -249,7 +249,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        _, service, method = handler_call_details.method.split("/")
+        service, _, method = handler_call_details.method.lstrip("/").partition("/")
         if handler is None or service in OPEN_SERVICES:
             return handler
         if handler.unary_unary:
