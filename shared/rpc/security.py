@@ -93,7 +93,31 @@ class _Watched:
         return changed
 
 
-class TokenStore:
+class _Reloaded:
+    """What a file (or a directory) holds, read again when it changes. The first read's error goes to the caller
+    (start-up); a later one is logged, and what was read before stays in force."""
+
+    what = "file"  # for the log: "token file", "grants file"
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._watch = _Watched(self.path)
+        self._watch.changed()
+        self.held = self._read()
+
+    def current(self):
+        if self._watch.changed():
+            try:
+                self.held = self._read()
+            except (OSError, ValueError) as e:
+                log.error("%s %s not reloaded, the previous one stays in force: %s", self.what, self.path, e)
+        return self.held
+
+    def _read(self):
+        raise NotImplementedError
+
+
+class TokenStore(_Reloaded):
     """Accepted bearer tokens by caller name, from a file or a directory, read again when it changes.
 
     File: one `name:token` or bare `token` a line (a bare token is named `token-` and the first 8 hex
@@ -103,21 +127,12 @@ class TokenStore:
     error, the previous tokens staying in force.
     """
 
-    def __init__(self, path: Path | str) -> None:
-        self.path = Path(path)
-        self._watch = _Watched(self.path)
-        self._watch.changed()
-        self.tokens = self._read()
+    what = "token file"
 
     def lookup(self, token: str) -> str | None:
         """The name of `token`, or None; every entry is compared, in constant time."""
-        if self._watch.changed():
-            try:
-                self.tokens = self._read()
-            except (OSError, ValueError) as e:
-                log.error("token file %s not reloaded, the previous tokens stay: %s", self.path, e)
         found = None
-        for name, known in self.tokens.items():
+        for name, known in self.current().items():
             if hmac.compare_digest(known.encode(), token.encode()):
                 found = name
         return found
@@ -165,7 +180,7 @@ def _method_names() -> frozenset[str]:
                      for service in module.DESCRIPTOR.services_by_name.values() for m in service.methods)
 
 
-class Grants:
+class Grants(_Reloaded):
     """The methods each caller may call, from a file read again when it changes.
 
     One `caller: Method, Method` a line, the caller as `caller()` names it (a token's name, `cert:<subject>`,
@@ -176,21 +191,12 @@ class Grants:
     """
 
     ALL = "*"
-
-    def __init__(self, path: Path | str) -> None:
-        self.path = Path(path)
-        self._watch = _Watched(self.path)
-        self._watch.changed()
-        self.grants = self._read()
+    what = "grants file"
 
     def allowed(self, caller: str) -> frozenset[str] | None:
         """The methods `caller` may call; None: every one."""
-        if self._watch.changed():
-            try:
-                self.grants = self._read()
-            except (OSError, ValueError) as e:
-                log.error("grants file %s not reloaded, the previous grants stay: %s", self.path, e)
-        methods = self.grants.get(caller, self.grants.get(self.ALL))
+        grants = self.current()
+        methods = grants.get(caller, grants.get(self.ALL))
         return None if methods is None or self.ALL in methods else methods
 
     def _read(self) -> dict[str, frozenset[str]]:
