@@ -892,13 +892,13 @@ def test_kept_rounds_study_reads_the_serial_rounds_off_the_output():
     """The pipeline bench's study of which rounds could be kept: with the target as its own draft every round is
     kept; with another draft every round is counted once, and its rounds are the serial loop's (all but the round
     the output ends in)."""
-    from shared.bench.pipeline import kept_rounds
+    from shared.bench.pipeline import kept_rounds, serial_rounds
 
     n, k = 40, 3
     output = greedy(n)
-    own = kept_rounds(MODEL, MODEL, [START], [output], k)
+    own = kept_rounds([serial_rounds(MODEL, START, output, k)])
     assert own["kept"] == own["rounds"] > 0
-    c = kept_rounds(MODEL, NOISY, [START], [output], k)
+    c = kept_rounds([serial_rounds(NOISY, START, output, k)])
     assert c["rounds"] == c["kept"] + c["rejected"] + c["wrong_guess"] and c["rejected"] > 0
     assert c["second_choice_rejected"] <= c["rejected"] and c["second_choice_wrong_guess"] <= c["wrong_guess"]
     stats = generate(MODEL, START, n, ModelDrafter(NOISY), k).stats

@@ -59,7 +59,7 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                                    max_new_tokens)
     draft_model = load_model(draft_dir)
     plans = [serial_rounds(draft_model, p, out, num_draft_tokens) for p, out in zip(prompts, expected)]
-    study = _counted(plans)
+    study = kept_rounds(plans)
     rows = []
     with ExitStack() as stack:
         options = ["--device", device, *(["--compile"] if compile else [])]
@@ -137,15 +137,10 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
     return rows
 
 
-def kept_rounds(target: HybridLM, draft: HybridLM, prompts: list[list[int]], outputs: list[list[int]],
-                k: int) -> dict[str, int]:
-    """Which greedy rounds of k drafts a pipelined loop can keep (`serial_rounds`), counted. `second_choice_*`:
-    misses where the draft's second most likely token at the position that decided the round is the target's,
-    i.e. where a second speculation, built on that token, would have held."""
-    return _counted([serial_rounds(draft, prompt, output, k) for prompt, output in zip(prompts, outputs)])
-
-
-def _counted(plans: list[list[tuple[int, str, bool]]]) -> dict[str, int]:
+def kept_rounds(plans: list[list[tuple[int, str, bool]]]) -> dict[str, int]:
+    """Which greedy rounds a pipelined loop can keep, counted over generations' `serial_rounds`.
+    `second_choice_*`: misses where the draft's second most likely token at the position that decided the round
+    is the target's, i.e. where a second speculation, built on that token, would have held."""
     counts = dict.fromkeys(("rounds", "kept", "rejected", "wrong_guess", "second_choice_rejected",
                             "second_choice_wrong_guess"), 0)
     for plan in plans:
