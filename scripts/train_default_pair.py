@@ -3,10 +3,15 @@
     .venv/bin/python scripts/train_default_pair.py --state /tmp/pair.pt   # trains, writes, measures
     .venv/bin/python scripts/train_default_pair.py --state /tmp/pair.pt --chunk-steps 500   # in chunks
     .venv/bin/python scripts/train_default_pair.py --eval-only  # re-measures the shipped pair
+    .venv/bin/python scripts/train_default_pair.py --refine-draft --kl-weight 0.8  # the draft further
 
 Budget. 6000 steps took 72 minutes on one CPU thread of a busy 2-core machine (a tqdm bar shows the
 rate and the time left), then under a minute of measuring. The shipped pair is such a run; the one before it
-(3000 steps, 38 minutes) had greedy acceptance 0.69 at k = 4 against 0.79, held-out loss 1.22 against 1.13. With `--state FILE` a snapshot (models, optimisers, data
+(3000 steps, 38 minutes) had greedy acceptance 0.69 at k = 4 against 0.79, held-out loss 1.22 against 1.13.
+`--refine-draft` then trains the written draft alone against the written target (3000 + 600 steps, about
+20 minutes): the draft trained online alongside the target learnt from a moving teacher, and more steps
+against the final one, weighted towards it (`--kl-weight 0.8`), lift its top-1 agreement with the target on
+held-out text from 0.82 to 0.85. The shipped draft is the 6000 + 600-step run's, refined once. With `--state FILE` a snapshot (models, optimisers, data
 sampler, loss history) is written every `--save-every` steps and at the end; the same command resumes
 from it, after an interruption or after `--chunk-steps N` stopped it on purpose, and a run resumed in
 chunks sees the same batches and learning-rate schedule as one run straight through. A snapshot at the last step goes
@@ -351,6 +356,32 @@ def long_step(args, target, drafts: dict, opts: dict, lrs: dict, xb: Tensor) -> 
     return losses
 
 
+def refine_draft(args, train_ids: Tensor) -> nn.Module:
+    """The written draft, trained further alone against the written target (frozen): `--refine-steps` on `--seq`
+    windows (cosine from `--refine-lr`), then `--long-steps` on `--long-seq` windows at the schedule's final rate."""
+    from transformers import Qwen3_5ForCausalLM
+
+    target = Qwen3_5ForCausalLM.from_pretrained(args.out_target).eval()
+    draft = Qwen3_5ForCausalLM.from_pretrained(args.out_draft).train()
+    for weight in target.parameters():
+        weight.requires_grad_(False)
+    opt, gen = optimizer(draft, args.refine_lr), torch.Generator().manual_seed(args.seed + 400)
+    steps = args.refine_steps + args.long_steps
+    bar = tqdm(range(steps), desc="refining the draft", unit="step", dynamic_ncols=True)
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = args.refine_lr * lr_factor(min(step, args.refine_steps), args.refine_steps, args.warmup)
+        xb = batch(train_ids, args.batch, args.seq if step < args.refine_steps else args.long_seq, gen)
+        x, y = xb[:, :-1], xb[:, 1:]
+        with torch.no_grad():
+            teacher = target(input_ids=x, use_cache=False).logits
+        bar.set_postfix(ce=f"{draft_backward(args, 'distilled', draft, x, y, teacher):.3f}")
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return draft.eval()
+
+
 def draft_backward(args, key: str, draft, x: Tensor, y: Tensor, teacher: Tensor) -> float:
     """Backward of a draft's loss: (1 - a) CE + a KL(target || draft), or CE alone for `ce_only`; returns its CE."""
     d_logits = draft(input_ids=x, use_cache=False).logits
@@ -552,6 +583,10 @@ def main() -> None:
     p.add_argument("--out-draft", type=Path, default=OUT_DRAFT)
     p.add_argument("--plot", type=Path, default=DOCS / "training_loss.png")
     p.add_argument("--eval-only", action="store_true", help="measure the checkpoints already written")
+    p.add_argument("--refine-draft", action="store_true",
+                   help="train the written draft further against the written target, then measure the pair")
+    p.add_argument("--refine-steps", type=int, default=3000)
+    p.add_argument("--refine-lr", type=float, default=1e-3)
     p.add_argument("--state", type=Path, default=None,
                    help="snapshot file: written every --save-every steps, and resumed from when it exists")
     p.add_argument("--save-every", type=int, default=100)
@@ -576,7 +611,23 @@ def main() -> None:
     write_heldout_list(held_names, root)  # the same list every run: heldout_prompts reads it
     prompts, texts = heldout_prompts(args.prompts, 96), heldout_prompts(8, 512)
     started = time.time()
-    if not args.eval_only:
+    if args.refine_draft:
+        from transformers import Qwen3_5ForCausalLM
+
+        target = Qwen3_5ForCausalLM.from_pretrained(args.out_target).eval()
+        drafts = {"before": Qwen3_5ForCausalLM.from_pretrained(args.out_draft).eval(),
+                  "refined": refine_draft(args, train_ids)}
+        summary["train_seconds"] = round(time.time() - started, 1)
+        agree_batch = batch(val_ids, args.val_batch, args.seq, torch.Generator().manual_seed(args.seed + 200))
+        long_batch = batch(val_ids, 6, args.long_seq, torch.Generator().manual_seed(args.seed + 300))
+        with torch.no_grad():
+            want = target(input_ids=agree_batch[:, :-1], use_cache=False).logits.argmax(-1)
+            summary["heldout_top1_agreement"] = {
+                key: (d(input_ids=agree_batch[:, :-1], use_cache=False).logits.argmax(-1) == want).float().mean().item()
+                for key, d in drafts.items()}
+        summary["heldout_ce_by_256_positions"] = ce_by_position(target, drafts, long_batch)
+        save(drafts["refined"], args.out_draft)
+    elif not args.eval_only:
         trained = train(args, train_ids, val_ids)
         if trained is None:
             print(f"stopped after this chunk; snapshot in {args.state}: rerun the same command to go on",
