@@ -349,10 +349,7 @@ def long_step(args, target, drafts: dict, opts: dict, lrs: dict, xb: Tensor) -> 
         opt = opts[f"draft_{key}"]
         for group in opt.param_groups:
             group["lr"] = lrs[f"draft_{key}"] * lr_factor(args.steps, args.steps, args.warmup)
-        losses[f"draft_{key}"] = draft_backward(args, key, draft, x, y, teacher)
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        losses[f"draft_{key}"] = draft_step(args, key, draft, opt, x, y, teacher)
     return losses
 
 
@@ -374,11 +371,17 @@ def refine_draft(args, train_ids: Tensor, target: nn.Module) -> nn.Module:
         x, y = xb[:, :-1], xb[:, 1:]
         with torch.no_grad():
             teacher = target(input_ids=x, use_cache=False).logits
-        bar.set_postfix(ce=f"{draft_backward(args, 'distilled', draft, x, y, teacher):.3f}")
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        bar.set_postfix(ce=f"{draft_step(args, 'distilled', draft, opt, x, y, teacher):.3f}")
     return draft.eval()
+
+
+def draft_step(args, key: str, draft, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, teacher: Tensor) -> float:
+    """One update of a draft alone against `teacher` (the target's logits); returns its CE."""
+    ce_d = draft_backward(args, key, draft, x, y, teacher)
+    torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return ce_d
 
 
 def draft_backward(args, key: str, draft, x: Tensor, y: Tensor, teacher: Tensor) -> float:
@@ -428,11 +431,12 @@ def ce_by_position(target, drafts: dict, xb: Tensor, bucket: int = 256) -> dict[
 
 @torch.no_grad()
 def agreement(target, mtp, drafts, xb: Tensor) -> dict[str, float]:
-    """Teacher-forced top-1 agreement with the target's argmax on held-out text."""
+    """Teacher-forced top-1 agreement with the target's argmax on held-out text (the MTP head's unless None)."""
     x = xb[:, :-1]
     hidden = target.model(input_ids=x, use_cache=False).last_hidden_state
     t_arg = target.lm_head(hidden).argmax(-1)
-    out = {"mtp_top1_vs_target": (mtp_logits(target, mtp, x, hidden).argmax(-1) == t_arg[:, 1:]).float().mean().item()}
+    out = {} if mtp is None else {
+        "mtp_top1_vs_target": (mtp_logits(target, mtp, x, hidden).argmax(-1) == t_arg[:, 1:]).float().mean().item()}
     for key, draft in drafts.items():
         out[f"draft_{key}_top1_vs_target"] = (draft(input_ids=x, use_cache=False).logits.argmax(-1) == t_arg).float().mean().item()
     return out
@@ -619,11 +623,7 @@ def main() -> None:
         summary["train_seconds"] = round(time.time() - started, 1)
         agree_batch = batch(val_ids, args.val_batch, args.seq, torch.Generator().manual_seed(args.seed + 200))
         long_batch = batch(val_ids, 6, args.long_seq, torch.Generator().manual_seed(args.seed + 300))
-        with torch.no_grad():
-            want = target(input_ids=agree_batch[:, :-1], use_cache=False).logits.argmax(-1)
-            summary["heldout_top1_agreement"] = {
-                key: (d(input_ids=agree_batch[:, :-1], use_cache=False).logits.argmax(-1) == want).float().mean().item()
-                for key, d in drafts.items()}
+        summary["heldout_top1_agreement"] = agreement(target, None, drafts, agree_batch)
         summary["heldout_ce_by_256_positions"] = ce_by_position(target, drafts, long_batch)
         save(drafts["refined"], args.out_draft)
     elif not args.eval_only:
