@@ -17,7 +17,7 @@ says what a round costs in CPU time (the target process's and the draft process'
 draft's forward passes (its own metrics): the overlap only pays while both fit on the machine's cores. And it
 reads off the target's own outputs which rounds the pipelined loop can keep at all (`kept_rounds`), and how many
 of the misses a second speculation, built on the draft's second choice, would have turned into kept rounds.
-Run: `python -m shared.bench.pipeline [--quick] [--save docs]`.
+Run: `python -m shared.bench.pipeline [--quick] [--heldout N] [--save docs]`.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import torch
 
 from shared.bench import report
 from shared.bench.loopback import Server, check_greedy, pin_threads, target_only_outputs
+from shared.bench.speedup import heldout_prompts
 from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.model.hybrid import HybridLM
 from shared.rpc.proxy import TcpProxy
@@ -277,6 +278,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="two prompts, 64 tokens, no repeat")
+    parser.add_argument("--heldout", type=int, default=0, metavar="N",
+                        help="N prompts cut from the files the embedded pair never trained on, instead of the 3 fixed ones")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
@@ -289,7 +292,8 @@ def main() -> None:
     parser.add_argument("--save", type=Path, help="write pipeline.txt and pipeline.png to this folder (e.g. docs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = compare(prompts=PROMPTS[:2] if args.quick else PROMPTS,
+    prompts = heldout_prompts(args.heldout, 96) if args.heldout else PROMPTS[:2] if args.quick else PROMPTS
+    rows = compare(prompts=prompts,
                    max_new_tokens=64 if args.quick else args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                    repeats=1 if args.quick else args.repeats, compile=args.compile,
                    pin=0 if args.no_pin else args.cores_per_service,
