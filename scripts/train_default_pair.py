@@ -6,24 +6,25 @@
     .venv/bin/python scripts/train_default_pair.py --refine-draft --kl-weight 0.8  # the draft further
     .venv/bin/python scripts/train_default_pair.py --onpolicy-draft --kl-weight 0.8  # then on the target's output
 
-Budget. 6000 steps took 72 minutes on one CPU thread of a busy 2-core machine (a tqdm bar shows the
-rate and the time left), then under a minute of measuring. The shipped pair is such a run; the one before it
-(3000 steps, 38 minutes) had greedy acceptance 0.69 at k = 4 against 0.79, held-out loss 1.22 against 1.13.
-`--refine-draft` then trains the written draft alone against the written target (3000 + 600 steps, about
-20 minutes): the draft trained online alongside the target learnt from a moving teacher, and more steps
-against the final one, weighted towards it (`--kl-weight 0.8`), lift its top-1 agreement with the target on
-held-out text from 0.79 to 0.82. `--onpolicy-draft` then trains it on what it meets when serving: the
-target's own continuations (greedy, and sampled at the demo's settings) of 1280 training windows, 192 and
-448 bytes long, make 80 % of 3000 batches, 1280-byte corpus windows 10 %, 384-byte ones the rest (about 20
-minutes). A pipelined round is kept only when all its drafts and the guessed next token hold, so what counts
-is the draft's agreement along the target's own output, not on corpus text: on held-out prompts (8 x 96 and
-6 x 256 tokens) 76.6 % of greedy rounds could be kept against 67.4 %, greedy acceptance at k = 4 rose from
-0.81 to 0.86, while top-1 agreement on held-out corpus text moved from 0.817 to 0.824. The shipped draft is
-the 6000 + 600-step run's, refined once, then trained on-policy once. With `--state FILE` a snapshot (models, optimisers, data
-sampler, loss history) is written every `--save-every` steps and at the end; the same command resumes
-from it, after an interruption or after `--chunk-steps N` stopped it on purpose, and a run resumed in
-chunks sees the same batches and learning-rate schedule as one run straight through. A snapshot at the last step goes
-straight to measuring. Delete the file to start from zero.
+Budget. 6000 steps took 72 minutes on one CPU thread of a busy 2-core machine (a tqdm bar shows the rate and
+the time left), then under a minute of measuring. The shipped pair is such a run; the one before it (3000
+steps, 38 minutes) had greedy acceptance 0.69 at k = 4 against 0.79, held-out loss 1.22 against 1.13.
+`--refine-draft` then trains the written draft alone against the written target (3000 + 600 steps, about 20
+minutes): the draft trained online alongside the target learnt from a moving teacher, and more steps against
+the final one, weighted towards it (`--kl-weight 0.8`), lift its top-1 agreement with the target on held-out
+text from 0.79 to 0.82. `--onpolicy-draft` then trains it on what it meets when serving: the target's own
+continuations (greedy, and sampled at the demo's settings) of 1280 training windows, 192 and 448 bytes long,
+make 80 % of 3000 batches, 1280-byte corpus windows 10 %, 384-byte ones the rest (22 minutes here; the run
+reproduced the shipped weights bit for bit). A pipelined round is kept only when all its drafts and the
+guessed next token hold, so what counts is the draft's agreement along the target's own output, not on corpus
+text: on held-out prompts (8 x 96 and 6 x 256 tokens) 76.6 % of greedy rounds could be kept against 67.4 %,
+greedy acceptance at k = 4 rose from 0.81 to 0.86, while top-1 agreement on held-out corpus text moved from
+0.817 to 0.824. The shipped draft is the 6000 + 600-step run's, refined once, then trained on-policy once.
+With `--state FILE` a snapshot (models, optimisers, data sampler, loss history) is written every
+`--save-every` steps and at the end; the same command resumes from it, after an interruption or after
+`--chunk-steps N` stopped it on purpose, and a run resumed in chunks sees the same batches and learning-rate
+schedule as one run straight through. A snapshot at the last step goes straight to measuring. Delete the file
+to start from zero.
 
 Corpus. The Python standard library's own sources, which every machine with Python has and which the
 PSF licence lets us redistribute derived weights of: every `*.py` file under the directory of `os.__file__`,
@@ -104,6 +105,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -412,13 +414,14 @@ def target_continuations(target: nn.Module, train_ids: Tensor, seed: int, batche
         prompts, sample = batch(train_ids, batch_size, prompt_len - 1, gen), i % 2 == 1
         torch.manual_seed(seed * 1000 + i)
         with torch.no_grad():
-            rows.append(target.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=sample,
-                                        temperature=demo.TEMPERATURE if sample else None,
+            rows.append(target.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                        do_sample=sample, temperature=demo.TEMPERATURE if sample else None,
                                         top_p=demo.TOP_P if sample else None, top_k=0, pad_token_id=EOS))
     return torch.cat(rows)
 
 
-def distill_draft(args, draft: nn.Module, target: nn.Module, steps: int, lr_at, next_batch, desc: str) -> nn.Module:
+def distill_draft(args, draft: nn.Module, target: nn.Module, steps: int, lr_at: Callable[[int], float],
+                  next_batch: Callable[[int], Tensor], desc: str) -> nn.Module:
     """`draft` trained alone against `target` (frozen): `steps` updates on `next_batch(step)` at `lr_at(step)`."""
     draft.train()
     for weight in target.parameters():
@@ -655,8 +658,10 @@ def main() -> None:
                    help="train the written draft further on the written target's own continuations, then measure")
     p.add_argument("--onpolicy-steps", type=int, default=3000)
     p.add_argument("--onpolicy-lr", type=float, default=5e-4)
-    p.add_argument("--onpolicy-share", type=float, default=0.8, help="share of --onpolicy-draft batches of continuations")
-    p.add_argument("--long-share", type=float, default=0.1, help="share of --onpolicy-draft batches of --long-seq windows")
+    p.add_argument("--onpolicy-share", type=float, default=0.8,
+                   help="share of --onpolicy-draft batches of continuations")
+    p.add_argument("--long-share", type=float, default=0.1,
+                   help="share of --onpolicy-draft batches of --long-seq windows")
     p.add_argument("--state", type=Path, default=None,
                    help="snapshot file: written every --save-every steps, and resumed from when it exists")
     p.add_argument("--save-every", type=int, default=100)

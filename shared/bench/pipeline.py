@@ -279,7 +279,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="two prompts, 64 tokens, no repeat")
     parser.add_argument("--heldout", type=int, default=0, metavar="N",
-                        help="N prompts cut from the files the embedded pair never trained on, instead of the 3 fixed ones")
+                        help="N prompts cut from files the embedded pair never trained on, not the 3 fixed ones")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
