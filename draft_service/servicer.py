@@ -13,17 +13,17 @@ from opentelemetry import trace
 
 from deltaspec.v1 import draft_service_pb2 as pb
 from deltaspec.v1 import draft_service_pb2_grpc
-from shared.decoding.batcher import BatchConfig, serving
-from shared.decoding.draft_session import DraftSession, Outcome
-from shared.decoding.session_table import Limits, SessionTable
-from shared.decoding.target import MAX_DRAFT_TOKENS
-from shared.model.hybrid import HybridLM
-from shared.state.rollback import CHAIN_LOG_CAPACITY
-from shared.rpc.convert import put_probs, sampling_from_proto
-from shared.rpc.security import caller
-from shared.rpc.server import Service, answered_call
-from shared.telemetry import Telemetry
-from shared.telemetry import attributes as attr
+from deltaspec.shared.decoding.batcher import BatchConfig, serving
+from deltaspec.shared.decoding.draft_session import DraftSession, Outcome
+from deltaspec.shared.decoding.session_table import Limits, SessionTable
+from deltaspec.shared.decoding.target import MAX_DRAFT_TOKENS
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY
+from deltaspec.shared.rpc.convert import put_probs, sampling_from_proto
+from deltaspec.shared.rpc.security import caller
+from deltaspec.shared.rpc.server import Service, answered_call
+from deltaspec.shared.telemetry import Telemetry
+from deltaspec.shared.telemetry import attributes as attr
 
 NAME = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
 

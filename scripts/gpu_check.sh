@@ -86,7 +86,7 @@ bad = 0
 for name in ("triton", "grpc", "google.protobuf", "opentelemetry.sdk", "opentelemetry.instrumentation.grpc",
              "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "grpc_health.v1.health", "grpc_reflection",
              "grpc_status", "deltaspec.v1.target_service_pb2_grpc", "deltaspec.v1.draft_service_pb2_grpc",
-             "shared.rpc.server"):
+             "deltaspec.shared.rpc.server"):
     try:
         module = importlib.import_module(name)
         version = getattr(module, "__version__", "")
@@ -138,13 +138,13 @@ if [[ $HAVE_CUDA != 1 ]]; then
 else
     t=$(limit 240)
     # stdout (one JSON object) to bench_gpu.json; progress, server logs and errors to bench_gpu.log
-    run "$OUT/bench_gpu.log" "$t" bash -c '"$1" -m shared.cli bench --only gpu --quick --json >"$2"' \
+    run "$OUT/bench_gpu.log" "$t" bash -c '"$1" -m deltaspec.shared.cli bench --only gpu --quick --json >"$2"' \
         bench "$PY" "$OUT/bench_gpu.json"
     rc=$?
     if [[ $rc == 0 ]]; then
         timeout 60 "$PY" - "$OUT/bench_gpu.json" <<'EOF' 2>&1 | tee -a "$OUT/bench_gpu.log"
 import json, sys
-from shared.bench.suite import print_tables
+from deltaspec.shared.bench.suite import print_tables
 result = json.load(open(sys.argv[1]))
 if "gpu" not in result:
     sys.exit("the result has no gpu section")
@@ -160,9 +160,9 @@ fi
 
 # ---- 4. the pipeline bench on this machine's cores (CPU models; a core for each service, more for the client) ----
 STEP_START=$SECONDS
-echo "=== 4. pipelined vs serial rounds at 1 and 5 ms (shared.bench.pipeline, one repeat)"
+echo "=== 4. pipelined vs serial rounds at 1 and 5 ms (deltaspec.shared.bench.pipeline, one repeat)"
 t=$(limit 200)
-run "$OUT/pipeline.log" "$t" "$PY" -c "import torch; torch.set_num_threads(1); from shared.bench import pipeline; \
+run "$OUT/pipeline.log" "$t" "$PY" -c "import torch; torch.set_num_threads(1); from deltaspec.shared.bench import pipeline; \
 pipeline.print_rows(pipeline.compare(delays_ms=(1, 5), repeats=1))"
 rc=$?
 note pipeline "$(status $rc)" "$(awk '$2 ~ /^(client|server)$/ && $6 ~ /^[0-9]+$/ {printf "%s ms %s %sx; ", $1, $2, $5}' \

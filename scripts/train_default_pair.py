@@ -33,8 +33,8 @@ string of prose) and `encodings` (mostly generated code-page tables). A file is 
 path relative to that directory, read as an integer, is 0 mod 50 (about 2%, the same files on every
 machine and Python version that has them); the list goes
 to `docs/heldout_files.txt`, so benchmarks can take held-out text from it. Files are UTF-8 bytes (ids
-0..255) joined by EOS (id 256), like `shared.model.tokenizer.ByteTokenizer` and
-`shared.model.checkpoint.hf_config`'s `eos_token_id`.
+0..255) joined by EOS (id 256), like `deltaspec.shared.model.tokenizer.ByteTokenizer` and
+`deltaspec.shared.model.checkpoint.hf_config`'s `eos_token_id`.
 
 Models (both `Qwen3_5ForCausalLM`, trained batched with autograd, float32, tied embeddings):
   target  12 layers, (3 Gated DeltaNet + 1 full attention) x 3, hidden 160;
@@ -52,8 +52,8 @@ ships. With the loss (1 - a) CE + a KL, a = 0.5, distillation won every full run
 (e.g. 0.80 against 0.63), hence off by default; a = 0.8 lost to CE alone, the teacher being too weak
 early on.
 
-Measuring (`shared.bench.pair_quality`, through the engine, on prompts from the held-out files): the
-target's held-out loss, and for greedy decoding and for the demo's default sampling (`shared.demo`)
+Measuring (`deltaspec.shared.bench.pair_quality`, through the engine, on prompts from the held-out files): the
+target's held-out loss, and for greedy decoding and for the demo's default sampling (`deltaspec.shared.demo`)
 the acceptance at k = 4 and the share of distinct 4-grams in 256-token generations (a loop scores
 near 0), plus load checks against HF and the time per token of each model.
 
@@ -117,8 +117,8 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shared.bench.speedup import heldout_prompts  # noqa: E402
-from shared.model.checkpoint import hf_config  # noqa: E402
+from deltaspec.shared.bench.speedup import heldout_prompts  # noqa: E402
+from deltaspec.shared.model.checkpoint import hf_config  # noqa: E402
 
 EOS, VOCAB = 256, 257
 L, A = "linear_attention", "full_attention"
@@ -407,7 +407,7 @@ def target_continuations(target: nn.Module, train_ids: Tensor, seed: int, batche
                          batch_size: int = 32, prompt_len: int = 64) -> Tensor:
     """`(batches * batch_size, prompt_len + new_tokens)`: training windows and the target's continuations, greedy
     and sampled at the demo's settings by turns (EOS held back, so every row is full length)."""
-    from shared import demo
+    from deltaspec.shared import demo
 
     gen, rows = torch.Generator().manual_seed(seed), []
     for i in range(batches):
@@ -565,11 +565,12 @@ def save_pair(target, mtp, draft, target_dir: Path, draft_dir: Path) -> None:
 # ------------------------------------------------------------------------------------------ measuring
 def quality(target_dir: Path, draft_dir: Path, prompts: list[list[int]], texts: list[list[int]], new_tokens: int,
             k: int, greedy_only: bool = False) -> dict:
-    """`shared.bench.pair_quality` for greedy decoding and the demo's default sampling; two samples decoded."""
-    from shared import demo
-    from shared.bench.pair_quality import generation_quality, pair_quality
-    from shared.decoding.sampling import SamplingParams
-    from shared.model.loader import load_model
+    """`deltaspec.shared.bench.pair_quality` for greedy decoding and the demo's default sampling; two samples
+    decoded."""
+    from deltaspec.shared import demo
+    from deltaspec.shared.bench.pair_quality import generation_quality, pair_quality
+    from deltaspec.shared.decoding.sampling import SamplingParams
+    from deltaspec.shared.model.loader import load_model
 
     target, draft = load_model(target_dir), load_model(draft_dir)
     if greedy_only:
@@ -590,8 +591,8 @@ def time_per_token(directories: list[Path], prompts: list[list[int]], new_tokens
     The models take turns (prompt by prompt, repeat by repeat) so that load from other processes on a shared
     machine hits them alike; the best of the repeats per prompt, then the median over prompts.
     """
-    from shared.decoding.speculative import generate
-    from shared.model.loader import load_model
+    from deltaspec.shared.decoding.speculative import generate
+    from deltaspec.shared.model.loader import load_model
 
     models = [load_model(d) for d in directories]
     for model in models:
@@ -608,7 +609,7 @@ def check_loads(target_dir: Path, draft_dir: Path, sample: list[int]) -> dict:
     """HF loads both as they are; the engine loads both, keeps mtp.*, and agrees with HF's logits."""
     from transformers import Qwen3_5ForCausalLM
 
-    from shared.model.loader import load_model
+    from deltaspec.shared.model.loader import load_model
 
     out = {}
     for name, d in (("target", target_dir), ("draft", draft_dir)):

@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from shared import demo
-from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from deltaspec.shared import demo
+from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 
 FIXED_DRAFT_TOKENS = 4  # k for n-gram and MTP drafting, and the default a gRPC generation asks for
 
@@ -54,7 +54,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args: argparse.Namespace):
-    from shared.decoding.sampling import SamplingParams
+    from deltaspec.shared.decoding.sampling import SamplingParams
 
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
 
@@ -76,13 +76,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _generate_remote(args)
     if args.draft_addr:
         raise ValueError("--draft-addr needs --target-addr")
-    from shared.decoding.drafters import make_drafter
-    from shared.decoding.drafters.model_drafter import ModelDrafter
-    from shared.decoding.speculative import generate
-    from shared.model.loader import load_model
-    from shared.model.tokenizer import load_tokenizer
-    from shared.state.rollback import CHAIN_LOG_CAPACITY
-    from shared.telemetry import CLIENT, Telemetry
+    from deltaspec.shared.decoding.drafters import make_drafter
+    from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+    from deltaspec.shared.decoding.speculative import generate
+    from deltaspec.shared.model.loader import load_model
+    from deltaspec.shared.model.tokenizer import load_tokenizer
+    from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY
+    from deltaspec.shared.telemetry import CLIENT, Telemetry
 
     target_dir = Path(args.target or DEFAULT_TARGET)
     draft = args.draft if args.draft is not None else (str(DEFAULT_DRAFT) if args.target is None else "none")
@@ -108,8 +108,8 @@ def draft_settings(num_draft_tokens: int | None, stop_below: float | None, draft
     """(k, stop_below) for an in-process generation: unless given, a draft model proposes up to `MAX_DRAFT_TOKENS`
     a round and stops after a token it gives less than `STOP_BELOW` (the fastest setting measured, at every length
     `deltaspec bench --only generations` runs); other drafters propose exactly `FIXED_DRAFT_TOKENS`."""
-    from shared.decoding.drafters.model_drafter import STOP_BELOW
-    from shared.decoding.target import MAX_DRAFT_TOKENS
+    from deltaspec.shared.decoding.drafters.model_drafter import STOP_BELOW
+    from deltaspec.shared.decoding.target import MAX_DRAFT_TOKENS
 
     if num_draft_tokens is None:
         num_draft_tokens = MAX_DRAFT_TOKENS if draft_model else FIXED_DRAFT_TOKENS
@@ -140,8 +140,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
     """`--target-addr` alone: the server-side loop (Generate); with `--draft-addr`: the loop runs here."""
     import grpc
 
-    from shared.rpc.client import generate_client_driven, generate_on_server
-    from shared.telemetry import CLIENT, Telemetry
+    from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+    from deltaspec.shared.telemetry import CLIENT, Telemetry
 
     if args.target or args.draft:
         raise ValueError("--target/--draft name local checkpoints; with --target-addr the servers hold the models")
@@ -168,7 +168,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 
 def _limits(args: argparse.Namespace):
-    from shared.decoding.session_table import Limits
+    from deltaspec.shared.decoding.session_table import Limits
 
     if args.state_memory_mib < 0:
         raise ValueError(f"--state-memory-mib is 0 (sized for --max-sessions) or more, not {args.state_memory_mib}")
@@ -187,8 +187,8 @@ def _env_flag(name: str) -> bool:
 def _listen(args: argparse.Namespace):
     """Where and how a server listens, from its flags; a placeholder or malformed token or grants file stops it
     here."""
-    from shared.rpc.security import Grants, ServerSecurity, ServerTLS, TokenStore
-    from shared.rpc.server import Listen
+    from deltaspec.shared.rpc.security import Grants, ServerSecurity, ServerTLS, TokenStore
+    from deltaspec.shared.rpc.server import Listen
 
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
         raise ValueError("TLS needs both --tls-cert and --tls-key (and --tls-client-ca only with them)")
@@ -205,7 +205,7 @@ def _listen(args: argparse.Namespace):
 
 def _client_security(args: argparse.Namespace, prefix: str):
     """How to dial, from the flags `_add_client_security` added under `prefix` ('' or 'draft_')."""
-    from shared.rpc.security import ClientSecurity
+    from deltaspec.shared.rpc.security import ClientSecurity
 
     def path(name: str) -> Path | None:
         value = getattr(args, prefix + name)
@@ -217,7 +217,7 @@ def _client_security(args: argparse.Namespace, prefix: str):
 
 
 def _batching(args: argparse.Namespace):
-    from shared.decoding.batcher import BatchConfig
+    from deltaspec.shared.decoding.batcher import BatchConfig
 
     return BatchConfig(args.max_batch, args.batch_wait_ms, args.prefill_chunk)
 
@@ -232,11 +232,11 @@ def _torch_threads(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_target(args: argparse.Namespace) -> int:
-    from shared.model.loader import load_model
-    from shared.model.tokenizer import load_tokenizer
-    from shared.rpc.server import serve
-    from shared.telemetry import TARGET, Telemetry
-    from target_service.servicer import DraftPeer, service
+    from deltaspec.shared.model.loader import load_model
+    from deltaspec.shared.model.tokenizer import load_tokenizer
+    from deltaspec.shared.rpc.server import serve
+    from deltaspec.shared.telemetry import TARGET, Telemetry
+    from deltaspec.target_service.servicer import DraftPeer, service
 
     model_dir = Path(args.model or DEFAULT_TARGET)
     listen = _listen(args)
@@ -257,11 +257,11 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_draft(args: argparse.Namespace) -> int:
-    from draft_service.servicer import service
-    from shared.model.loader import load_model
-    from shared.rpc.server import serve
-    from shared.state.rollback import CHAIN_LOG_CAPACITY
-    from shared.telemetry import DRAFT, Telemetry
+    from deltaspec.draft_service.servicer import service
+    from deltaspec.shared.model.loader import load_model
+    from deltaspec.shared.rpc.server import serve
+    from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY
+    from deltaspec.shared.telemetry import DRAFT, Telemetry
 
     model_dir = Path(args.model or DEFAULT_DRAFT)
     listen = _listen(args)
@@ -363,20 +363,20 @@ def _add_client_security(p: argparse.ArgumentParser, prefix: str, peer: str):
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from shared.bench.suite import main as bench_main
+    from deltaspec.shared.bench.suite import main as bench_main
 
     return bench_main(args)
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    from shared.bench.no_rollback import main as study_main
+    from deltaspec.shared.bench.no_rollback import main as study_main
 
     return study_main(args)
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
     demo.quiet_grpc()
-    from shared.bench.soak import run
+    from deltaspec.shared.bench.soak import run
 
     summary = run(Path(args.target or DEFAULT_TARGET), Path(args.draft or DEFAULT_DRAFT), args.sessions, args.seconds,
                   args.report_every, args.max_new_tokens, args.num_draft_tokens)
@@ -501,8 +501,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from shared.errors import DeltaspecError
-    from shared.model.loader import CheckpointError
+    from deltaspec.shared.errors import DeltaspecError
+    from deltaspec.shared.model.loader import CheckpointError
 
     try:
         return args.func(args)

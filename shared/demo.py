@@ -32,13 +32,13 @@ def run(prompt: str, max_new_tokens: int, sampling, num_draft_tokens: int = NUM_
     quiet_grpc()
     from tqdm import tqdm
 
-    from draft_service.servicer import service as draft_service
-    from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-    from shared.model.loader import load_model
-    from shared.model.tokenizer import load_tokenizer
-    from shared.rpc.client import generate_on_server
-    from shared.rpc.server import BackgroundServer
-    from target_service.servicer import DraftPeer, service as target_service
+    from deltaspec.draft_service.servicer import service as draft_service
+    from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+    from deltaspec.shared.model.loader import load_model
+    from deltaspec.shared.model.tokenizer import load_tokenizer
+    from deltaspec.shared.rpc.client import generate_on_server
+    from deltaspec.shared.rpc.server import BackgroundServer
+    from deltaspec.target_service.servicer import DraftPeer, service as target_service
 
     started = time.perf_counter()
     with BackgroundServer([draft_service(lambda: load_model(DEFAULT_DRAFT))]) as draft:

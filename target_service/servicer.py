@@ -1,8 +1,8 @@
 """TargetService: convert messages, call the engine (`TargetSession`, `decode`), convert back.
 
 Engine calls are CPU/accelerator-bound, so they run in worker threads; a session's own lock
-makes each call atomic. Errors are raised as `shared.errors` classes and become statuses in
-`shared.rpc.status`. The target never dials an address or opens a path taken from a request:
+makes each call atomic. Errors are raised as `deltaspec.shared.errors` classes and become statuses in
+`deltaspec.shared.rpc.status`. The target never dials an address or opens a path taken from a request:
 its draft peer and its model come from the command line.
 """
 from __future__ import annotations
@@ -19,22 +19,22 @@ from opentelemetry import trace
 
 from deltaspec.v1 import draft_service_pb2_grpc, sampling_pb2, target_service_pb2_grpc
 from deltaspec.v1 import target_service_pb2 as pb
-from shared.decoding.batcher import BatchConfig, serving
-from shared.decoding.drafters import attach, make_drafter
-from shared.decoding.pipelined import decode_pipelined
-from shared.decoding.sampling import SamplingParams
-from shared.decoding.session_table import Limits, SessionTable
-from shared.decoding.speculative import Stats, decode
-from shared.decoding.target import MAX_DRAFT_TOKENS, Round, TargetSession
-from shared.errors import InvalidArgument
-from shared.model.hybrid import HybridLM
-from shared.model.tokenizer import Tokenizer
-from shared.rpc.convert import probs_from_proto, sampling_from_proto, stats_to_proto
-from shared.rpc.remote_drafter import RemoteDrafter
-from shared.rpc.security import ClientSecurity, Redialing, caller
-from shared.rpc.server import Service, answered_call
-from shared.telemetry import Telemetry
-from shared.telemetry import attributes as attr
+from deltaspec.shared.decoding.batcher import BatchConfig, serving
+from deltaspec.shared.decoding.drafters import attach, make_drafter
+from deltaspec.shared.decoding.pipelined import decode_pipelined
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.session_table import Limits, SessionTable
+from deltaspec.shared.decoding.speculative import Stats, decode
+from deltaspec.shared.decoding.target import MAX_DRAFT_TOKENS, Round, TargetSession
+from deltaspec.shared.errors import InvalidArgument
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.tokenizer import Tokenizer
+from deltaspec.shared.rpc.convert import probs_from_proto, sampling_from_proto, stats_to_proto
+from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
+from deltaspec.shared.rpc.security import ClientSecurity, Redialing, caller
+from deltaspec.shared.rpc.server import Service, answered_call
+from deltaspec.shared.telemetry import Telemetry
+from deltaspec.shared.telemetry import attributes as attr
 
 NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
 

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 # The test models are tiny: one thread avoids oversubscription on a 2-core machine (15x faster here).
 torch.set_num_threads(1)
 
-from shared.model.checkpoint import hf_config  # noqa: E402
+from deltaspec.shared.model.checkpoint import hf_config  # noqa: E402
 
 # Small configs covering the architecture's axes: key/value head ratios, d_k != d_v,
 # GDN-first and attention-first orders, tied and untied embeddings.

@@ -39,25 +39,25 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from deltaspec.v1 import target_service_pb2 as pb
-from draft_service import servicer as draft_servicer
-from shared.decoding.batcher import BatchConfig, BatchedModel
-from shared.decoding.drafters import NoDrafter
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.pipelined import decode_pipelined
-from shared.decoding.sampling import SamplingParams
-from shared.decoding.speculative import Stats, decode, generate
-from shared.decoding.target import TargetSession
-from shared.errors import ResourceExhausted
-from shared.model import fused
-from shared.model.batched import forward_batch
-from shared.model.checkpoint import hf_config, random_model, save_checkpoint
-from shared.model.hybrid import HybridLM
-from shared.model.loader import load_model
-from shared.model.tokenizer import load_tokenizer
-from shared.rpc.client import generate_client_driven, generate_on_server
-from shared.state.pool import StatePool, attach, gdn_bytes, kv_bytes_per_position
-from shared.state.rollback import ModelState
-from target_service import servicer as target_servicer
+from deltaspec.draft_service import servicer as draft_servicer
+from deltaspec.shared.decoding.batcher import BatchConfig, BatchedModel
+from deltaspec.shared.decoding.drafters import NoDrafter
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.pipelined import decode_pipelined
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.speculative import Stats, decode, generate
+from deltaspec.shared.decoding.target import TargetSession
+from deltaspec.shared.errors import ResourceExhausted
+from deltaspec.shared.model import fused
+from deltaspec.shared.model.batched import forward_batch
+from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.model.tokenizer import load_tokenizer
+from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.state.pool import StatePool, attach, gdn_bytes, kv_bytes_per_position
+from deltaspec.shared.state.rollback import ModelState
+from deltaspec.target_service import servicer as target_servicer
 from test_model_vs_hf import hf_model
 from test_pipelined import Counting
 from test_rpc_support import refused, start, target_stub
@@ -594,7 +594,7 @@ def test_concurrent_generate_streams_over_grpc(checkpoints):
 def test_in_process_drafters_inside_batched_generate(drafter, tmp_path):
     """`serve-target --draft mtp|ngram`: five Generate streams at once, each drafting in the target's process
     (the MTP head reads the batched verify passes' hidden states), every one equal to target-only."""
-    from shared.decoding.drafters.mtp import random_mtp_weights
+    from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
 
     model = random_model(CFG, seed=21)  # TARGET's weights, plus an MTP head
     model.mtp = random_mtp_weights(model.config, 1, seed=5)

@@ -6,18 +6,18 @@ import sys
 
 import pytest
 
-from shared.cli import FIXED_DRAFT_TOKENS, draft_settings
-from shared.decoding.drafters.model_drafter import STOP_BELOW
-from shared.decoding.speculative import generate
-from shared.decoding.target import MAX_DRAFT_TOKENS
-from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from shared.model.checkpoint import hf_config, random_model, save_checkpoint
-from shared.model.loader import load_model
+from deltaspec.shared.cli import FIXED_DRAFT_TOKENS, draft_settings
+from deltaspec.shared.decoding.drafters.model_drafter import STOP_BELOW
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.decoding.target import MAX_DRAFT_TOKENS
+from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
+from deltaspec.shared.model.loader import load_model
 
 
 def run(*args, env: dict[str, str] | None = None):
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
 
 
 def test_models_json():

@@ -1,4 +1,4 @@
-"""Compiled passes (`shared.model.compiled`) against the fused path they compile.
+"""Compiled passes (`deltaspec.shared.model.compiled`) against the fused path they compile.
 
 Random weights and ids, the awkward sizes of `test_fused` (value heads != key heads, d_k != d_v, attention
 first, partial rotary, untied) and a second, differently shaped model compiled in the same process (each
@@ -15,10 +15,10 @@ import copy
 import pytest
 import torch
 
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.speculative import generate
-from shared.model.checkpoint import hf_config, random_model, save_checkpoint
-from shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
+from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
 from test_fused import AWKWARD, assert_same_head, close
 from test_rpc_servers import Served
 

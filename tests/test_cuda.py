@@ -26,16 +26,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from shared.bench.loopback import PROMPTS
-from shared.decoding.drafters import make_drafter
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.sampling import SamplingParams
-from shared.decoding.speculative import generate
-from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from shared.model.batched import forward_batch
-from shared.model.checkpoint import hf_config, random_model
-from shared.model.loader import load_model
-from shared.model.tokenizer import load_tokenizer
+from deltaspec.shared.bench.loopback import PROMPTS
+from deltaspec.shared.decoding.drafters import make_drafter
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from deltaspec.shared.model.batched import forward_batch
+from deltaspec.shared.model.checkpoint import hf_config, random_model
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.model.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh)")
 
@@ -184,8 +184,8 @@ def test_sampled_speculation_draws_what_the_cpu_draws(pair, prompts, name):
 @pytest.fixture(scope="module")
 def served():
     """Both services in this process, models and states on the GPU; the target speculates with the draft."""
-    from draft_service import servicer as draft_servicer
-    from target_service import servicer as target_servicer
+    from deltaspec.draft_service import servicer as draft_servicer
+    from deltaspec.target_service import servicer as target_servicer
     from test_rpc_support import start
 
     with start(draft_servicer.service(lambda: load_model(DEFAULT_DRAFT, device="cuda"))) as draft:
@@ -196,7 +196,7 @@ def served():
 
 
 def test_served_greedy_equals_in_process(served, prompts, greedy):
-    from shared.rpc.client import generate_client_driven, generate_on_server
+    from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
 
     target, draft = served
     result, _ = generate_on_server(target, prompts[0], "", N)
@@ -210,7 +210,7 @@ def test_served_greedy_equals_in_process(served, prompts, greedy):
 
 
 def test_served_sampled_equals_in_process(served, pair, prompts):
-    from shared.rpc.client import generate_client_driven, generate_on_server
+    from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
 
     target, draft = served
     want = generate(pair[0], prompts[0], N, ModelDrafter(pair[1], SAMPLED), 4, SAMPLED)
@@ -229,7 +229,7 @@ def test_served_sampled_equals_in_process(served, pair, prompts):
 def test_compiled_rounds_on_cuda_match_cpu(layer_types):
     """Inductor's graphs for the GPU, both ways of compiling (one graph for a shallow model, one per layer kind for a
     deeper one): every pass and the head after every way a round ends equal the CPU's eager rounds."""
-    from shared.model.compiled import WHOLE_GRAPH_LAYERS
+    from deltaspec.shared.model.compiled import WHOLE_GRAPH_LAYERS
 
     config = hf_config(layer_types=layer_types)
     cpu, gpu = random_model(config, seed=7).fuse(), random_model(config, seed=7).to("cuda").fuse().compile()
@@ -254,8 +254,8 @@ def test_compiled_pair_on_cuda_speculates_target_only_tokens(prompts, greedy):
 def test_generate_on_the_gpu_from_the_command_line(prompts, greedy):
     """`deltaspec generate --device cuda`: the embedded pair on the GPU, the CPU's greedy tokens."""
     ids = ",".join(map(str, prompts[0]))
-    out = subprocess.run([sys.executable, "-m", "shared.cli", "generate", "--device", "cuda", "--prompt-ids", ids,
-                          "--max-new-tokens", str(N), "--json"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", "generate", "--device", "cuda",
+                          "--prompt-ids", ids, "--max-new-tokens", str(N), "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.splitlines()[-1])
     assert result["token_ids"] == greedy[0] and result["stats"]["drafted"] > 0

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draft_service.servicer import NAME as DRAFT_NAME
-from shared.cli import build_parser
-from shared.rpc.security import Grants, TokenStore
-from target_service.servicer import NAME as TARGET_NAME
+from deltaspec.draft_service.servicer import NAME as DRAFT_NAME
+from deltaspec.shared.cli import build_parser
+from deltaspec.shared.rpc.security import Grants, TokenStore
+from deltaspec.target_service.servicer import NAME as TARGET_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S, DOCKER = ROOT / "deploy" / "k8s", ROOT / "deploy" / "docker"
@@ -394,7 +394,7 @@ def test_dockerfile_final_stage_runs_unprivileged_without_build_tools():
 
 def test_health_check_script_answers_for_a_real_server(tmp_path):
     from test_rpc_support import draft_service, start
-    from shared.model.checkpoint import hf_config, random_model, save_checkpoint
+    from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
 
     script = DOCKER / "grpc_health_check.py"
     directory = save_checkpoint(random_model(hf_config(), seed=3), tmp_path / "draft")

@@ -3,13 +3,13 @@ import json
 
 import pytest
 
-from shared.cli import main
-from shared.decoding.drafters import NoDrafter, make_drafter
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.drafters.mtp import MTPDrafter, random_mtp_weights
-from shared.decoding.drafters.ngram import NgramDrafter
-from shared.model.checkpoint import hf_config, random_model, save_checkpoint
-from shared.model.loader import CheckpointError
+from deltaspec.shared.cli import main
+from deltaspec.shared.decoding.drafters import NoDrafter, make_drafter
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.drafters.mtp import MTPDrafter, random_mtp_weights
+from deltaspec.shared.decoding.drafters.ngram import NgramDrafter
+from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
+from deltaspec.shared.model.loader import CheckpointError
 
 TARGET = random_model(hf_config(mtp_num_hidden_layers=1), seed=11)
 TARGET.mtp = random_mtp_weights(TARGET.config, 1, seed=2)

@@ -8,13 +8,13 @@
 import pytest
 import torch
 
-from shared.decoding.drafters import Proposal, make_drafter
-from shared.decoding.drafters.mtp import MTPDrafter, MTPHead, random_mtp_weights
-from shared.decoding.sampling import SamplingParams
-from shared.decoding.speculative import generate
-from shared.decoding.target import TargetSession
-from shared.model.checkpoint import hf_config, random_model, save_checkpoint
-from shared.model.loader import load_model
+from deltaspec.shared.decoding.drafters import Proposal, make_drafter
+from deltaspec.shared.decoding.drafters.mtp import MTPDrafter, MTPHead, random_mtp_weights
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.decoding.target import TargetSession
+from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
+from deltaspec.shared.model.loader import load_model
 
 PROMPT = [40, 41, 42, 43, 10, 11, 40, 41]
 N = 40

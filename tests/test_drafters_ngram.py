@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from shared.decoding.drafters import make_drafter
-from shared.decoding.drafters.ngram import NgramDrafter, lookup
-from shared.decoding.speculative import generate
-from shared.model.checkpoint import hf_config, random_model
+from deltaspec.shared.decoding.drafters import make_drafter
+from deltaspec.shared.decoding.drafters.ngram import NgramDrafter, lookup
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.checkpoint import hf_config, random_model
 
 TARGET = random_model(hf_config(), seed=11)
 N = 40

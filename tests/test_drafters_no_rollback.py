@@ -5,10 +5,10 @@ rolled back, GDN not) is exact on full acceptance and drifts as soon as a draft 
 """
 from pathlib import Path
 
-from shared.bench.no_rollback import random_setup, stale_run
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.speculative import generate
-from shared.decoding.target import TargetSession
+from deltaspec.shared.bench.no_rollback import random_setup, stale_run
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.decoding.target import TargetSession
 
 SETUP = random_setup(n_prompts=2, length=12, seed=3)
 N = 24

@@ -30,13 +30,13 @@ from pathlib import Path
 
 import pytest
 
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.sampling import SamplingParams
-from shared.decoding.speculative import generate
-from shared.model.loader import load_model
-from shared.rpc.client import generate_client_driven, generate_on_server
-from shared.rpc.options import CHANNEL_OPTIONS
-from shared.rpc.proxy import TcpProxy
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.options import CHANNEL_OPTIONS
+from deltaspec.shared.rpc.proxy import TcpProxy
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, start, target_service  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,13 +46,14 @@ RECONNECT_S = dict(CHANNEL_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000 + 0.
 
 ZYGOTE = """
 import os, signal, sys
-import shared.cli, shared.model.loader, shared.model.tokenizer, target_service.servicer, draft_service.servicer
-shared.model.loader.load_model(sys.argv[1])  # pulls in what loading imports lazily
+import deltaspec.shared.cli, deltaspec.shared.model.loader, deltaspec.shared.model.tokenizer
+import deltaspec.target_service.servicer, deltaspec.draft_service.servicer
+deltaspec.shared.model.loader.load_model(sys.argv[1])  # pulls in what loading imports lazily
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped as they die
 for line in sys.stdin:
     pid = os.fork()
     if pid == 0:
-        os._exit(shared.cli.main(line.split()))
+        os._exit(deltaspec.shared.cli.main(line.split()))
     print(pid, flush=True)
 """
 

@@ -1,4 +1,4 @@
-"""The fused path (`shared.model.fused`) against the layer path, the truth it replaces.
+"""The fused path (`deltaspec.shared.model.fused`) against the layer path, the truth it replaces.
 
 Random weights and random token ids (never zeros), awkward sizes on purpose: value heads != key
 heads, d_k != d_v, a rotary share of one half, attention first, untied embeddings. Every forward
@@ -12,9 +12,9 @@ import copy
 import pytest
 import torch
 
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.speculative import generate
-from shared.model.checkpoint import hf_config, random_model
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.checkpoint import hf_config, random_model
 
 RTOL = 5e-5
 AWKWARD = hf_config(
@@ -112,8 +112,8 @@ def test_bfloat16_weights_take_the_same_path():
 def test_rope_table_slices_equal_computing_each_pass():
     """`HybridLM.rope` (a table by position, regrown and remade per dtype) gives bit for bit what computing the
     pass's positions gives, for both paths' forms (sin, and sin signed for the fused rotary)."""
-    from shared.model.fused import rotary_signed
-    from shared.model.layers import rotary_cos_sin
+    from deltaspec.shared.model.fused import rotary_signed
+    from deltaspec.shared.model.layers import rotary_cos_sin
 
     model = random_model(AWKWARD, seed=3)
     for dtype in (torch.float32, torch.bfloat16, torch.float32):

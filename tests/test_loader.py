@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.model.checkpoint import hf_config, random_model, save_checkpoint
-from shared.model.loader import CheckpointError, load_model
-from shared.model.tokenizer import ByteTokenizer, load_tokenizer
+from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
+from deltaspec.shared.model.loader import CheckpointError, load_model
+from deltaspec.shared.model.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def logits(model, ids=(3, 1, 4, 1, 5, 9, 2, 6)):

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.speculative import generate
-from shared.model.checkpoint import save_checkpoint, random_model
-from shared.model.loader import load_model
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.checkpoint import save_checkpoint, random_model
+from deltaspec.shared.model.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 

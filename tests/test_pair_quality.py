@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from shared import demo
-from shared.bench.pair_quality import distinct_ngrams, generation_quality, heldout_loss
-from shared.decoding.sampling import SamplingParams
-from shared.model.checkpoint import hf_config, random_model, save_checkpoint
+from deltaspec.shared import demo
+from deltaspec.shared.bench.pair_quality import distinct_ngrams, generation_quality, heldout_loss
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
 
 
 def test_distinct_ngrams_counts_repeats():
@@ -52,7 +52,7 @@ def test_demo_streams_clean_output():
     """`deltaspec demo` prints the prompt, its continuation and a report; no gRPC C-core log line, even when
     a gRPC trace is switched on in the environment (the demo silences C-core logging)."""
     env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"} | {"GRPC_TRACE": "http"}
-    out = subprocess.run([sys.executable, "-m", "shared.cli", "demo", "--max-new-tokens", "24"],
+    out = subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", "demo", "--max-new-tokens", "24"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(demo.PROMPT)

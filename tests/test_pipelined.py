@@ -27,24 +27,24 @@ import torch
 
 from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import target_service_pb2 as pb
-from shared.decoding import answers, draft_session
-from shared.decoding.draft_session import DraftSession, Outcome
-from shared.decoding.drafters import make_drafter
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.pipelined import decode_pipelined
-from shared.decoding.sampling import SamplingParams
-from shared.decoding.speculative import Stats, decode, generate
-from shared.decoding.target import TargetSession
-from shared.errors import FailedPrecondition, NotFound
-from shared.model.checkpoint import hf_config, random_model
-from shared.model.loader import load_model
-from shared.model.tokenizer import load_tokenizer
-from shared.rpc.client import generate_client_driven, generate_on_server
-from shared.rpc.proxy import TcpProxy
-from shared.rpc.server import answered_call
-from shared.rpc.remote_drafter import RemoteDrafter
-from shared.telemetry import Telemetry
-from target_service import servicer as target_servicer
+from deltaspec.shared.decoding import answers, draft_session
+from deltaspec.shared.decoding.draft_session import DraftSession, Outcome
+from deltaspec.shared.decoding.drafters import make_drafter
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.pipelined import decode_pipelined
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.speculative import Stats, decode, generate
+from deltaspec.shared.decoding.target import TargetSession
+from deltaspec.shared.errors import FailedPrecondition, NotFound
+from deltaspec.shared.model.checkpoint import hf_config, random_model
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.model.tokenizer import load_tokenizer
+from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.proxy import TcpProxy
+from deltaspec.shared.rpc.server import answered_call
+from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
+from deltaspec.shared.telemetry import Telemetry
+from deltaspec.target_service import servicer as target_servicer
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
                               target_service, target_stub)
 from test_sampling_lossless import ALPHA, DRAFT, T1, TARGET, p_values
@@ -216,7 +216,7 @@ def test_verify_on_a_chained_parent_waits_for_the_commit(monkeypatch):
     """r+2 named on r+1 while r+1 is still chained waits, staging nothing, until r's commit decides r+1."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from shared.decoding import target
+    from deltaspec.shared.decoding import target
     k = 2
     ref = greedy(3 * k + 3)
     r2_drafts = ref[2 * k + 2:3 * k + 2]
@@ -892,7 +892,7 @@ def test_kept_rounds_study_reads_the_serial_rounds_off_the_output():
     """The pipeline bench's study of which rounds could be kept: with the target as its own draft every round is
     kept; with another draft every round is counted once, and its rounds are the serial loop's (all but the round
     the output ends in)."""
-    from shared.bench.pipeline import kept_rounds, serial_rounds
+    from deltaspec.shared.bench.pipeline import kept_rounds, serial_rounds
 
     n, k = 40, 3
     output = greedy(n)

@@ -16,12 +16,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.speculative import generate
-from shared.decoding.target import TargetSession
-from shared.errors import FailedPrecondition, InvalidArgument, NotFound
-from shared.model.checkpoint import hf_config, random_model
-from shared.state.rollback import CHAIN_LOG_CAPACITY, GDNSlot, ModelState
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.decoding.target import TargetSession
+from deltaspec.shared.errors import FailedPrecondition, InvalidArgument, NotFound
+from deltaspec.shared.model.checkpoint import hf_config, random_model
+from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, GDNSlot, ModelState
 
 TOL = 1e-5  # rollback of one layer on identical inputs
 MODEL_RTOL = 1e-4  # whole model: verify pass vs one-token run

@@ -22,11 +22,11 @@ import pytest
 from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import sampling_pb2
 from deltaspec.v1 import target_service_pb2 as pb
-from shared.decoding.session_table import Limits
-from shared.decoding.speculative import generate
-from shared.model.loader import load_model
-from shared.rpc.options import MAX_MESSAGE_BYTES
-from shared.rpc.status import field_of
+from deltaspec.shared.decoding.session_table import Limits
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.rpc.options import MAX_MESSAGE_BYTES
+from deltaspec.shared.rpc.status import field_of
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, start,  # noqa: F401
                               target_service, target_stub)
 
@@ -482,6 +482,7 @@ CASES = [
 ]
 
 tried: dict[str, str] = {}  # kinds that ran to the end, by service
+pytestmark = pytest.mark.xdist_group("bad_input")  # test_how_many_kinds counts what the others tried
 
 
 @pytest.fixture(scope="module")
@@ -518,7 +519,8 @@ def test_bad_input_is_refused_and_changes_nothing(servers, reference, baseline, 
 
 
 def test_how_many_kinds(capsys):
-    """Prints the figure the README quotes (this module's other tests must run first, as they do in file order)."""
+    """Prints the figure docs/reliability.md quotes (this module's other tests must run first, as they do in file
+    order, on one worker: the module is one xdist group)."""
     services = list(tried.values())
     with capsys.disabled():
         print(f"\nbad input: {len(tried)} of {len(CASES)} kinds refused as documented and without effect "

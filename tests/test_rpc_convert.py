@@ -6,9 +6,9 @@ import torch
 
 from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import target_service_pb2 as pb
-from shared.bench.wire import draft_probs_wire
-from shared.decoding.sampling import SamplingParams, draw, probabilities
-from shared.rpc.convert import probs_from_proto, put_probs
+from deltaspec.shared.bench.wire import draft_probs_wire
+from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabilities
+from deltaspec.shared.rpc.convert import probs_from_proto, put_probs
 
 VOCAB = 1000
 

@@ -7,12 +7,12 @@ import torch
 
 from deltaspec.v1 import draft_service_pb2 as pb
 from deltaspec.v1 import sampling_pb2
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.speculative import generate
-from shared.decoding.session_table import Limits
-from shared.model.loader import load_model
-from shared.rpc.client import generate_on_server
-from shared.rpc.convert import probs_from_proto
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.decoding.session_table import Limits
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.rpc.client import generate_on_server
+from deltaspec.shared.rpc.convert import probs_from_proto
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
                               target_service)
 
@@ -111,7 +111,7 @@ def test_dynamic_draft_length_proposes_what_the_in_process_drafter_does(pair):
     """`serve-draft --stop-below p`: each proposal ends after the first token the draft gives less than p, as the
     in-process `ModelDrafter(stop_below=p)` does (a random draft is unsure: proposals shorter than k), and a
     target's Generate loop through it stays exactly target-only."""
-    from draft_service.servicer import service
+    from deltaspec.draft_service.servicer import service
 
     reference = ModelDrafter(load_model(pair[1]), stop_below=0.3)
     reference.start(PROMPT)

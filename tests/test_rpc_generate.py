@@ -18,18 +18,18 @@ from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import draft_service_pb2_grpc, sampling_pb2
 from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.v1 import target_service_pb2_grpc
-from draft_service.servicer import NAME as DRAFT_NAME, DraftServicer
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.sampling import SamplingParams
-from shared.decoding.speculative import generate
-from shared.model.loader import load_model
-from shared.model.tokenizer import load_tokenizer
-from shared.rpc.client import generate_client_driven, generate_on_server
-from shared.rpc.options import channel
-from shared.rpc.remote_drafter import RemoteDrafter
-from shared.rpc.server import BackgroundServer, Service
-from target_service import servicer as target_servicer_module
-from target_service.servicer import NAME as TARGET_NAME, TargetServicer
+from deltaspec.draft_service.servicer import NAME as DRAFT_NAME, DraftServicer
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.model.tokenizer import load_tokenizer
+from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.options import channel
+from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
+from deltaspec.shared.rpc.server import BackgroundServer, Service
+from deltaspec.target_service import servicer as target_servicer_module
+from deltaspec.target_service.servicer import NAME as TARGET_NAME, TargetServicer
 from test_rpc_support import (PROMPT, one_torch_thread, pair, start, target_service,  # noqa: F401
                               target_stub)
 
@@ -209,8 +209,8 @@ def test_target_restart_mid_generation(pair, reference, path):
 @pytest.mark.parametrize("local_draft", ["ngram", "mtp"])
 def test_in_process_drafters_behind_the_server_loop(tmp_path, local_draft):
     """`serve-target --draft ngram|mtp`: the Generate loop drafts in the target process, tokens unchanged."""
-    from shared.decoding.drafters.mtp import random_mtp_weights
-    from shared.model.checkpoint import hf_config, random_model, save_checkpoint
+    from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
+    from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
 
     model = random_model(hf_config(mtp_num_hidden_layers=1), seed=11)
     model.mtp = random_mtp_weights(model.config, 1, seed=1)

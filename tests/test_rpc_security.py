@@ -29,20 +29,20 @@ from grpc_status import rpc_status
 from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import draft_service_pb2_grpc, target_service_pb2_grpc
 from deltaspec.v1 import target_service_pb2 as pb
-from shared.cli import _client_security, build_parser
-from shared.cli import main as cli_main
-from shared.decoding.session_table import Limits
-from shared.decoding.speculative import generate
-from shared.model.loader import load_model
-from shared.model.tokenizer import load_tokenizer
-from shared.rpc.client import generate_client_driven, generate_on_server
-from shared.rpc.options import channel
-from shared.rpc.security import (PLACEHOLDER, CallRate, ClientSecurity, Grants, ServerSecurity, ServerTLS,
+from deltaspec.shared.cli import _client_security, build_parser
+from deltaspec.shared.cli import main as cli_main
+from deltaspec.shared.decoding.session_table import Limits
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.model.tokenizer import load_tokenizer
+from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.options import channel
+from deltaspec.shared.rpc.security import (PLACEHOLDER, CallRate, ClientSecurity, Grants, ServerSecurity, ServerTLS,
                                   TokenStore)
-from shared.rpc.server import BackgroundServer
-from target_service import servicer as target_servicer
-from target_service.servicer import NAME as TARGET_NAME
-from target_service.servicer import DraftPeer
+from deltaspec.shared.rpc.server import BackgroundServer
+from deltaspec.target_service import servicer as target_servicer
+from deltaspec.target_service.servicer import NAME as TARGET_NAME
+from deltaspec.target_service.servicer import DraftPeer
 from test_rpc_servers import Served
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, refused, target_service  # noqa: F401
 
@@ -454,7 +454,7 @@ def test_grants_hold_each_caller_to_its_methods_and_reload(pair, token_file, tmp
 
 
 def test_grants_files_are_checked_and_the_flag_reaches_the_server(tmp_path, capsys):
-    from shared.cli import _listen
+    from deltaspec.shared.cli import _listen
 
     path = tmp_path / "grants"
     for text, words in (("alice: Generat\n", "line 1: no deltaspec service has Generat"),
@@ -476,7 +476,7 @@ def test_grants_files_are_checked_and_the_flag_reaches_the_server(tmp_path, caps
 
 
 def test_the_call_rate_flag_reaches_the_server_and_refuses_a_negative_rate():
-    from shared.cli import _listen
+    from deltaspec.shared.cli import _listen
 
     parser = build_parser()
     listen = _listen(parser.parse_args(["serve-draft", "--port", "0", "--max-calls-per-second-per-caller", "50"]))

@@ -17,13 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from deltaspec.v1 import target_service_pb2 as pb
-from draft_service.servicer import NAME as DRAFT_NAME
-from shared.cli import main as cli_main
-from shared.decoding.speculative import generate
-from shared.model.loader import load_model
-from shared.rpc.options import channel
-from shared.rpc.server import BackgroundServer, Service
-from target_service.servicer import NAME as TARGET_NAME
+from deltaspec.draft_service.servicer import NAME as DRAFT_NAME
+from deltaspec.shared.cli import main as cli_main
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.rpc.options import channel
+from deltaspec.shared.rpc.server import BackgroundServer, Service
+from deltaspec.target_service.servicer import NAME as TARGET_NAME
 from test_rpc_support import (PROMPT, draft_service, one_torch_thread, pair, refused, start,  # noqa: F401
                               target_service, target_stub)
 
@@ -74,8 +74,8 @@ class Served:
     """`deltaspec serve-...` in a subprocess on a free port; `address` is known as soon as it listens."""
 
     def __init__(self, command: str, model: Path, *extra: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "shared.cli", command, "--model", str(model), "--port", "0",
-                                      *extra], stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "deltaspec.shared.cli", command, "--model", str(model),
+                                      "--port", "0", *extra], stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
         self.address = self._wait_for("listening on").split()[-1]
 

@@ -18,9 +18,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from deltaspec.v1 import target_service_pb2 as pb
-from shared.decoding.speculative import generate
-from shared.model.loader import load_model
-from shared.rpc.status import field_of
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.rpc.status import field_of
 from test_rpc_support import PROMPT, one_torch_thread, pair, start, target_service, target_stub  # noqa: F401
 
 Code = grpc.StatusCode

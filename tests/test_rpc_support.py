@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from deltaspec.v1 import draft_service_pb2_grpc, target_service_pb2_grpc
-from draft_service import servicer as draft_servicer
-from shared.decoding.session_table import Limits
-from shared.model.checkpoint import hf_config, random_model, save_checkpoint
-from shared.model.loader import load_model
-from shared.model.tokenizer import load_tokenizer
-from shared.rpc.options import channel
-from shared.rpc.server import BackgroundServer
-from shared.rpc.status import field_of
-from target_service import servicer as target_servicer
+from deltaspec.draft_service import servicer as draft_servicer
+from deltaspec.shared.decoding.session_table import Limits
+from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.model.tokenizer import load_tokenizer
+from deltaspec.shared.rpc.options import channel
+from deltaspec.shared.rpc.server import BackgroundServer
+from deltaspec.shared.rpc.status import field_of
+from deltaspec.target_service import servicer as target_servicer
 
 PROMPT = [1, 2, 3, 4, 5]
 

@@ -12,7 +12,7 @@ from grpc_status import rpc_status
 
 from deltaspec.v1 import sampling_pb2
 from deltaspec.v1 import target_service_pb2 as pb
-from shared.decoding.session_table import Limits
+from deltaspec.shared.decoding.session_table import Limits
 from test_rpc_support import PROMPT, one_torch_thread, pair, refused, start, target_service, target_stub  # noqa: F401
 
 Code = grpc.StatusCode

@@ -15,14 +15,14 @@ import functools
 import pytest
 import torch
 
-from shared.decoding import target as target_module
-from shared.decoding.drafters import make_drafter
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.drafters.mtp import MTPDrafter, MTPHead, random_mtp_weights
-from shared.decoding.sampling import SamplingParams, draw, probabilities
-from shared.decoding.speculative import generate
-from shared.decoding.verify import Verdict
-from shared.model.checkpoint import hf_config, random_model
+from deltaspec.shared.decoding import target as target_module
+from deltaspec.shared.decoding.drafters import make_drafter
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.drafters.mtp import MTPDrafter, MTPHead, random_mtp_weights
+from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabilities
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.decoding.verify import Verdict
+from deltaspec.shared.model.checkpoint import hf_config, random_model
 
 ALPHA = 1e-3
 RUNS = 200  # per drafter; the test's size (false-alarm rate) does not depend on it, its power does

@@ -4,10 +4,10 @@ import random
 import pytest
 import torch
 
-from shared.decoding.drafters import Proposal
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.speculative import generate
-from shared.model.checkpoint import hf_config, random_model
+from deltaspec.shared.decoding.drafters import Proposal
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.checkpoint import hf_config, random_model
 
 TARGET = random_model(hf_config(), seed=11)
 PROMPT = [40, 41, 42, 43, 10, 11]
@@ -116,9 +116,9 @@ def test_single_token_prompt():
 def test_sampled_session_recreated_from_history_continues_identically():
     """Draws are keyed by position: a session rebuilt from the committed history (a target restart)
     continues with exactly the tokens the lost session would have produced."""
-    from shared.decoding.sampling import SamplingParams
-    from shared.decoding.speculative import Stats, decode
-    from shared.decoding.target import TargetSession
+    from deltaspec.shared.decoding.sampling import SamplingParams
+    from deltaspec.shared.decoding.speculative import Stats, decode
+    from deltaspec.shared.decoding.target import TargetSession
 
     sampling = SamplingParams(temperature=1.0, top_k=50, seed=7)
     draft = random_model(hf_config(hidden_size=32, intermediate_size=64,

@@ -1,4 +1,4 @@
-"""State slots under a memory budget (`shared.state.pool`).
+"""State slots under a memory budget (`deltaspec.shared.state.pool`).
 
 In process, on a random config other than the embedded pair's (GDN first, one K/V head, d_k != d_v):
 slots never share memory (random data, one slot written, the others compared), a returned slot
@@ -21,19 +21,19 @@ import torch
 
 from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import target_service_pb2 as pb
-from shared.bench import session_memory
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.pipelined import decode_pipelined
-from shared.decoding.session_table import Limits
-from shared.decoding.speculative import Stats, decode, generate
-from shared.decoding.target import TargetSession
-from shared.errors import ResourceExhausted
-from shared.model.checkpoint import hf_config, random_model
-from shared.model.hybrid import HybridLM
-from shared.model.loader import load_model
-from shared.state.pool import MIN_CONTEXT, StatePool, attach, gdn_bytes, kv_bytes_per_position
-from shared.state.rollback import CHAIN_LOG_CAPACITY, LOG_CAPACITY, GDNStates, ModelState
-from shared.telemetry.metrics import Metrics
+from deltaspec.shared.bench import session_memory
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.pipelined import decode_pipelined
+from deltaspec.shared.decoding.session_table import Limits
+from deltaspec.shared.decoding.speculative import Stats, decode, generate
+from deltaspec.shared.decoding.target import TargetSession
+from deltaspec.shared.errors import ResourceExhausted
+from deltaspec.shared.model.checkpoint import hf_config, random_model
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.state.pool import MIN_CONTEXT, StatePool, attach, gdn_bytes, kv_bytes_per_position
+from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, LOG_CAPACITY, GDNStates, ModelState
+from deltaspec.shared.telemetry.metrics import Metrics
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
                               target_service, target_stub)
 

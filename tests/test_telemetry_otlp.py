@@ -28,9 +28,9 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from shared.rpc.client import generate_client_driven, generate_on_server
-from shared.telemetry import CLIENT, DRAFT, TARGET, Telemetry, setup_tracing
-from shared.telemetry import attributes as attr
+from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.telemetry import CLIENT, DRAFT, TARGET, Telemetry, setup_tracing
+from deltaspec.shared.telemetry import attributes as attr
 from test_rpc_support import PROMPT, pair  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ class Served:
     """A `deltaspec serve-*` process; its stderr lines are read on a thread."""
 
     def __init__(self, args: list[str], env: dict) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "shared.cli", *args], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "deltaspec.shared.cli", *args], cwd=ROOT, env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [self.lines.put(x) for x in self.proc.stderr], daemon=True).start()  # type: ignore[union-attr]

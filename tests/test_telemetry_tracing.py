@@ -21,17 +21,17 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from draft_service import servicer as draft_servicer
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.speculative import generate
-from shared.model.loader import load_model
-from shared.model.tokenizer import load_tokenizer
-from shared.rpc.client import generate_client_driven, generate_on_server
-from shared.rpc.options import channel
-from shared.rpc.server import BackgroundServer
-from shared.telemetry import CLIENT, DRAFT, TARGET, Telemetry, tracing
-from shared.telemetry import attributes as attr
-from target_service import servicer as target_servicer
+from deltaspec.draft_service import servicer as draft_servicer
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.model.tokenizer import load_tokenizer
+from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.options import channel
+from deltaspec.shared.rpc.server import BackgroundServer
+from deltaspec.shared.telemetry import CLIENT, DRAFT, TARGET, Telemetry, tracing
+from deltaspec.shared.telemetry import attributes as attr
+from deltaspec.target_service import servicer as target_servicer
 from test_rpc_support import PROMPT, one_torch_thread, pair  # noqa: F401
 
 N = 20

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.kernels.naive import naive_recurrent_gated_delta_rule
-from shared.kernels.triton_recurrent import fused_recurrent_gated_delta_rule
+from deltaspec.shared.kernels.naive import naive_recurrent_gated_delta_rule
+from deltaspec.shared.kernels.triton_recurrent import fused_recurrent_gated_delta_rule
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,1 +1,2 @@
-"""Benchmarks: `deltaspec bench` runs them side by side (`shared.bench.suite`); some sections also run alone."""
+"""Benchmarks: `deltaspec bench` runs them side by side (`deltaspec.shared.bench.suite`); some sections also run
+alone."""

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from shared.decoding.drafters.model_drafter import STOP_BELOW, ModelDrafter
-from shared.decoding.speculative import Generation, generate
-from shared.decoding.target import MAX_DRAFT_TOKENS
-from shared.model.hybrid import HybridLM
-from shared.state.rollback import CHAIN_LOG_CAPACITY
+from deltaspec.shared.decoding.drafters.model_drafter import STOP_BELOW, ModelDrafter
+from deltaspec.shared.decoding.speculative import Generation, generate
+from deltaspec.shared.decoding.target import MAX_DRAFT_TOKENS
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY
 
 PHASES = ("propose", "verify", "commit", "prefill")
 FIXED_K = 8

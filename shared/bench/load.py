@@ -1,6 +1,6 @@
 """Load: what N concurrent sessions get from one target, over real loopback gRPC.
 
-`serve-target` + `serve-draft` run as child processes (`shared.bench.loopback`). For each
+`serve-target` + `serve-draft` run as child processes (`deltaspec.shared.bench.loopback`). For each
 concurrency N, each loop (`server`: one `Generate` stream the target drives; `client`: this process
 drives Propose/Verify/Commit) and k (4: speculative with the draft service; 0: target-only), N client
 threads start together and run greedy generations back to back until every thread has done its
@@ -15,7 +15,7 @@ slower than the target's `--draft-timeout` leaves its round target-only); each s
 after; where the CPU went: the share of the cores this process may use that the three processes
 (target, draft, this client) kept busy, and the target's CPU milliseconds per output token (falling with
 N: sessions share forward passes); the mean number of sequences per forward pass on each server
-(`deltaspec_batch_size`, `shared.decoding.batcher`). The servers' RSS from the first row to the last
+(`deltaspec_batch_size`, `deltaspec.shared.decoding.batcher`). The servers' RSS from the first row to the last
 says whether memory stays flat.
 
 The thread policy: the server-side loop at concurrency 1 and 8, speculative and target-only, with the
@@ -30,7 +30,8 @@ import threading
 import time
 from pathlib import Path
 
-from shared.bench.loopback import PROMPTS, Server, check_greedy, percentile, start_pair, stop_all, target_only_outputs
+from deltaspec.shared.bench.loopback import (PROMPTS, Server, check_greedy, percentile, start_pair, stop_all,
+                                             target_only_outputs)
 
 LEVELS, QUICK_LEVELS = (1, 2, 4, 8, 16, 32), (1, 2, 4)
 LOOPS, KS = ("server", "client"), (4, 0)
@@ -45,7 +46,7 @@ FIELDS = ("loop", "k", "concurrency", "torch_threads", "generations", "tokens", 
 def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list[list[int]], loop: str, k: int,
             concurrency: int, max_new_tokens: int, torch_threads: int) -> dict:
     """One row (see the module docstring); raises the first error or wrong output of any session."""
-    from shared.rpc.client import generate_client_driven, generate_on_server
+    from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
 
     target, draft = servers["target"].address, servers["draft"].address
     per_thread = math.ceil(MIN_GENERATIONS / concurrency)
@@ -158,8 +159,8 @@ def load(target_dir: Path, draft_dir: Path, quick: bool = False, progress=lambda
          device: str = "cpu") -> dict:
     """The load table (levels x loops x k, default torch threads) and, on the CPU, the thread-policy rows.
     `device="cuda"`: both servers' models and states on the GPU (the bench's gpu section)."""
-    from shared.model.loader import load_model
-    from shared.model.tokenizer import load_tokenizer
+    from deltaspec.shared.model.loader import load_model
+    from deltaspec.shared.model.tokenizer import load_tokenizer
 
     max_new_tokens = 24 if quick else 96
     tokenizer = load_tokenizer(target_dir)

@@ -22,7 +22,8 @@ class Server:
     """`deltaspec serve-...` as a child process on a free loopback port; stderr read continuously."""
 
     def __init__(self, *argv: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "shared.cli", *argv, "--port", "0", "--metrics-port", "0"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "deltaspec.shared.cli", *argv, "--port", "0",
+                                      "--metrics-port", "0"],
                                      stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                      cwd=Path(__file__).resolve().parents[2])
         self.address, self.metrics, self.ready, self.serving = "", "", threading.Event(), False
@@ -110,7 +111,7 @@ def stop_all(servers: dict[str, Server]) -> None:
 def target_only_outputs(target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """What every greedy generation of these prompts must return: in-process target-only decoding (`target`: a
     loaded `HybridLM`)."""
-    from shared.decoding.speculative import generate
+    from deltaspec.shared.decoding.speculative import generate
 
     return [generate(target, p, max_new_tokens).token_ids for p in prompts]
 

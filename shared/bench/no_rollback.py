@@ -27,16 +27,16 @@ from pathlib import Path
 
 import torch
 
-from shared.decoding.drafters import Drafter, attach, make_drafter
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.drafters.mtp import MTPDrafter, MTPHead, random_mtp_weights
-from shared.decoding.speculative import Stats, decode, generate
-from shared.decoding.target import TargetSession
-from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from shared.model.checkpoint import hf_config, random_model
-from shared.model.hybrid import HybridLM
-from shared.model.loader import load_model
-from shared.state.rollback import ModelState
+from deltaspec.shared.decoding.drafters import Drafter, attach, make_drafter
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.drafters.mtp import MTPDrafter, MTPHead, random_mtp_weights
+from deltaspec.shared.decoding.speculative import Stats, decode, generate
+from deltaspec.shared.decoding.target import TargetSession
+from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from deltaspec.shared.model.checkpoint import hf_config, random_model
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.state.rollback import ModelState
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -114,7 +114,7 @@ class Setup:
 
 
 def embedded_setup(n_prompts: int, length: int) -> Setup:
-    from shared.bench.speedup import heldout_prompts
+    from deltaspec.shared.bench.speedup import heldout_prompts
 
     target, draft = load_model(DEFAULT_TARGET), load_model(DEFAULT_DRAFT)
     drafters: dict[str, Callable[[], Drafter]] = {"model": lambda: ModelDrafter(draft),

@@ -16,10 +16,10 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.sampling import SamplingParams
-from shared.decoding.speculative import generate
-from shared.model.hybrid import HybridLM
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.hybrid import HybridLM
 
 
 def distinct_ngrams(ids: list[int], n: int = 4) -> float:

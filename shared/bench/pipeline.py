@@ -1,6 +1,6 @@
 """Pipelined vs serial rounds over loopback gRPC with a network delay: tokens/s and bytes staged per round.
 
-Each service runs as its own `serve-draft` / `serve-target` process (`shared.bench.loopback`), as on
+Each service runs as its own `serve-draft` / `serve-target` process (`deltaspec.shared.bench.loopback`), as on
 its own host (the draft's work overlaps the target's only across processes). Where the machine has two
 cores or more, each service also gets cores of its own (`pin` of them each, 1 by default: the targets the
 first, the draft the next; the bench's own process, client and proxies, runs on the cores left, or on any
@@ -17,7 +17,7 @@ says what a round costs in CPU time (the target process's and the draft process'
 draft's forward passes (its own metrics): the overlap only pays while both fit on the machine's cores. And it
 reads off the target's own outputs which rounds the pipelined loop can keep at all (`kept_rounds`), and how many
 of the misses a second speculation, built on the draft's second choice, would have turned into kept rounds.
-Run: `python -m shared.bench.pipeline [--quick] [--heldout N] [--save docs]`.
+Run: `python -m deltaspec.shared.bench.pipeline [--quick] [--heldout N] [--save docs]`.
 """
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ from pathlib import Path
 
 import torch
 
-from shared.bench import report
-from shared.bench.loopback import Server, check_greedy, pin_threads, target_only_outputs
-from shared.bench.speedup import heldout_prompts
-from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from shared.model.hybrid import HybridLM
-from shared.rpc.proxy import TcpProxy
+from deltaspec.shared.bench import report
+from deltaspec.shared.bench.loopback import Server, check_greedy, pin_threads, target_only_outputs
+from deltaspec.shared.bench.speedup import heldout_prompts
+from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.rpc.proxy import TcpProxy
 
 PROMPTS = [list(b"def fibonacci(n):\n"), list(b"import os\nimport sys\n\n"), list(b"class Stack:\n    def __init__")]
 LOOPS = ("client", "server")
@@ -51,8 +51,8 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
     `compile`: both services run `--compile` (their passes as compiled graphs). `pin`: cores for each service
     (0: none, all share), where there are that many for both; the bench's process then runs on the rest.
     `device="cuda"`: both services' models and states on the GPU."""
-    from shared.model.loader import load_model
-    from shared.rpc.client import generate_client_driven, generate_on_server
+    from deltaspec.shared.model.loader import load_model
+    from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
 
     prompts = prompts or PROMPTS
     target = load_model(target_dir)

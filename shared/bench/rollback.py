@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.model.hybrid import HybridLM
-from shared.state.rollback import ModelState
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.state.rollback import ModelState
 
 
 @dataclass

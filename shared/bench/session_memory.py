@@ -2,7 +2,7 @@
 
 A session's GDN state (committed state, spare, mark snapshot, conv windows, round logs) is the same
 size at any context; its attention K/V grows by a fixed amount per token. The figures come from
-the configs (`shared.state.pool.gdn_bytes`, `kv_bytes_per_position`: what a `StatePool` charges),
+the configs (`deltaspec.shared.state.pool.gdn_bytes`, `kv_bytes_per_position`: what a `StatePool` charges),
 for the embedded target and draft and for a Qwen3.5-0.8B-shaped config (no weights needed), and are
 checked against the bytes a real pooled session holds. A draft's round logs hold `CHAIN_LOG_CAPACITY`
 tokens (it speculates two rounds ahead), a target's `LOG_CAPACITY`.
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from shared.model.checkpoint import hf_config
-from shared.model.config import ModelConfig
-from shared.state.pool import MIN_CONTEXT, StatePool, gdn_bytes, kv_bytes_per_position
-from shared.state.rollback import CHAIN_LOG_CAPACITY, LOG_CAPACITY
+from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from deltaspec.shared.model.checkpoint import hf_config
+from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.state.pool import MIN_CONTEXT, StatePool, gdn_bytes, kv_bytes_per_position
+from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, LOG_CAPACITY
 
 CONTEXTS = (256, 1024, 4096, 16384, 32768, 131072)
 GIB = 2**30

@@ -11,10 +11,10 @@ from typing import Callable
 
 import torch
 
-from shared.decoding.drafters import Drafter
-from shared.decoding.speculative import generate
-from shared.model.checkpoint import hf_config, random_model
-from shared.model.hybrid import HybridLM
+from deltaspec.shared.decoding.drafters import Drafter
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.checkpoint import hf_config, random_model
+from deltaspec.shared.model.hybrid import HybridLM
 
 HELDOUT_LIST = Path(__file__).resolve().parents[2] / "docs" / "heldout_files.txt"
 

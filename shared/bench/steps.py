@@ -2,7 +2,7 @@
 
 At the embedded pair's sizes a step's time is per-op dispatch, so the ATen-call count (every op
 that reaches the dispatcher from Python, views included, counted with a `TorchDispatchMode`) is
-the figure the fused path is built to cut; compiled passes (`shared.model.compiled`) run their
+the figure the fused path is built to cut; compiled passes (`deltaspec.shared.model.compiled`) run their
 graph's kernels from generated code, which such a mode does not see, so for them only time is
 reported. A step is a forward of T tokens plus its commit (decode: T = 1; verify: T = k + 1,
 committing half). Times are medians of alternated blocks.
@@ -16,7 +16,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shared.model.hybrid import HybridLM
+from deltaspec.shared.model.hybrid import HybridLM
 
 
 class CountCalls(TorchDispatchMode):

@@ -3,12 +3,12 @@
 Sections: the cost of one step (ATen calls and time, layer path vs fused path); acceptance and
 speed-up by drafter and k; long generations (96 to 1024 tokens: speculative, our target-only and
 HF transformers' generate(), alternated, with each round's phases); the gRPC path over in-process;
-draft distributions on the wire, dense and sparse, at Qwen3.5's vocabulary (`shared.bench.wire`);
+draft distributions on the wire, dense and sparse, at Qwen3.5's vocabulary (`deltaspec.shared.bench.wire`);
 tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over decode 1);
 pipelined vs serial rounds over gRPC with 0, 1 and 5 ms of network delay, and what a round costs in CPU time
-and draft passes (`shared.bench.pipeline`); load
-(1 to 32 concurrent sessions over loopback gRPC, `shared.bench.load`); memory per session against
-context and sessions per GiB (`shared.bench.session_memory`, computed from the configs); compiled passes
+and draft passes (`deltaspec.shared.bench.pipeline`); load
+(1 to 32 concurrent sessions over loopback gRPC, `deltaspec.shared.bench.load`); memory per session against
+context and sessions per GiB (`deltaspec.shared.bench.session_memory`, computed from the configs); compiled passes
 (steps fused vs compiled, and the long generations again with both models compiled); and, only where CUDA is
 present, the GPU: the verify/decode ratio, the load table with both servers on CUDA, and eager against
 compiled generations (`generation.eager_and_compiled`). `--only` runs some sections. Plots go to docs/; a full
@@ -27,16 +27,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shared.bench import generation, load, pipeline, report, session_memory, steps as step_costs, wire
-from shared.bench.rollback import compare
-from shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
-from shared.decoding.drafters import make_drafter
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from shared.model.checkpoint import hf_config, random_model
-from shared.model.loader import load_model
-from shared.state.rollback import CHAIN_LOG_CAPACITY
-from shared.telemetry.overhead import tracing_overhead
+from deltaspec.shared.bench import generation, load, pipeline, report, session_memory, steps as step_costs, wire
+from deltaspec.shared.bench.rollback import compare
+from deltaspec.shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
+from deltaspec.shared.decoding.drafters import make_drafter
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from deltaspec.shared.model.checkpoint import hf_config, random_model
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY
+from deltaspec.shared.telemetry.overhead import tracing_overhead
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
             result["generations"] = generation.long_generations(target, DEFAULT_TARGET, draft, long_prompts, lengths,
                                                                 repeats, bar.update)
         if "grpc" in steps:
-            from shared.rpc.overhead import measure
+            from deltaspec.shared.rpc.overhead import measure
 
             result["grpc"] = measure(max_new_tokens=new_tokens, repeats=2 if quick else 3)
             bar.update()

@@ -13,8 +13,8 @@ import time
 import torch
 
 from deltaspec.v1 import target_service_pb2 as pb
-from shared.decoding.sampling import SamplingParams, draw, probabilities
-from shared.rpc.convert import probs_from_proto, put_probs
+from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabilities
+from deltaspec.shared.rpc.convert import probs_from_proto, put_probs
 
 QWEN35_VOCAB = 248320
 CASES = (("top-k 50", SamplingParams(temperature=0.8, top_k=50)),

@@ -2,7 +2,7 @@
 
 `BatchedModel` stands in for the model wherever the engine calls `model(ids, state)`: target
 sessions' verify and prefill passes, the draft's propose steps. Each call blocks its thread until
-its pass has run in a batch (`shared.model.batched.forward_batch`), so sessions keep their own
+its pass has run in a batch (`deltaspec.shared.model.batched.forward_batch`), so sessions keep their own
 locks, versions, verdicts and commits exactly as before: only the forward pass is shared.
 
 Policy:
@@ -36,13 +36,13 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from shared.decoding.session_table import Limits
-from shared.errors import ResourceExhausted
-from shared.model.batched import BatchRefused, forward_batch
-from shared.model.hybrid import HybridLM
-from shared.state.pool import attach, server_pool
-from shared.state.rollback import LOG_CAPACITY, ModelState
-from shared.telemetry.metrics import Metrics
+from deltaspec.shared.decoding.session_table import Limits
+from deltaspec.shared.errors import ResourceExhausted
+from deltaspec.shared.model.batched import BatchRefused, forward_batch
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.state.pool import attach, server_pool
+from deltaspec.shared.state.rollback import LOG_CAPACITY, ModelState
+from deltaspec.shared.telemetry.metrics import Metrics
 
 
 @dataclass(frozen=True)

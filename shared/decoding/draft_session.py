@@ -23,7 +23,7 @@ before it (a separate HTTP/2 stream): it waits up to `OVERTAKE_WAIT_S` for a pla
 one such request per session, then is refused.
 
 Speculative work (a speculative request, or one made ahead) starts once the answers already made have
-left the service (`shared.decoding.answers`).
+left the service (`deltaspec.shared.decoding.answers`).
 
 Once a session has been asked for a speculative round, every proposal, plain or speculative, is
 followed in the background by the speculation on top of it (same k): the caller's next speculative
@@ -40,13 +40,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.decoding.answers import Answers
-from shared.decoding.drafters import Proposal
-from shared.decoding.drafters.model_drafter import MAX_SPECULATIONS, ModelDrafter
-from shared.decoding.sampling import SamplingParams
-from shared.decoding.target import MAX_DRAFT_TOKENS, check_tokens
-from shared.errors import FailedPrecondition, InvalidArgument, NotFound
-from shared.model.hybrid import HybridLM
+from deltaspec.shared.decoding.answers import Answers
+from deltaspec.shared.decoding.drafters import Proposal
+from deltaspec.shared.decoding.drafters.model_drafter import MAX_SPECULATIONS, ModelDrafter
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.target import MAX_DRAFT_TOKENS, check_tokens
+from deltaspec.shared.errors import FailedPrecondition, InvalidArgument, NotFound
+from deltaspec.shared.model.hybrid import HybridLM
 
 
 MAX_CHAINED = MAX_SPECULATIONS - 1  # speculative rounds asked for on top of the open round (one more is made ahead)

@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Span, Tracer, use_span
 
-from shared.decoding.drafters import Drafter, Proposal
-from shared.decoding.speculative import NO_TRACER, Session, Stats, _ids, drafts_kept
-from shared.decoding.target import Round
-from shared.errors import FailedPrecondition, NotFound
-from shared.telemetry import attributes as attr
+from deltaspec.shared.decoding.drafters import Drafter, Proposal
+from deltaspec.shared.decoding.speculative import NO_TRACER, Session, Stats, _ids, drafts_kept
+from deltaspec.shared.decoding.target import Round
+from deltaspec.shared.errors import FailedPrecondition, NotFound
+from deltaspec.shared.telemetry import attributes as attr
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from shared.errors import InvalidArgument
+from deltaspec.shared.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Idle sessions expire after `ttl_s`; a session inside `use()` is never idle, howe
 Expiry is checked on every access, so no background task is needed.
 
 Each session belongs to the caller that opened it (`owner`: a token name, a client certificate's
-subject, or "anonymous" when the server authenticates no one; see `shared.rpc.security`). To any
+subject, or "anonymous" when the server authenticates no one; see `deltaspec.shared.rpc.security`). To any
 other caller it does not exist: the same NOT_FOUND, word for word, as an id never issued, so a
 leaked id reveals nothing. `max_sessions_per_caller` keeps one caller from taking the whole table.
 """
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from shared.errors import NotFound, ResourceExhausted
+from deltaspec.shared.errors import NotFound, ResourceExhausted
 
 S = TypeVar("S")
 ANONYMOUS = "anonymous"  # the caller when the server authenticates no one
@@ -30,7 +30,7 @@ class Limits:
     ttl_s: float = 600.0
     max_prompt_tokens: int = 8192
     max_sessions_per_caller: int = 0  # 0: only `max_sessions` bounds a caller
-    state_memory_bytes: int = 0  # GDN slots + attention K/V (shared.state.pool); 0: sized for max_sessions
+    state_memory_bytes: int = 0  # GDN slots + attention K/V (deltaspec.shared.state.pool); 0: sized for max_sessions
 
     def check_prompt(self, n_tokens: int, field_name: str) -> None:
         if n_tokens > self.max_prompt_tokens:

@@ -13,12 +13,12 @@ from typing import Protocol
 from opentelemetry.trace import NoOpTracer, Tracer
 from torch import Tensor
 
-from shared.decoding.drafters import Drafter, NoDrafter, attach
-from shared.decoding.sampling import SamplingParams
-from shared.decoding.target import Round, TargetSession
-from shared.model.hybrid import HybridLM
-from shared.telemetry import attributes as attr
-from shared.telemetry.spans import generation_span, record_usage
+from deltaspec.shared.decoding.drafters import Drafter, NoDrafter, attach
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.target import Round, TargetSession
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.telemetry import attributes as attr
+from deltaspec.shared.telemetry.spans import generation_span, record_usage
 
 NO_TRACER = NoOpTracer()
 
@@ -100,7 +100,7 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
     """Run rounds until `max_new_tokens` or an EOS (included), yielding the tokens each round commits.
 
     Each round is a span `round` with children `propose`, `verify`, `commit` (no-op spans unless
-    `tracer` records); `metrics` (a `shared.telemetry.Metrics`) counts the round when given.
+    `tracer` records); `metrics` (a `deltaspec.shared.telemetry.Metrics`) counts the round when given.
     """
     out = session.generated
     while len(out) < max_new_tokens and not (out and out[-1] in eos):

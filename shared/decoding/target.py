@@ -18,7 +18,7 @@ verdict keeping the assumption) waits, staging nothing, until r's commit makes r
 round (it then goes on) or drops it (it is then refused): a remote caller sends it as soon as r's
 verdict keeps r+1, without waiting for Commit(r) and r+1's verdict to come back. At most
 `MAX_WAITING` calls wait per session, each at most `WAIT_S`. Served, a chained verify starts once the
-verdicts and commits already made have left the service (`shared.decoding.answers`).
+verdicts and commits already made have left the service (`deltaspec.shared.decoding.answers`).
 Retries are safe: the same call with the same input returns the same answer and never advances
 the head twice; the same round id with other input is refused. Refused calls change nothing.
 """
@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from shared.decoding.answers import Answers
-from shared.decoding.sampling import SamplingParams, probabilities
-from shared.decoding.verify import Verdict, accept_greedy, accept_rejection
-from shared.errors import FailedPrecondition, InvalidArgument, NotFound
-from shared.model.hybrid import HybridLM
+from deltaspec.shared.decoding.answers import Answers
+from deltaspec.shared.decoding.sampling import SamplingParams, probabilities
+from deltaspec.shared.decoding.verify import Verdict, accept_greedy, accept_rejection
+from deltaspec.shared.errors import FailedPrecondition, InvalidArgument, NotFound
+from deltaspec.shared.model.hybrid import HybridLM
 
 MAX_DRAFT_TOKENS = 16
 MAX_WAITING = 2  # verifies waiting for their chained parent to become the pending round, per session

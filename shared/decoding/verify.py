@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from shared.decoding.sampling import draw
+from deltaspec.shared.decoding.sampling import draw
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from typing import Callable
 
 from torch import Tensor
 
-from shared.kernels.chunk import chunk_gated_delta_rule
-from shared.kernels.naive import naive_recurrent_gated_delta_rule
-from shared.kernels.recurrent import recurrent_gated_delta_rule
+from deltaspec.shared.kernels.chunk import chunk_gated_delta_rule
+from deltaspec.shared.kernels.naive import naive_recurrent_gated_delta_rule
+from deltaspec.shared.kernels.recurrent import recurrent_gated_delta_rule
 
 Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 KERNEL_NAMES = ("auto", "naive", "chunk", "recurrent", "triton")
@@ -26,7 +26,7 @@ def pick_kernel(name: str, num_tokens: int, on_cuda: bool) -> Kernel:
         else:
             name = "recurrent" if num_tokens == 1 else "chunk"
     if name == "triton":
-        from shared.kernels.triton_recurrent import fused_recurrent_gated_delta_rule
+        from deltaspec.shared.kernels.triton_recurrent import fused_recurrent_gated_delta_rule
 
         return fused_recurrent_gated_delta_rule
     kernels: dict[str, Kernel] = {

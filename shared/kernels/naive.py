@@ -6,7 +6,7 @@ state `[B, H, Dk, Dv]`. q and k are already L2-normalised and q already carries 
 
 Besides the output and the final state every variant returns `delta [B, T, H, Dv]`, the
 delta-rule correction written at each step. Together with k and g it is all that is
-needed to rebuild the state after any prefix (see `shared.state.rollback`).
+needed to rebuild the state after any prefix (see `deltaspec.shared.state.rollback`).
 """
 from __future__ import annotations
 

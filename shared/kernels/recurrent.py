@@ -1,7 +1,7 @@
 """Recurrent gated delta rule for one-token decode (and short sequences): a vectorised step loop.
 
 Same contract as `naive_recurrent_gated_delta_rule`; on CUDA the Triton kernel in
-`shared.kernels.triton_recurrent` replaces it (see `gated_delta_rule`).
+`deltaspec.shared.kernels.triton_recurrent` replaces it (see `gated_delta_rule`).
 """
 from __future__ import annotations
 

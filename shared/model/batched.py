@@ -11,7 +11,7 @@ the MLP run once for all of them. What is per sequence stays per sequence:
 - Attention: each sequence writes its K/V at its own positions in its own cache; the caches are
   gathered into one zero-padded batch and one masked attention call serves every sequence.
 The result for each sequence, and what it leaves staged, is what `HybridLM.forward` gives it alone
-(the same fused pieces, `shared.model.fused`); `tests/test_batching.py` checks that on random models.
+(the same fused pieces, `deltaspec.shared.model.fused`); `tests/test_batching.py` checks that on random models.
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from shared.kernels import pick_kernel
-from shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
-from shared.model import fused
-from shared.model.hybrid import HybridLM
-from shared.model.layers import Attention, GatedDeltaNet
-from shared.state.rollback import AttnLayerState, GDNSlot, ModelState
+from deltaspec.shared.kernels import pick_kernel
+from deltaspec.shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
+from deltaspec.shared.model import fused
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.layers import Attention, GatedDeltaNet
+from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot, ModelState
 
 
 class BatchRefused(ValueError):

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from shared.model.config import ModelConfig
-from shared.model.hybrid import HybridLM
+from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.model.hybrid import HybridLM
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from shared.kernels.chunk import one_chunk_gated_delta_rule
-from shared.model import fused
-from shared.state.rollback import LOG_CAPACITY, ModelState
+from deltaspec.shared.kernels.chunk import one_chunk_gated_delta_rule
+from deltaspec.shared.model import fused
+from deltaspec.shared.state.rollback import LOG_CAPACITY, ModelState
 
 if TYPE_CHECKING:
-    from shared.model.hybrid import HybridLM
-    from shared.model.layers import DecoderLayer
+    from deltaspec.shared.model.hybrid import HybridLM
+    from deltaspec.shared.model.layers import DecoderLayer
 
 WHOLE_GRAPH_LAYERS = 4  # deeper stacks compile per layer kind (a whole 12-layer graph was not compiled after 15 min)
 _GDN_ARGS = ("conv_in", "state_in", "window", "spare", "x", "k", "delta", "g")  # a GDN layer's state arguments

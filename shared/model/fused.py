@@ -7,7 +7,7 @@ scales), residual adds ride on `addmm`, q and k share one rotary call, and a one
 step does its conv window and recurrent update in a handful of batched ops, writing the new
 state straight into the staging buffer. `fuse(model)` builds the concatenated weights once and
 re-points the original parameters at slices of them (no extra memory; `state_dict` keys and
-values are unchanged). The layer forwards in `shared.model.layers` stay the truth:
+values are unchanged). The layer forwards in `deltaspec.shared.model.layers` stay the truth:
 `tests/test_fused.py` checks this path against them on random weights.
 """
 from __future__ import annotations
@@ -19,13 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shared.kernels import pick_kernel
-from shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
-from shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, RMSNorm
+from deltaspec.shared.kernels import pick_kernel
+from deltaspec.shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
+from deltaspec.shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, RMSNorm
 
 if TYPE_CHECKING:
-    from shared.model.hybrid import HybridStack
-from shared.state.rollback import AttnLayerState, GDNSlot
+    from deltaspec.shared.model.hybrid import HybridStack
+from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot
 
 L2NORM_EPS = 1e-6  # the GDN's l2norm of q and k (HF's default, not the config's rms_norm_eps)
 

@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shared.model import fused
-from shared.model.compiled import CompiledPasses
-from shared.model.config import ModelConfig
-from shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
-from shared.state.rollback import LOG_CAPACITY, ModelState
+from deltaspec.shared.model import fused
+from deltaspec.shared.model.compiled import CompiledPasses
+from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
+from deltaspec.shared.state.rollback import LOG_CAPACITY, ModelState
 
 
 class HybridStack(nn.Module):
@@ -44,8 +44,8 @@ class HybridLM(nn.Module):
         return self.lm_head.weight.dtype
 
     def new_state(self, capacity: int = 256, log_capacity: int = LOG_CAPACITY) -> ModelState:
-        """A fresh sequence state; in a slot of the model's state pool when one is attached (`shared.state.pool`),
-        whose logs are the pool's size."""
+        """A fresh sequence state; in a slot of the model's state pool when one is attached
+        (`deltaspec.shared.state.pool`), whose logs are the pool's size."""
         pool = getattr(self, "state_pool", None)
         if pool is not None:
             return pool.new_state(capacity)
@@ -53,7 +53,7 @@ class HybridLM(nn.Module):
                           log_capacity=log_capacity)
 
     def fuse(self, enable: bool = True) -> HybridLM:
-        """Take the fused path (`shared.model.fused`) from now on, or go back to the layer path.
+        """Take the fused path (`deltaspec.shared.model.fused`) from now on, or go back to the layer path.
 
         For inference: the projections' parameters become slices of the fused weights. Models with
         attention biases (not Qwen3.5's) stay on the layer path.
@@ -65,7 +65,7 @@ class HybridLM(nn.Module):
         return self
 
     def compile(self, enable: bool = True, warm_up: bool = False, log_capacity: int = LOG_CAPACITY) -> HybridLM:
-        """Run decode and verify passes as compiled graphs (`shared.model.compiled`) from now on, or stop.
+        """Run decode and verify passes as compiled graphs (`deltaspec.shared.model.compiled`) from now on, or stop.
 
         On the fused path only. Each graph compiles on its first pass (seconds to a minute on a CPU, less when
         Inductor's on-disk cache has it); `warm_up` compiles them all now, for states whose logs hold `log_capacity`

@@ -1,7 +1,7 @@
 """The layers of the Qwen3.5 hybrid stack, in plain PyTorch, with HF's parameter names.
 
 Every layer works on one sequence `(T, hidden)` and stages its tokens into its slice of a
-`ModelState` (see `shared.state.rollback`); none of them changes the committed head.
+`ModelState` (see `deltaspec.shared.state.rollback`); none of them changes the committed head.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shared.kernels import pick_kernel
-from shared.model.config import ModelConfig
-from shared.state.rollback import AttnLayerState, GDNSlot
+from deltaspec.shared.kernels import pick_kernel
+from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot
 
 
 class RMSNorm(nn.Module):

@@ -14,8 +14,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
-from shared.model.config import ConfigError, ModelConfig
-from shared.model.hybrid import HybridLM
+from deltaspec.shared.model.config import ConfigError, ModelConfig
+from deltaspec.shared.model.hybrid import HybridLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

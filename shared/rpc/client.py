@@ -4,14 +4,14 @@
   peer. If the stream breaks (the target restarted, the network reset it), it is opened again on the
   prompt plus the tokens received so far, for the tokens still missing; it gives up after
   `max_attempts` breaks in a row that brought no token.
-- `generate_client_driven`: this process runs the loop (`shared.decoding.speculative.decode`)
+- `generate_client_driven`: this process runs the loop (`deltaspec.shared.decoding.speculative.decode`)
   with the target and the draft as remote peers: one Propose, one Verify and one Commit a round.
   A session is opened through `target_address` (which may be a load-balanced service) and its
   later calls go straight to the replica that holds it when that replica advertises an address.
   With a draft and `pipeline` (the default) the rounds are pipelined
-  (`shared.decoding.pipelined`): the draft proposes round r+1 while the target verifies round r.
+  (`deltaspec.shared.decoding.pipelined`): the draft proposes round r+1 while the target verifies round r.
 
-Every channel is dialled as `security` says (`shared.rpc.security.ClientSecurity`: TLS, mutual TLS,
+Every channel is dialled as `security` says (`deltaspec.shared.rpc.security.ClientSecurity`: TLS, mutual TLS,
 the bearer token); the default is plaintext, which it allows only to loopback addresses.
 """
 from __future__ import annotations
@@ -23,16 +23,16 @@ from contextlib import ExitStack
 import grpc
 
 from deltaspec.v1 import draft_service_pb2_grpc, target_service_pb2, target_service_pb2_grpc
-from shared.decoding.drafters import NoDrafter
-from shared.decoding.pipelined import decode_pipelined
-from shared.decoding.sampling import SamplingParams
-from shared.decoding.speculative import Generation, Stats, decode
-from shared.rpc.convert import sampling_to_proto, stats_from_proto
-from shared.rpc.remote_drafter import RemoteDrafter
-from shared.rpc.remote_target import RemoteTargetSession
-from shared.rpc.security import ClientSecurity
-from shared.telemetry import Telemetry
-from shared.telemetry.spans import generation_span, record_usage
+from deltaspec.shared.decoding.drafters import NoDrafter
+from deltaspec.shared.decoding.pipelined import decode_pipelined
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.speculative import Generation, Stats, decode
+from deltaspec.shared.rpc.convert import sampling_to_proto, stats_from_proto
+from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
+from deltaspec.shared.rpc.remote_target import RemoteTargetSession
+from deltaspec.shared.rpc.security import ClientSecurity
+from deltaspec.shared.telemetry import Telemetry
+from deltaspec.shared.telemetry.spans import generation_span, record_usage
 
 OnTokens = Callable[[list[int], str], None]
 

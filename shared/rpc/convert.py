@@ -6,10 +6,10 @@ import torch
 from torch import Tensor
 
 from deltaspec.v1 import sampling_pb2
-from shared.decoding.sampling import SamplingParams
-from shared.decoding.speculative import Stats
-from shared.decoding.target import check_tokens
-from shared.errors import InvalidArgument
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.speculative import Stats
+from deltaspec.shared.decoding.target import check_tokens
+from deltaspec.shared.errors import InvalidArgument
 
 
 def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:

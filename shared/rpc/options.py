@@ -37,6 +37,6 @@ CHANNEL_OPTIONS = [
 
 
 def channel(address: str) -> grpc.Channel:
-    """A plaintext channel with no token (tests, health checks); `shared.rpc.security.ClientSecurity` dials
+    """A plaintext channel with no token (tests, health checks); `deltaspec.shared.rpc.security.ClientSecurity` dials
     with TLS and tokens."""
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

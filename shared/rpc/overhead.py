@@ -2,7 +2,7 @@
 
 All three run the same rounds (same models, same k, greedy), with both services on loopback in
 this process, so the ratio isolates serialisation, the loopback hop and the thread hand-offs.
-Run: `python -m shared.rpc.overhead [--max-new-tokens N] [--repeats R]`.
+Run: `python -m deltaspec.shared.rpc.overhead [--max-new-tokens N] [--repeats R]`.
 """
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import argparse
 import json
 from pathlib import Path
 
-from draft_service.servicer import service as draft_service
-from shared.decoding.drafters.model_drafter import ModelDrafter
-from shared.decoding.speculative import generate
-from shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from shared.model.loader import load_model
-from shared.model.tokenizer import load_tokenizer
-from shared.rpc.client import generate_client_driven, generate_on_server
-from shared.rpc.server import BackgroundServer
-from target_service.servicer import DraftPeer, service as target_service
+from deltaspec.draft_service.servicer import service as draft_service
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.model.tokenizer import load_tokenizer
+from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.server import BackgroundServer
+from deltaspec.target_service.servicer import DraftPeer, service as target_service
 
 
 def measure(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, prompt: list[int] | None = None,

@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from deltaspec.v1 import draft_service_pb2, draft_service_pb2_grpc
-from shared.decoding.drafters import Proposal
-from shared.decoding.pipelined import resolved
-from shared.decoding.sampling import SamplingParams
-from shared.errors import InvalidArgument
-from shared.rpc.convert import probs_from_proto, sampling_to_proto
+from deltaspec.shared.decoding.drafters import Proposal
+from deltaspec.shared.decoding.pipelined import resolved
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.errors import InvalidArgument
+from deltaspec.shared.rpc.convert import probs_from_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
 

@@ -30,12 +30,12 @@ from torch import Tensor
 
 from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.v1 import target_service_pb2_grpc
-from shared.decoding.sampling import SamplingParams
-from shared.decoding.target import Round
-from shared.decoding.verify import Verdict
-from shared.errors import FailedPrecondition, NotFound
-from shared.rpc.convert import put_probs, sampling_to_proto
-from shared.rpc.status import field_of
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.target import Round
+from deltaspec.shared.decoding.verify import Verdict
+from deltaspec.shared.errors import FailedPrecondition, NotFound
+from deltaspec.shared.rpc.convert import put_probs, sampling_to_proto
+from deltaspec.shared.rpc.status import field_of
 
 
 class RemoteTargetSession:

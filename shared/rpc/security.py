@@ -11,7 +11,7 @@ Server side (`ServerSecurity`):
 - Plaintext needs no flag on a loopback address (127.0.0.1, ::1, localhost: development) and
   `insecure=True` on any other.
 - The caller's identity (`caller()`): the token's name, else the client certificate's subject
-  under mutual TLS, else "anonymous". Sessions belong to it (`shared.decoding.session_table`).
+  under mutual TLS, else "anonymous". Sessions belong to it (`deltaspec.shared.decoding.session_table`).
 - Grants (`Grants`, off by default): the methods each caller may call, from a file read again when it
   changes; a call outside them is refused PERMISSION_DENIED naming the caller and the method.
 - A call rate per caller (`calls_per_second`, off by default): a token bucket per identity, bursts of
@@ -41,10 +41,10 @@ import grpc
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
-from shared.decoding.session_table import ANONYMOUS
-from shared.errors import RateLimited
-from shared.rpc.options import CHANNEL_OPTIONS
-from shared.rpc.status import to_status
+from deltaspec.shared.decoding.session_table import ANONYMOUS
+from deltaspec.shared.errors import RateLimited
+from deltaspec.shared.rpc.options import CHANNEL_OPTIONS
+from deltaspec.shared.rpc.status import to_status
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def _check_token(token: str, where: str) -> None:
     if PLACEHOLDER in token.lower():
         raise ValueError(f"{where} is the placeholder {PLACEHOLDER!r}, not a token: put generated tokens there "
                          "(openssl rand -hex 32); on Kubernetes, replace the deltaspec-auth Secret with an overlay's "
-                         "secretGenerator (behavior: replace; README, Deploy)")
+                         "secretGenerator (behavior: replace; docs/operations.md, TLS and tokens on Kubernetes)")
     if len(token) < MIN_TOKEN_CHARS or not token.isascii() or any(c.isspace() for c in token):
         raise ValueError(f"{where}: a token must be at least {MIN_TOKEN_CHARS} ASCII characters without spaces "
                          "(e.g. openssl rand -hex 32)")

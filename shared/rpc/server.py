@@ -6,7 +6,7 @@ UNAVAILABLE), loads its models in a worker thread, then turns each service SERVI
 grace period, and stops. `serve` runs one in the foreground for the CLI; `BackgroundServer` runs
 one on its own event-loop thread, for the demo and the tests.
 
-TLS, tokens and the caller's identity come from a `ServerSecurity` (`shared.rpc.security`). With
+TLS, tokens and the caller's identity come from a `ServerSecurity` (`deltaspec.shared.rpc.security`). With
 `health_port`, a second, plaintext listener answers grpc.health.v1 and nothing else: Kubernetes'
 native gRPC probes cannot speak TLS.
 """
@@ -26,11 +26,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shared.decoding.answers import Answers
-from shared.rpc.options import SERVER_OPTIONS
-from shared.rpc.security import ServerSecurity
-from shared.rpc.status import ErrorInterceptor
-from shared.telemetry import Telemetry
+from deltaspec.shared.decoding.answers import Answers
+from deltaspec.shared.rpc.options import SERVER_OPTIONS
+from deltaspec.shared.rpc.security import ServerSecurity
+from deltaspec.shared.rpc.status import ErrorInterceptor
+from deltaspec.shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 

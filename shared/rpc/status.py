@@ -19,7 +19,8 @@ from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from shared.errors import DeltaspecError, FailedPrecondition, InvalidArgument, NotFound, RateLimited, ResourceExhausted
+from deltaspec.shared.errors import (DeltaspecError, FailedPrecondition, InvalidArgument, NotFound, RateLimited,
+                                     ResourceExhausted)
 
 log = logging.getLogger(__name__)
 

@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.errors import ResourceExhausted
-from shared.model.config import ModelConfig
-from shared.state.rollback import LOG_CAPACITY, GDNStates, ModelState
+from deltaspec.shared.errors import ResourceExhausted
+from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.state.rollback import LOG_CAPACITY, GDNStates, ModelState
 
 if TYPE_CHECKING:
-    from shared.decoding.session_table import Limits
-    from shared.model.hybrid import HybridLM
+    from deltaspec.shared.decoding.session_table import Limits
+    from deltaspec.shared.model.hybrid import HybridLM
 
 MIN_CONTEXT = 256  # the smallest K/V capacity a session asks for (TargetSession, ModelDrafter: max(256, 2 x prompt))
 FIELD = "state_memory"  # what a refusal names (QuotaFailure subject)

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from shared.model.config import ModelConfig
+from deltaspec.shared.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from shared.state.pool import Lease
+    from deltaspec.shared.state.pool import Lease
 
 LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one on top) of k <= 16 drafts plus inputs
 CHAIN_LOG_CAPACITY = 51  # a draft's: its open round and two speculations on top, 3 x (k + 1) for k <= 16 (a third
@@ -84,8 +84,8 @@ class GDNStates:
 
     def __init__(self, cfg: ModelConfig, n_layers: int, device: torch.device | str, dtype: torch.dtype,
                  slot: dict[str, Tensor] | None = None, log_capacity: int = LOG_CAPACITY) -> None:
-        """`slot`: preallocated buffers, one per name of `buffers` (a `shared.state.pool.StatePool` slot), zeroed
-        and used in place of fresh tensors, the mark snapshot's too (its logs' size wins over `log_capacity`);
+        """`slot`: preallocated buffers, one per name of `buffers` (a `deltaspec.shared.state.pool.StatePool`
+        slot), zeroed and used in place of fresh tensors, the mark snapshot's too (its logs' size wins over `log_capacity`);
         without one `mark` allocates that snapshot."""
         shapes = self.buffers(cfg, n_layers, dtype, log_capacity)
 
@@ -302,8 +302,8 @@ class ModelState:
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  capacity: int = 256, lease: Lease | None = None, log_capacity: int = LOG_CAPACITY) -> None:
-        """`lease`: a slot of a `shared.state.pool.StatePool` (GDN buffers, K/V paid for `capacity` positions; its
-        logs' size is the pool's); `log_capacity`: staged tokens a partial commit can keep (`CHAIN_LOG_CAPACITY`
+        """`lease`: a slot of a `deltaspec.shared.state.pool.StatePool` (GDN buffers, K/V paid for `capacity`
+        positions; its logs' size is the pool's); `log_capacity`: staged tokens a partial commit can keep (`CHAIN_LOG_CAPACITY`
         for a draft that speculates rounds ahead)."""
         self.length = 0  # tokens in the committed head
         self.staged = 0  # tokens staged on top of it

@@ -5,14 +5,14 @@ the default) and its metrics. The CLI builds one from the environment per comman
 one per in-process server so that each has its own service name and registry.
 
 The SDK and the gRPC instrumentation are imported only when used: the decoding loop imports
-`shared.telemetry.attributes` and stays free of gRPC.
+`deltaspec.shared.telemetry.attributes` and stays free of gRPC.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.telemetry.metrics import Metrics
+from deltaspec.shared.telemetry.metrics import Metrics
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -33,17 +33,17 @@ class Telemetry:
 
     @property
     def tracer(self) -> Tracer:
-        from shared.telemetry import tracing
+        from deltaspec.shared.telemetry import tracing
 
         return tracing.tracer(self.provider)
 
     def server_interceptors(self) -> list:
-        from shared.telemetry import tracing
+        from deltaspec.shared.telemetry import tracing
 
         return tracing.server_interceptors(self.provider)
 
     def channel(self, channel):
-        from shared.telemetry import tracing
+        from deltaspec.shared.telemetry import tracing
 
         return tracing.traced_channel(channel, self.provider)
 
@@ -55,7 +55,7 @@ class Telemetry:
 
 
 def setup_tracing(default_service_name: str, install: bool = True) -> TracerProvider | None:
-    from shared.telemetry import tracing
+    from deltaspec.shared.telemetry import tracing
 
     return tracing.setup_tracing(default_service_name, install)
 

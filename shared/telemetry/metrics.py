@@ -11,11 +11,11 @@ Rounds: `deltaspec_round_{propose,verify,commit}_seconds` histograms, `deltaspec
 rate. The draft's `deltaspec_draft_speculations_total{outcome}`, kept | dropped: the speculative rounds it
 proposed and how they ended (dropped ones are draft passes spent for nothing). Generations (the server-side loop):
 `deltaspec_time_to_first_token_seconds`, `deltaspec_time_per_output_token_seconds`. Sessions:
-`deltaspec_sessions` (live) and `deltaspec_sessions_expired_total`. Batching (`shared.decoding.batcher`):
+`deltaspec_sessions` (live) and `deltaspec_sessions_expired_total`. Batching (`deltaspec.shared.decoding.batcher`):
 `deltaspec_batch_size` (sequences per forward pass), `deltaspec_batch_tokens`, `deltaspec_batch_wait_seconds`
 (how long a pass's first call waited for others) and `deltaspec_batch_pass_seconds`. Session state
-(`shared.state.pool`): `deltaspec_state_memory_budget_bytes`, `deltaspec_state_memory_used_bytes` (GDN slots in
-use and attention K/V), `deltaspec_state_slots`, `deltaspec_state_slots_in_use` and
+(`deltaspec.shared.state.pool`): `deltaspec_state_memory_budget_bytes`, `deltaspec_state_memory_used_bytes`
+(GDN slots in use and attention K/V), `deltaspec_state_slots`, `deltaspec_state_slots_in_use` and
 `deltaspec_state_memory_refusals_total` (admissions and K/V growths refused for want of memory).
 """
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Metrics:
         self.registry.register(_SessionCollector(list(tables)))
 
     def watch_state_pool(self, pool) -> None:
-        """A `shared.state.pool.StatePool`'s budget, use and refusals, read at scrape time."""
+        """A `deltaspec.shared.state.pool.StatePool`'s budget, use and refusals, read at scrape time."""
         self.registry.register(_StatePoolCollector(pool))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:

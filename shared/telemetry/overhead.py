@@ -19,11 +19,11 @@ import textwrap
 import time
 from collections.abc import Callable
 
-from shared.decoding import speculative
-from shared.decoding.drafters import Drafter, attach
-from shared.decoding.speculative import Stats
-from shared.decoding.target import TargetSession
-from shared.model.hybrid import HybridLM
+from deltaspec.shared.decoding import speculative
+from deltaspec.shared.decoding.drafters import Drafter, attach
+from deltaspec.shared.decoding.speculative import Stats
+from deltaspec.shared.decoding.target import TargetSession
+from deltaspec.shared.model.hybrid import HybridLM
 
 _TRACING_NAMES = {"traced", "ids"}
 
@@ -59,9 +59,9 @@ class _Instant:
     """A session and drafter that cost nothing: the loop's own time per round is all that is left."""
 
     def __init__(self, k: int) -> None:
-        from shared.decoding.drafters import Proposal
-        from shared.decoding.target import Round
-        from shared.decoding.verify import Verdict
+        from deltaspec.shared.decoding.drafters import Proposal
+        from deltaspec.shared.decoding.target import Round
+        from deltaspec.shared.decoding.verify import Verdict
 
         self.proposal, self.version, self.tokens = Proposal(list(range(1, k + 1))), 0, [0]
         self.round = Round("r", 0, tuple(range(1, k + 1)), Verdict(k // 2, 0), 0, hidden=None)  # type: ignore[arg-type]

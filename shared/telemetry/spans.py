@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 from opentelemetry.trace import Span, SpanKind, Tracer
 
-from shared.telemetry import attributes as attr
+from deltaspec.shared.telemetry import attributes as attr
 
 
 @contextmanager

@@ -56,21 +56,21 @@ def attach(drafter: Drafter, session: object) -> None:
 
 def make_drafter(spec: str | None, target: object, sampling: object = None, stop_below: float = 0.0) -> Drafter:
     """'none' | 'ngram' | 'mtp' | a checkpoint directory -> a drafter for `target` (a `HybridLM`)."""
-    from shared.decoding.sampling import SamplingParams
+    from deltaspec.shared.decoding.sampling import SamplingParams
 
     sampling = sampling or SamplingParams()
     if spec is None or spec == "none":
         return NoDrafter()
     if spec == "ngram":
-        from shared.decoding.drafters.ngram import NgramDrafter
+        from deltaspec.shared.decoding.drafters.ngram import NgramDrafter
 
         return NgramDrafter()
     if spec == "mtp":
-        from shared.decoding.drafters.mtp import MTPDrafter
+        from deltaspec.shared.decoding.drafters.mtp import MTPDrafter
 
         return MTPDrafter(target, sampling)  # type: ignore[arg-type]
-    from shared.decoding.drafters.model_drafter import ModelDrafter
-    from shared.model.loader import load_model
+    from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+    from deltaspec.shared.model.loader import load_model
 
     draft = load_model(spec, device=getattr(target, "device", "cpu"))  # beside the target: q meets p there
     if draft.config.vocab_size != target.config.vocab_size:  # type: ignore[attr-defined]

@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from shared.decoding.drafters import Proposal
-from shared.decoding.sampling import SamplingParams, draw, probabilities
-from shared.model.hybrid import HybridLM
-from shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
+from deltaspec.shared.decoding.drafters import Proposal
+from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabilities
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
 
 # Dynamic draft length with k up to 16: the best threshold on the embedded pair (`deltaspec bench --only
 # generations` compares it with k = 8: ahead at every length in each run). `deltaspec generate` drafts this way by

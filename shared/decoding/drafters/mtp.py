@@ -24,7 +24,7 @@ State. The head's KV cache holds one row per committed trunk position and rolls 
 position: rows staged while chaining drafts sit past `length` and are overwritten, never read.
 Trunk hidden states come from the target's verify pass (`Round.hidden`, and the prompt's from
 `TargetSession.prefill_hidden`): the drafter is handed the session through the optional
-`attach_session` hook (see `shared.decoding.drafters.attach`), so the decoding loop stays the same
+`attach_session` hook (see `deltaspec.shared.decoding.drafters.attach`), so the decoding loop stays the same
 for every drafter. The head runs where the target runs: it needs the trunk's hidden states.
 """
 from __future__ import annotations
@@ -32,11 +32,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from shared.decoding.drafters import Proposal
-from shared.decoding.sampling import SamplingParams, draw, probabilities
-from shared.model.hybrid import HybridLM
-from shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
-from shared.state.rollback import AttnLayerState
+from deltaspec.shared.decoding.drafters import Proposal
+from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabilities
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
+from deltaspec.shared.state.rollback import AttnLayerState
 
 
 class MTPHead(nn.Module):

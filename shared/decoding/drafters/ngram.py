@@ -8,7 +8,7 @@ only the pending token, which is plain target-only decoding. Proposals are deter
 """
 from __future__ import annotations
 
-from shared.decoding.drafters import Proposal
+from deltaspec.shared.decoding.drafters import Proposal
 
 
 def lookup(context: list[int], k: int, max_n: int, min_n: int) -> list[int]:
