@@ -1,4 +1,5 @@
-# Two commands: `make demo` runs the main job, `make test` runs the whole suite.
+# Two commands: `make demo` runs the main job, `make test` runs the whole suite (on every core, printing the
+# 15 slowest tests so that growth shows).
 # Each creates .venv first when it is missing.
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -15,7 +16,7 @@ demo: $(VENV)/.ready
 	$(VENV)/bin/deltaspec demo
 
 test: $(VENV)/.ready
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist loadgroup --durations=15
 
 bench: $(VENV)/.ready
 	$(VENV)/bin/deltaspec bench
