@@ -28,6 +28,10 @@ TARGET = hf_config(**{**AWKWARD, "layer_types": ["full_attention", "linear_atten
 DRAFT = hf_config(vocab_size=AWKWARD["vocab_size"], layer_types=["linear_attention", "full_attention"])
 
 
+# Dynamo's caches are per process: the module runs on one xdist worker, in file order, as it does serially.
+pytestmark = pytest.mark.xdist_group("compiled")
+
+
 @pytest.fixture(scope="module")
 def models():
     target, draft = random_model(TARGET, seed=11).fuse(), random_model(DRAFT, seed=12).fuse()
