@@ -87,6 +87,9 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
             started = time.perf_counter()
             parent = request.parent_round_id or None
             guess = request.parent_next_token if request.HasField("parent_next_token") else None
+            if guess is not None and parent is None:
+                raise InvalidArgument("parent_next_token is the token assumed after parent_round_id, which is not "
+                                      "set", "parent_next_token")
             rnd = await answered_call(session.answers, session.verify, request.round_id, list(request.draft_tokens),
                                       request.base_version, probs, parent, guess)
             self.metrics.verify_seconds.observe(time.perf_counter() - started)

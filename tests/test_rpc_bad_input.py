@@ -26,7 +26,7 @@ from deltaspec.shared.decoding.session_table import Limits
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.rpc.options import MAX_MESSAGE_BYTES
-from deltaspec.shared.rpc.status import field_of
+from deltaspec.shared.rpc.status import field_of, reason_of
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, start,  # noqa: F401
                               target_service, target_stub)
 
@@ -261,12 +261,14 @@ class Case:
     field: str | None  # None only where gRPC itself refuses before any handler runs (message size)
     setup: Callable[[Loop], None] | None = None  # valid calls made first
     concurrent: bool = False  # one of the calls wins and may move the session; the others are refused
+    reason: str | None = None  # the ErrorInfo reason, where it is finer than the status's default
 
 
 T, D = "TargetService", "DraftService"
 CREATE = pb.CreateSessionRequest
 DCREATE = dpb.DraftServiceCreateSessionRequest
 IA, NF, FP, RE = Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED
+DEFAULT_REASON = {IA: "INVALID_FIELD", NF: "NOT_FOUND", FP: "WRONG_STATE", RE: "QUOTA_EXCEEDED"}
 
 CASES = [
     # TargetService.CreateSession / Generate: prompts and sampling settings
@@ -279,7 +281,8 @@ CASES = [
     Case("prompt ids and text both set", T, "committed",
          lambda L: L.t.CreateSession(CREATE(prompt_ids=[1], prompt_text="x")), IA, "prompt_ids"),
     Case("prompt text invalid UTF-8", T, "committed",
-         lambda L: raw(L.s, TARGET + "CreateSession", string_field(2, BAD_UTF8)), IA, "prompt_text"),
+         lambda L: raw(L.s, TARGET + "CreateSession", string_field(2, BAD_UTF8)), IA, "prompt_text",
+         reason="UNPARSEABLE_REQUEST"),
     Case("huge unicode prompt text", T, "committed",
          lambda L: L.t.CreateSession(CREATE(prompt_text="€𝄞日本" * 100_000)), RE, "prompt_text"),
     Case("temperature < 0", T, "committed",
@@ -287,6 +290,13 @@ CASES = [
          IA, "sampling.temperature"),
     Case("temperature NaN", T, "committed",
          lambda L: L.t.CreateSession(CREATE(prompt_ids=PROMPT, sampling=sampling(temperature=float("nan")))),
+         IA, "sampling.temperature"),
+    Case("temperature 1e-300 (too small to sample with)", T, "committed",
+         lambda L: L.t.CreateSession(CREATE(prompt_ids=PROMPT, sampling=sampling(temperature=1e-300))),
+         IA, "sampling.temperature"),
+    Case("temperature subnormal", T, "committed",
+         lambda L: list(L.t.Generate(pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=4,
+                                                        sampling=sampling(temperature=5e-324)))),
          IA, "sampling.temperature"),
     Case("temperature inf", T, "committed",
          lambda L: L.t.CreateSession(CREATE(prompt_ids=PROMPT, sampling=sampling(temperature=float("inf")))),
@@ -312,12 +322,14 @@ CASES = [
                                                         sampling=sampling(temperature=float("nan"))))),
          IA, "sampling.temperature"),
     Case("Generate prompt text invalid UTF-8", T, "committed",
-         lambda L: raw(L.s, TARGET + "Generate", string_field(2, BAD_UTF8), stream=True), IA, "prompt_text"),
+         lambda L: raw(L.s, TARGET + "Generate", string_field(2, BAD_UTF8), stream=True), IA, "prompt_text",
+         reason="UNPARSEABLE_REQUEST"),
     # TargetService sessions
     Case("Verify on an unknown session", T, "proposed",
          lambda L: L.t.Verify(L.verify_request(session_id="nope", round_id="x")), NF, "session_id"),
     Case("Verify with session id invalid UTF-8", T, "proposed",
-         lambda L: raw(L.s, TARGET + "Verify", string_field(1, b"\xc3\x28")), IA, "session_id"),
+         lambda L: raw(L.s, TARGET + "Verify", string_field(1, b"\xc3\x28")), IA, "session_id",
+         reason="UNPARSEABLE_REQUEST"),
     Case("Verify on a closed session", T, "proposed",
          lambda L: L.t.Verify(L.verify_request(session_id=closed_target(L.s), round_id="x", base_version=0)),
          NF, "session_id"),
@@ -338,9 +350,19 @@ CASES = [
     Case("k above the limit", T, "proposed",
          lambda L: L.t.Verify(L.verify_request(round_id="x", draft_tokens=[1] * 17)), IA, "draft_tokens"),
     Case("stale base version", T, "proposed",
-         lambda L: L.t.Verify(L.verify_request(round_id="x", base_version=L.version - 1)), FP, "base_version"),
+         lambda L: L.t.Verify(L.verify_request(round_id="x", base_version=L.version - 1)), FP, "base_version",
+         reason="STALE_VERSION"),
     Case("base version ahead of the head", T, "proposed",
-         lambda L: L.t.Verify(L.verify_request(round_id="x", base_version=2**64 - 1)), FP, "base_version"),
+         lambda L: L.t.Verify(L.verify_request(round_id="x", base_version=2**64 - 1)), FP, "base_version",
+         reason="VERSION_AHEAD"),
+    Case("base version one ahead of the head", T, "proposed",
+         lambda L: L.t.Verify(L.verify_request(round_id="x", base_version=L.version + 1)), FP, "base_version",
+         reason="VERSION_AHEAD"),
+    Case("empty round id", T, "proposed", lambda L: L.t.Verify(L.verify_request(round_id="")), IA, "round_id"),
+    Case("parent_next_token without parent_round_id", T, "proposed",
+         lambda L: L.t.Verify(L.verify_request(round_id="x", parent_next_token=1)), IA, "parent_next_token"),
+    Case("Verify bytes that do not parse", T, "proposed",
+         lambda L: raw(L.s, TARGET + "Verify", b"\xff\xff\xff\xff"), IA, None, reason="UNPARSEABLE_REQUEST"),
     Case("Verify while a round is pending", T, "verified",
          lambda L: L.t.Verify(L.verify_request(round_id="other")), FP, "round_id"),
     Case("round id repeated with other drafts", T, "verified",
@@ -421,6 +443,12 @@ CASES = [
     Case("draft temperature NaN", D, "committed",
          lambda L: L.d.CreateSession(DCREATE(token_ids=PROMPT, sampling=sampling(temperature=float("nan")))),
          IA, "sampling.temperature"),
+    Case("draft temperature 1e-39", D, "committed",
+         lambda L: L.d.CreateSession(DCREATE(token_ids=PROMPT, sampling=sampling(temperature=1e-39))),
+         IA, "sampling.temperature"),
+    Case("Propose with an empty round id", D, "committed",
+         lambda L: L.d.Propose(dpb.ProposeRequest(session_id=L.dsid, round_id="", k=2, previous=L.previous)),
+         IA, "round_id"),
     Case("draft top-p > 1", D, "committed",
          lambda L: L.d.CreateSession(DCREATE(token_ids=PROMPT, sampling=sampling(temperature=1, top_p=2))),
          IA, "sampling.top_p"),
@@ -440,7 +468,8 @@ CASES = [
          lambda L: L.s.ttl_draft.Propose(dpb.ProposeRequest(
              session_id=expired(L.s.ttl_draft, DCREATE(token_ids=PROMPT)), round_id="x", k=K)), NF, "session_id"),
     Case("Propose with session id invalid UTF-8", D, "committed",
-         lambda L: raw(L.s, DRAFT + "Propose", string_field(1, b"\xed\xa0\x80")), IA, "session_id"),
+         lambda L: raw(L.s, DRAFT + "Propose", string_field(1, b"\xed\xa0\x80")), IA, "session_id",
+         reason="UNPARSEABLE_REQUEST"),
     Case("previous accept count above the proposal", D, "committed",
          lambda L: L.d.Propose(dpb.ProposeRequest(session_id=L.dsid, round_id="x", k=K,
                                                   previous=L.outcome(accepted=K + 1))), IA, "previous.accepted"),
@@ -511,6 +540,8 @@ def test_bad_input_is_refused_and_changes_nothing(servers, reference, baseline, 
         assert e.code() not in (Code.UNKNOWN, Code.INTERNAL), e.details()
         assert e.code() == case.code, e.details()
         assert field_of(e) == case.field, e.details()
+        if case.field is not None or case.reason:  # every refusal a handler makes carries an ErrorInfo
+            assert reason_of(e) == (case.reason or DEFAULT_REASON[case.code]), e.details()
     if not case.concurrent:
         assert loop.snapshot() == before
     assert loop.finish() == reference

@@ -305,7 +305,7 @@ def test_another_caller_cannot_touch_a_session_and_it_still_ends_as_target_only(
 
 def _status(err: grpc.RpcError) -> list:
     details = rpc_status.from_call(err).details
-    assert details[0].Is(error_details_pb2.ResourceInfo.DESCRIPTOR)
+    assert [d.TypeName() for d in details] == ["google.rpc.ErrorInfo", "google.rpc.ResourceInfo"]
     return [d.SerializeToString() for d in details]
 
 

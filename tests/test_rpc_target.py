@@ -105,7 +105,10 @@ def test_invalid_arguments_carry_bad_request(stub, request_, field):
         call = lambda: stub.CreateSession(request_)  # noqa: E731
     err = refused(call, Code.INVALID_ARGUMENT, field)
     details = rpc_status.from_call(err).details
-    assert len(details) == 1 and details[0].Is(error_details_pb2.BadRequest.DESCRIPTOR)
+    assert [d.TypeName() for d in details] == ["google.rpc.ErrorInfo", "google.rpc.BadRequest"]
+    info = error_details_pb2.ErrorInfo()
+    details[0].Unpack(info)
+    assert (info.reason, info.domain, info.metadata["field"]) == ("INVALID_FIELD", "deltaspec.io", field)
     assert snapshot(stub, sid) == before
     stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
 

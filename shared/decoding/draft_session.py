@@ -108,6 +108,9 @@ class DraftSession:
 
     def propose(self, round_id: str, k: int, previous: Outcome | None = None, speculative: bool = False,
                 parent: str | None = None) -> DraftRound:
+        if not round_id:
+            raise InvalidArgument("round_id must not be empty: it names the round the next outcome refers to",
+                                  "round_id")
         deadline = time.monotonic() + OVERTAKE_WAIT_S
         if speculative:
             self.answers.wait()

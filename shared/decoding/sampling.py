@@ -13,6 +13,10 @@ from torch import Tensor
 
 from deltaspec.shared.errors import InvalidArgument
 
+# The smallest positive temperature: float32 logits of a few hundred divided by it stay finite, so the softmax
+# never sees inf - inf. Below it (1e-300, subnormals) a request is refused; 0 means greedy.
+MIN_TEMPERATURE = 1e-4
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,6 +29,9 @@ class SamplingParams:
         if not 0.0 <= self.temperature < math.inf:  # also refuses NaN
             raise InvalidArgument(f"temperature must be finite and >= 0, got {self.temperature}",
                                   "sampling.temperature")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # logits / temperature would overflow to inf, softmax to NaN
+            raise InvalidArgument(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
+                                  f"{self.temperature:g}", "sampling.temperature")
         if self.top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}", "sampling.top_k")
         if not 0.0 < self.top_p <= 1.0:

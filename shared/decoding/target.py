@@ -106,6 +106,9 @@ class TargetSession:
                draft_probs: Tensor | None = None, parent: str | None = None, guess: int | None = None) -> Round:
         if parent is not None:
             self.answers.wait()
+        if not round_id:
+            raise InvalidArgument("round_id must not be empty: it names the round that Commit or Revert ends",
+                                  "round_id")
         with self.answers.call(), self.lock:
             if parent is not None and self.find(round_id) is None:
                 self._await_parent(round_id, parent, guess)
@@ -132,9 +135,12 @@ class TargetSession:
             if self.pending is not None:
                 raise FailedPrecondition(
                     f"round {self.pending.round_id!r} is still pending: commit or revert it first", "round_id")
-            if base_version is not None and base_version != self.version:
+            if base_version is not None and base_version < self.version:
                 raise FailedPrecondition(f"base version {base_version} is stale: the head is at {self.version}",
-                                         "base_version")
+                                         "base_version", "STALE_VERSION")
+            if base_version is not None and base_version > self.version:
+                raise FailedPrecondition(f"base version {base_version} is ahead of the head ({self.version}): "
+                                         "no round has made it yet", "base_version", "VERSION_AHEAD")
             self._check_input(drafts, draft_probs)
             logits, hidden = self.model(torch.tensor([self.tokens[-1], *drafts]), self.state)
             verdict = self._verdict(logits, drafts_t, draft_probs, len(self.tokens))

@@ -2,7 +2,8 @@
 
 Server side, `ErrorInterceptor` wraps every handler: a `DeltaspecError` becomes its status with
 details naming the field at fault (BadRequest for INVALID_ARGUMENT, ResourceInfo for NOT_FOUND,
-PreconditionFailure, QuotaFailure); a request that does not parse (invalid UTF-8 in a string) becomes
+PreconditionFailure, QuotaFailure) and an ErrorInfo (the error's stable `reason`, domain `deltaspec.io`, the
+field in its metadata); a request that does not parse (invalid UTF-8 in a string) becomes
 INVALID_ARGUMENT naming the field, not gRPC's INTERNAL; any other exception becomes INTERNAL; a
 service that is still loading answers UNAVAILABLE. Client side, `field_of` reads the field back from a
 failed call.
@@ -25,27 +26,29 @@ from deltaspec.shared.errors import (DeltaspecError, FailedPrecondition, Invalid
 log = logging.getLogger(__name__)
 
 
-def _bad_request(field: str, description: str) -> Message:
+DOMAIN = "deltaspec.io"
+
+
+def _bad_request(err: DeltaspecError) -> Message:
     return error_details_pb2.BadRequest(
-        field_violations=[error_details_pb2.BadRequest.FieldViolation(field=field, description=description)])
+        field_violations=[error_details_pb2.BadRequest.FieldViolation(field=err.field, description=str(err))])
 
 
-def _resource_info(field: str, description: str) -> Message:
-    return error_details_pb2.ResourceInfo(resource_type=field, description=description)
+def _resource_info(err: DeltaspecError) -> Message:
+    return error_details_pb2.ResourceInfo(resource_type=err.field, description=str(err))
 
 
-def _precondition(field: str, description: str) -> Message:
-    return error_details_pb2.PreconditionFailure(
-        violations=[error_details_pb2.PreconditionFailure.Violation(type="STATE", subject=field,
-                                                                    description=description)])
+def _precondition(err: DeltaspecError) -> Message:
+    return error_details_pb2.PreconditionFailure(violations=[error_details_pb2.PreconditionFailure.Violation(
+        type=err.reason, subject=err.field, description=str(err))])
 
 
-def _quota(field: str, description: str) -> Message:
+def _quota(err: DeltaspecError) -> Message:
     return error_details_pb2.QuotaFailure(
-        violations=[error_details_pb2.QuotaFailure.Violation(subject=field, description=description)])
+        violations=[error_details_pb2.QuotaFailure.Violation(subject=err.field, description=str(err))])
 
 
-MAPPING: dict[type[DeltaspecError], tuple[int, Callable[[str, str], Message]]] = {
+MAPPING: dict[type[DeltaspecError], tuple[int, Callable[[DeltaspecError], Message]]] = {
     InvalidArgument: (code_pb2.INVALID_ARGUMENT, _bad_request),
     NotFound: (code_pb2.NOT_FOUND, _resource_info),
     FailedPrecondition: (code_pb2.FAILED_PRECONDITION, _precondition),
@@ -54,10 +57,14 @@ MAPPING: dict[type[DeltaspecError], tuple[int, Callable[[str, str], Message]]] =
 
 
 def to_status(err: DeltaspecError) -> grpc.Status:
-    """The error's status; a `RateLimited` also carries RetryInfo (when the next call may go)."""
+    """The error's status: an ErrorInfo always, the field's detail when one is named, and for a `RateLimited`
+    a RetryInfo (when the next call may go)."""
     code, detail = next(v for cls, v in MAPPING.items() if isinstance(err, cls))
     status = status_pb2.Status(code=code, message=str(err))
-    details = [detail(err.field, str(err))] if err.field else []
+    details = [error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN,
+                                           metadata={"field": err.field} if err.field else {})]
+    if err.field:
+        details.append(detail(err))
     if isinstance(err, RateLimited):
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(max(1, round(err.retry_after_s * 1e9)))
@@ -81,6 +88,16 @@ def field_of(err: grpc.RpcError) -> str | None:
                 msg = cls()
                 packed.Unpack(msg)
                 return read(msg)
+    return None
+
+
+def reason_of(err: grpc.RpcError) -> str | None:
+    """The stable reason (`ErrorInfo.reason`, domain deltaspec.io) a refused call carries, or None."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    for packed in status.details if status else ():
+        info = error_details_pb2.ErrorInfo()
+        if packed.Unpack(info) and info.domain == DOMAIN:
+            return info.reason
     return None
 
 
@@ -161,7 +178,7 @@ def _check_decoded(request: object) -> None:
     name = request.message.DESCRIPTOR.full_name if request.message else "request"
     field = _invalid_utf8_field(request.raw, request.message) if request.message else None
     reason = f"field {field!r} is not valid UTF-8" if field else "it does not parse"
-    raise InvalidArgument(f"the request is not a valid {name}: {reason}", field)
+    raise InvalidArgument(f"the request is not a valid {name}: {reason}", field, "UNPARSEABLE_REQUEST")
 
 
 def _invalid_utf8_field(raw: bytes, message: type[Message]) -> str | None:
