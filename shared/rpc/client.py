@@ -17,7 +17,7 @@ the bearer token); the default is plaintext, which it allows only to loopback ad
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
 import grpc
@@ -50,34 +50,60 @@ def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt
     with generation_span(telemetry.tracer, "server", model, max_new_tokens) as span, \
             telemetry.channel(security.channel(target_address)) as ch:
         stub = target_service_pb2_grpc.TargetServiceStub(ch)
-        failures = 0  # broken streams in a row that brought no token
-        while True:
-            received = len(out)
-            request = target_service_pb2.GenerateRequest(
-                prompt_ids=prompt + out, prompt_text="" if prompt else prompt_text,
-                sampling=sampling_to_proto(sampling), max_new_tokens=max_new_tokens - len(out),
-                num_draft_tokens=num_draft_tokens)
-            try:
-                for msg in stub.Generate(request, timeout=None if deadline is None else deadline - time.monotonic(),
-                                         wait_for_ready=True):
-                    prompt = prompt or list(msg.prompt_ids)
-                    out += msg.token_ids
-                    if out and not stats.first_token_seconds:
-                        stats.first_token_seconds = time.perf_counter() - started
-                    text += msg.text
-                    if on_tokens and (msg.token_ids or msg.text):
-                        on_tokens(list(msg.token_ids), msg.text)
-                    if msg.HasField("stats"):
-                        _merge(stats, stats_from_proto(msg.stats))
-                break
-            except grpc.RpcError as e:
-                failures = 0 if len(out) > received else failures + 1
-                if e.code() != grpc.StatusCode.UNAVAILABLE or failures == max_attempts:
-                    raise
-                time.sleep(min(0.05 * 2 ** failures, 1.0) if failures else 0.0)  # a restarted target loads first
+        for msg in server_stream(stub, prompt_ids, prompt_text, max_new_tokens, num_draft_tokens, sampling,
+                                 deadline, max_attempts):
+            prompt = prompt or list(msg.prompt_ids)
+            out += msg.token_ids
+            if out and not stats.first_token_seconds:
+                stats.first_token_seconds = time.perf_counter() - started
+            text += msg.text
+            if on_tokens and (msg.token_ids or msg.text):
+                on_tokens(list(msg.token_ids), msg.text)
+            if msg.HasField("stats"):
+                merge_stats(stats, stats_from_proto(msg.stats))
         record_usage(span, prompt, out)
     stats.seconds = time.perf_counter() - started
     return Generation(prompt, out, stats), text
+
+
+def server_stream(stub: target_service_pb2_grpc.TargetServiceStub, prompt_ids: list[int] | None, prompt_text: str,
+                  max_new_tokens: int, num_draft_tokens: int, sampling: SamplingParams, deadline: float | None,
+                  max_attempts: int = 8) -> Iterator[target_service_pb2.GenerateResponse]:
+    """`Generate`'s messages, the stream opened again after a break (`UNAVAILABLE`) on the prompt plus the
+    tokens received so far. Draws are keyed by (seed, position), so a resumed generation is the one an
+    unbroken stream would have made, sampled too. Gives up after `max_attempts` breaks in a row without a token.
+    """
+    prompt, out, failures = list(prompt_ids or []), [], 0
+    while True:
+        received = len(out)
+        request = resume_request(prompt, out, prompt_text, max_new_tokens, num_draft_tokens, sampling)
+        try:
+            for msg in stub.Generate(request, timeout=None if deadline is None else deadline - time.monotonic(),
+                                     wait_for_ready=True):
+                prompt = prompt or list(msg.prompt_ids)
+                out += msg.token_ids
+                yield msg
+            return
+        except grpc.RpcError as e:
+            failures = 0 if len(out) > received else failures + 1
+            if e.code() != grpc.StatusCode.UNAVAILABLE or failures == max_attempts:
+                raise
+            time.sleep(resume_delay(failures))
+
+
+def resume_request(prompt: list[int], out: list[int], prompt_text: str, max_new_tokens: int, num_draft_tokens: int,
+                   sampling: SamplingParams) -> target_service_pb2.GenerateRequest:
+    """The `Generate` request for the tokens still missing: the prompt (text until the server has tokenized it)
+    followed by what already arrived."""
+    return target_service_pb2.GenerateRequest(
+        prompt_ids=prompt + out, prompt_text="" if prompt else prompt_text, sampling=sampling_to_proto(sampling),
+        max_new_tokens=max_new_tokens - len(out), num_draft_tokens=num_draft_tokens)
+
+
+def resume_delay(failures: int) -> float:
+    """Back-off before reopening a broken stream: none after one that brought tokens, then 50 ms doubling to 1 s
+    (a restarted target listens before it has loaded)."""
+    return min(0.05 * 2 ** failures, 1.0) if failures else 0.0
 
 
 def generate_client_driven(target_address: str, draft_address: str | None, prompt_ids: list[int] | None,
@@ -132,7 +158,7 @@ class _ReplicaChannels(ExitStack):
         return self.stubs[address]
 
 
-def _merge(total: Stats, part: Stats) -> None:
+def merge_stats(total: Stats, part: Stats) -> None:
     """Add the stats of one stream (a generation resumed after a restart has several)."""
     total.rounds += part.rounds
     total.drafts += part.drafts

@@ -433,6 +433,29 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._with_token(client_call_details), request)
 
 
+class _AioBearerToken:
+    """`_BearerToken` for `grpc.aio` channels. grpc.aio files an interceptor under its first call kind only,
+    so each kind gets its own subclass."""
+
+    def __init__(self, token: Callable[[], str]) -> None:
+        self.token = token
+
+    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), ("authorization", f"Bearer {self.token()}"))
+        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                          details.wait_for_ready)
+
+
+class _AioBearerTokenUnary(_AioBearerToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._with_token(client_call_details), request)
+
+
+class _AioBearerTokenStream(_AioBearerToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self._with_token(client_call_details), request)
+
+
 @dataclass(frozen=True)
 class _CallDetails(grpc.ClientCallDetails):
     method: str
@@ -489,6 +512,18 @@ class ClientSecurity:
             ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         token = self._token_source()
         return grpc.intercept_channel(ch, _BearerToken(token)) if token else ch
+
+    def aio_channel(self, address: str) -> grpc.aio.Channel:
+        """The same channel for asyncio callers (`grpc.aio`), the token added by an aio interceptor."""
+        self.check(address)
+        token = self._token_source()
+        interceptors = [_AioBearerTokenUnary(token), _AioBearerTokenStream(token)] if token else None
+        if self.tls:
+            creds = grpc.ssl_channel_credentials(*(_read(p) if p else None for p in (self.ca, self.key, self.cert)))
+            override = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+            return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS + override,
+                                           interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
     def files(self) -> list[Path]:
         """The TLS files a channel is made from."""

@@ -1,0 +1,276 @@
+"""The Python client library: what an application imports to call deltaspec's services.
+
+    from deltaspec.shared.client import Client
+
+    with Client("127.0.0.1:50051") as client:
+        for piece in client.stream("def fib(n):", max_new_tokens=64):
+            print(piece.text, end="", flush=True)
+
+`Client` is synchronous, `AsyncClient` the same for asyncio. Both dial with TLS (a CA; a certificate and key for
+mutual TLS) and a bearer token when given, plaintext only to loopback addresses (`insecure=True` elsewhere).
+`stream` runs `Generate` (the target runs the speculative loop against its own drafter) and yields text and
+token pieces as rounds commit; a stream broken by a restart or a reset is reopened on the prompt plus the
+tokens already received, which gives the same tokens (greedy, and sampled: draws are keyed by seed and
+position). `generate` returns the whole completion; with `draft=` it runs the loop in this process against a
+draft service (client-driven rounds, pipelined), retrying each round by its id, which the services make
+idempotent. Every refusal is raised as a `DeltaspecRpcError` subclass carrying the status code, the stable
+reason and the field at fault (see protos/deltaspec/v1/target_service.proto for the contract).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from deltaspec.shared.decoding.sampling import SamplingParams
+from deltaspec.shared.decoding.speculative import Stats
+from deltaspec.shared.rpc.client import (generate_client_driven, generate_on_server, merge_stats, resume_delay,
+                                         resume_request, server_stream)
+from deltaspec.shared.rpc.convert import stats_from_proto
+from deltaspec.shared.rpc.security import ClientSecurity
+from deltaspec.shared.rpc.status import DOMAIN
+from deltaspec.v1 import target_service_pb2, target_service_pb2_grpc
+
+__all__ = ["AsyncClient", "Client", "Completion", "DeltaspecRpcError", "FailedPreconditionError",
+           "InvalidArgumentError", "NotFoundError", "PermissionDeniedError", "Piece", "ResourceExhaustedError",
+           "UnauthenticatedError", "UnavailableError"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens committed by one round (and their text) as the stream delivers them."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished generation: the prompt as tokens, the new tokens and their text, the loop's statistics."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    stats: dict = field(default_factory=dict)
+
+
+class DeltaspecRpcError(Exception):
+    """A call the service refused: `code` (grpc.StatusCode), `reason` (ErrorInfo's stable string, or None where
+    gRPC or the security layer refused before the service read the request), `field` (the request field at
+    fault, or None), `retry_after_s` (RetryInfo, when rate limited), `details` (every google.rpc detail)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str | None, field: str | None,
+                 retry_after_s: float | None, details: list) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message, self.reason, self.field = code, message, reason, field
+        self.retry_after_s, self.details = retry_after_s, details
+
+    @classmethod
+    def from_rpc_error(cls, err: grpc.RpcError) -> DeltaspecRpcError:
+        code = err.code()  # type: ignore[attr-defined]
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+        details, reason, where, retry = [], None, None, None
+        for packed in status.details if status else ():
+            for kind in (error_details_pb2.ErrorInfo, error_details_pb2.BadRequest, error_details_pb2.ResourceInfo,
+                         error_details_pb2.PreconditionFailure, error_details_pb2.QuotaFailure,
+                         error_details_pb2.RetryInfo):
+                detail = kind()
+                if packed.Unpack(detail):
+                    details.append(detail)
+                    if isinstance(detail, error_details_pb2.ErrorInfo) and detail.domain == DOMAIN:
+                        reason, where = detail.reason, detail.metadata.get("field") or None
+                    elif isinstance(detail, error_details_pb2.RetryInfo):
+                        retry = detail.retry_delay.ToNanoseconds() / 1e9
+        subclass = _BY_CODE.get(code, DeltaspecRpcError)
+        return subclass(code, err.details() or "", reason, where, retry, details)  # type: ignore[attr-defined]
+
+
+class InvalidArgumentError(DeltaspecRpcError):
+    """The request is wrong; sending it again will not help."""
+
+
+class NotFoundError(DeltaspecRpcError):
+    """Unknown, closed, expired or someone else's session, or an unknown round."""
+
+
+class FailedPreconditionError(DeltaspecRpcError):
+    """A valid request at the wrong moment: a stale or future base version, another round pending."""
+
+
+class ResourceExhaustedError(DeltaspecRpcError):
+    """A limit: sessions, prompt length, state memory, call rate (`retry_after_s` then says when to retry)."""
+
+
+class UnauthenticatedError(DeltaspecRpcError):
+    """No token, or one the service does not know."""
+
+
+class PermissionDeniedError(DeltaspecRpcError):
+    """The caller's grants do not include the method."""
+
+
+class UnavailableError(DeltaspecRpcError):
+    """The service is unreachable, loading or draining, after the client's own retries."""
+
+
+_BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError, grpc.StatusCode.NOT_FOUND: NotFoundError,
+            grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+            grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+            grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+            grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError, grpc.StatusCode.UNAVAILABLE: UnavailableError}
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What both clients share: where to dial, how, and the sampling settings of a call."""
+
+    target: str
+    draft: str | None
+    security: ClientSecurity
+    timeout_s: float | None
+
+    @staticmethod
+    def make(target: str, draft: str | None, ca: str | Path | None, cert: str | Path | None,
+             key: str | Path | None, token: str | None, server_name: str | None, insecure: bool,
+             timeout_s: float | None) -> _Options:
+        path = lambda p: None if p is None else Path(p)  # noqa: E731
+        security = ClientSecurity(ca=path(ca), cert=path(cert), key=path(key), token=token,
+                                  server_name=server_name, insecure=insecure)
+        security.check(target)
+        if draft:
+            security.check(draft)
+        return _Options(target, draft, security, timeout_s)
+
+    def deadline(self) -> float | None:
+        return None if self.timeout_s is None else time.monotonic() + self.timeout_s
+
+
+def _prompt(prompt: str | list[int]) -> tuple[list[int] | None, str]:
+    if isinstance(prompt, str):
+        return None, prompt
+    return list(prompt), ""
+
+
+class Client:
+    """A synchronous client of a target service (and optionally a draft service for client-driven rounds)."""
+
+    def __init__(self, target: str, *, draft: str | None = None, ca: str | Path | None = None,
+                 cert: str | Path | None = None, key: str | Path | None = None, token: str | None = None,
+                 server_name: str | None = None, insecure: bool = False, timeout_s: float | None = None) -> None:
+        self._options = _Options.make(target, draft, ca, cert, key, token, server_name, insecure, timeout_s)
+        self._channel = self._options.security.channel(target)
+        self._stub = target_service_pb2_grpc.TargetServiceStub(self._channel)
+
+    def stream(self, prompt: str | list[int], *, max_new_tokens: int, num_draft_tokens: int = 4,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Iterator[Piece]:
+        """Text (or token ids) in, pieces out as rounds commit; the target runs the loop (`Generate`)."""
+        ids, text = _prompt(prompt)
+        sampling = SamplingParams(temperature, top_k, top_p, seed)
+        try:
+            for msg in server_stream(self._stub, ids, text, max_new_tokens, num_draft_tokens, sampling,
+                                     self._options.deadline()):
+                if msg.token_ids or msg.text:
+                    yield Piece(list(msg.token_ids), msg.text)
+        except grpc.RpcError as e:
+            raise DeltaspecRpcError.from_rpc_error(e) from e
+
+    def generate(self, prompt: str | list[int], *, max_new_tokens: int, num_draft_tokens: int = 4,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Completion:
+        """The whole completion: through `Generate`, or, with a draft service, rounds run in this process."""
+        ids, text = _prompt(prompt)
+        sampling = SamplingParams(temperature, top_k, top_p, seed)
+        try:
+            if self._options.draft:
+                generation, out = generate_client_driven(
+                    self._options.target, self._options.draft, ids, text, max_new_tokens, num_draft_tokens,
+                    sampling, self._options.timeout_s, security=self._options.security)
+            else:
+                generation, out = generate_on_server(self._options.target, ids, text, max_new_tokens,
+                                                     num_draft_tokens, sampling, self._options.timeout_s,
+                                                     security=self._options.security)
+        except grpc.RpcError as e:
+            raise DeltaspecRpcError.from_rpc_error(e) from e
+        return Completion(generation.prompt_ids, generation.token_ids, out,
+                          generation.stats.as_dict(len(generation.token_ids)))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """`Client` for asyncio: `async for piece in client.stream(...)`, `await client.generate(...)`."""
+
+    def __init__(self, target: str, *, ca: str | Path | None = None, cert: str | Path | None = None,
+                 key: str | Path | None = None, token: str | None = None, server_name: str | None = None,
+                 insecure: bool = False, timeout_s: float | None = None, max_attempts: int = 8) -> None:
+        self._options = _Options.make(target, None, ca, cert, key, token, server_name, insecure, timeout_s)
+        self._channel = self._options.security.aio_channel(target)
+        self._stub = target_service_pb2_grpc.TargetServiceStub(self._channel)
+        self._max_attempts = max_attempts
+
+    async def stream(self, prompt: str | list[int], *, max_new_tokens: int, num_draft_tokens: int = 4,
+                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                     seed: int = 0) -> AsyncIterator[Piece]:
+        async for msg in self._messages(prompt, max_new_tokens, num_draft_tokens,
+                                        SamplingParams(temperature, top_k, top_p, seed)):
+            if msg.token_ids or msg.text:
+                yield Piece(list(msg.token_ids), msg.text)
+
+    async def generate(self, prompt: str | list[int], *, max_new_tokens: int, num_draft_tokens: int = 4,
+                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Completion:
+        ids, _ = _prompt(prompt)
+        started, stats, out, text = time.perf_counter(), Stats(), [], ""
+        async for msg in self._messages(prompt, max_new_tokens, num_draft_tokens,
+                                        SamplingParams(temperature, top_k, top_p, seed)):
+            ids = ids or list(msg.prompt_ids)
+            out += msg.token_ids
+            text += msg.text
+            if out and not stats.first_token_seconds:
+                stats.first_token_seconds = time.perf_counter() - started
+            if msg.HasField("stats"):
+                merge_stats(stats, stats_from_proto(msg.stats))
+        stats.seconds = time.perf_counter() - started
+        return Completion(ids or [], out, text, stats.as_dict(len(out)))
+
+    async def _messages(self, prompt: str | list[int], max_new_tokens: int, num_draft_tokens: int,
+                        sampling: SamplingParams) -> AsyncIterator[target_service_pb2.GenerateResponse]:
+        """`server_stream` for asyncio: reopened after a break on the prompt plus the tokens received."""
+        ids, text = _prompt(prompt)
+        prompt_ids, out, failures, deadline = list(ids or []), [], 0, self._options.deadline()
+        while True:
+            received = len(out)
+            request = resume_request(prompt_ids, out, text, max_new_tokens, num_draft_tokens, sampling)
+            try:
+                async for msg in self._stub.Generate(
+                        request, timeout=None if deadline is None else deadline - time.monotonic(),
+                        wait_for_ready=True):
+                    prompt_ids = prompt_ids or list(msg.prompt_ids)
+                    out += msg.token_ids
+                    yield msg
+                return
+            except grpc.RpcError as e:
+                failures = 0 if len(out) > received else failures + 1
+                if e.code() != grpc.StatusCode.UNAVAILABLE or failures == self._max_attempts:
+                    raise DeltaspecRpcError.from_rpc_error(e) from e
+                await asyncio.sleep(resume_delay(failures))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
