@@ -28,9 +28,13 @@ class InvalidArgument(DeltaspecError, ValueError):
 
 
 class NotFound(DeltaspecError):
-    """Unknown session or round."""
+    """Unknown session or round; `resource_name` is the id that was not found."""
 
     reason = "NOT_FOUND"
+
+    def __init__(self, message: str, field: str, resource_name: str) -> None:
+        super().__init__(message, field)
+        self.resource_name = resource_name
 
 
 class FailedPrecondition(DeltaspecError):

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import sampling_pb2
@@ -249,6 +251,12 @@ def concurrent_verify(L: Loop) -> list[grpc.RpcError]:
     assert len(winners) == 1
     L.tround, L.verdict = winners[0]
     return [r for r in results if isinstance(r, grpc.RpcError)]
+
+
+def resource_info(err: grpc.RpcError) -> error_details_pb2.ResourceInfo:
+    info = error_details_pb2.ResourceInfo()
+    assert any(d.Unpack(info) for d in rpc_status.from_call(err).details)
+    return info
 
 
 @dataclass
@@ -542,6 +550,9 @@ def test_bad_input_is_refused_and_changes_nothing(servers, reference, baseline, 
         assert field_of(e) == case.field, e.details()
         if case.field is not None or case.reason:  # every refusal a handler makes carries an ErrorInfo
             assert reason_of(e) == (case.reason or DEFAULT_REASON[case.code]), e.details()
+        if e.code() == Code.NOT_FOUND:  # google.rpc's convention: the kind of resource and its id
+            info = resource_info(e)
+            assert info.resource_type in ("deltaspec.io/Session", "deltaspec.io/Round") and info.resource_name
     if not case.concurrent:
         assert loop.snapshot() == before
     assert loop.finish() == reference

@@ -199,7 +199,7 @@ class DraftSession:
         if parent is None:
             raise FailedPrecondition(f"round {newest!r} is already proposed on top of the open round", "speculative")
         if all(r.round_id != parent for r in (self.round, *self.speculations, self.earlier) if r is not None):
-            raise NotFound(f"no round {parent!r} in this draft session to build on", "parent_round_id")
+            raise NotFound(f"no round {parent!r} in this draft session to build on", "parent_round_id", parent)
         raise FailedPrecondition(f"round {parent!r} is not the newest round ({newest!r} is)", "parent_round_id")
 
     def _check_room(self, k: int) -> None:
@@ -304,4 +304,4 @@ class DraftSession:
         for rnd in (self.round, *self.speculations, self.earlier):
             if rnd is not None and rnd.round_id == round_id:
                 return rnd
-        raise NotFound(f"no round {round_id!r} in this draft session", field_name)
+        raise NotFound(f"no round {round_id!r} in this draft session", field_name, round_id)

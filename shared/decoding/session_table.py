@@ -96,7 +96,8 @@ class SessionTable(Generic[S]):
         """The caller's own session; anyone else's is refused exactly as an unknown id is."""
         entry = self._entries.get(session_id)
         if entry is None or entry.owner != owner:
-            raise NotFound(f"no session {session_id!r} (never opened, closed, or expired)", "session_id")
+            raise NotFound(f"no session {session_id!r} (never opened, closed, or expired)", "session_id",
+                           session_id)
         return entry
 
     def _check_room(self, owner: str) -> None:

@@ -195,7 +195,7 @@ class TargetSession:
             chained if chained is not None and chained.round_id == parent else None
         if rnd is None:
             if self.find(parent) is None:
-                raise NotFound(f"no round {parent!r} to stage round {round_id!r} on", "parent_round_id")
+                raise NotFound(f"no round {parent!r} to stage round {round_id!r} on", "parent_round_id", parent)
             raise FailedPrecondition(f"round {parent!r} ended otherwise than round {round_id!r} assumed",
                                      "parent_round_id")
         if rnd is pending and chained is not None:
@@ -287,7 +287,7 @@ class TargetSession:
     def _round(self, round_id: str) -> Round:
         rnd = self.find(round_id)
         if rnd is None:
-            raise NotFound(f"no round {round_id!r} in this session", "round_id")
+            raise NotFound(f"no round {round_id!r} in this session", "round_id", round_id)
         return rnd
 
     @property

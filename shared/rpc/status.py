@@ -35,7 +35,10 @@ def _bad_request(err: DeltaspecError) -> Message:
 
 
 def _resource_info(err: DeltaspecError) -> Message:
-    return error_details_pb2.ResourceInfo(resource_type=err.field, description=str(err))
+    """The kind of resource (a session or a round, by the field that named it) and the id not found."""
+    kind = "deltaspec.io/Round" if err.field.endswith("round_id") else "deltaspec.io/Session"
+    return error_details_pb2.ResourceInfo(resource_type=kind, resource_name=getattr(err, "resource_name", ""),
+                                          description=str(err))
 
 
 def _precondition(err: DeltaspecError) -> Message:
@@ -77,17 +80,12 @@ def to_status(err: DeltaspecError) -> grpc.Status:
 
 
 def field_of(err: grpc.RpcError) -> str | None:
-    """The request field a refused call names in its details, or None."""
+    """The request field a refused call names (its ErrorInfo's `field`), or None."""
     status = rpc_status.from_call(err)  # type: ignore[arg-type]
     for packed in status.details if status else ():
-        for cls, read in ((error_details_pb2.BadRequest, lambda m: m.field_violations[0].field),
-                          (error_details_pb2.ResourceInfo, lambda m: m.resource_type),
-                          (error_details_pb2.PreconditionFailure, lambda m: m.violations[0].subject),
-                          (error_details_pb2.QuotaFailure, lambda m: m.violations[0].subject)):
-            if packed.Is(cls.DESCRIPTOR):
-                msg = cls()
-                packed.Unpack(msg)
-                return read(msg)
+        info = error_details_pb2.ErrorInfo()
+        if packed.Unpack(info) and info.domain == DOMAIN:
+            return info.metadata.get("field") or None
     return None
 
 
