@@ -29,12 +29,10 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from deltaspec.shared.decoding.sampling import SamplingParams
-from deltaspec.shared.decoding.speculative import Stats
-from deltaspec.shared.rpc.client import (generate_client_driven, generate_on_server, merge_stats, resume_delay,
-                                         resume_request, server_stream)
-from deltaspec.shared.rpc.convert import stats_from_proto
+from deltaspec.shared.decoding.speculative import Generation
+from deltaspec.shared.rpc.client import Resume, StreamTotals, generate_client_driven, generate_on_server, server_stream
 from deltaspec.shared.rpc.security import ClientSecurity
-from deltaspec.shared.rpc.status import DOMAIN
+from deltaspec.shared.rpc.status import error_info, field_of
 from deltaspec.v1 import target_service_pb2, target_service_pb2_grpc
 
 __all__ = ["AsyncClient", "Client", "Completion", "DeltaspecRpcError", "FailedPreconditionError",
@@ -73,22 +71,23 @@ class DeltaspecRpcError(Exception):
 
     @classmethod
     def from_rpc_error(cls, err: grpc.RpcError) -> DeltaspecRpcError:
-        code = err.code()  # type: ignore[attr-defined]
         status = rpc_status.from_call(err)  # type: ignore[arg-type]
-        details, reason, where, retry = [], None, None, None
+        details = []
         for packed in status.details if status else ():
-            for kind in (error_details_pb2.ErrorInfo, error_details_pb2.BadRequest, error_details_pb2.ResourceInfo,
-                         error_details_pb2.PreconditionFailure, error_details_pb2.QuotaFailure,
-                         error_details_pb2.RetryInfo):
+            for kind in _DETAIL_KINDS:
                 detail = kind()
                 if packed.Unpack(detail):
                     details.append(detail)
-                    if isinstance(detail, error_details_pb2.ErrorInfo) and detail.domain == DOMAIN:
-                        reason, where = detail.reason, detail.metadata.get("field") or None
-                    elif isinstance(detail, error_details_pb2.RetryInfo):
-                        retry = detail.retry_delay.ToNanoseconds() / 1e9
-        subclass = _BY_CODE.get(code, DeltaspecRpcError)
-        return subclass(code, err.details() or "", reason, where, retry, details)  # type: ignore[attr-defined]
+        info = error_info(err)
+        retry = next((d.retry_delay.ToNanoseconds() / 1e9 for d in details
+                      if isinstance(d, error_details_pb2.RetryInfo)), None)
+        code, message = err.code(), err.details() or ""  # type: ignore[attr-defined]
+        return _BY_CODE.get(code, DeltaspecRpcError)(code, message, info.reason if info else None, field_of(err),
+                                                     retry, details)
+
+
+_DETAIL_KINDS = (error_details_pb2.ErrorInfo, error_details_pb2.BadRequest, error_details_pb2.ResourceInfo,
+                 error_details_pb2.PreconditionFailure, error_details_pb2.QuotaFailure, error_details_pb2.RetryInfo)
 
 
 class InvalidArgumentError(DeltaspecRpcError):
@@ -128,7 +127,7 @@ _BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError, grpc.StatusC
 
 @dataclass(frozen=True)
 class _Options:
-    """What both clients share: where to dial, how, and the sampling settings of a call."""
+    """What both clients share: where to dial, how, and how long a call may take."""
 
     target: str
     draft: str | None
@@ -155,6 +154,11 @@ def _prompt(prompt: str | list[int]) -> tuple[list[int] | None, str]:
     if isinstance(prompt, str):
         return None, prompt
     return list(prompt), ""
+
+
+def _completion(generation: Generation, text: str) -> Completion:
+    return Completion(generation.prompt_ids, generation.token_ids, text,
+                      generation.stats.as_dict(len(generation.token_ids)))
 
 
 class Client:
@@ -196,8 +200,7 @@ class Client:
                                                      security=self._options.security)
         except grpc.RpcError as e:
             raise DeltaspecRpcError.from_rpc_error(e) from e
-        return Completion(generation.prompt_ids, generation.token_ids, out,
-                          generation.stats.as_dict(len(generation.token_ids)))
+        return _completion(generation, out)
 
     def close(self) -> None:
         self._channel.close()
@@ -230,41 +233,30 @@ class AsyncClient:
 
     async def generate(self, prompt: str | list[int], *, max_new_tokens: int, num_draft_tokens: int = 4,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Completion:
-        ids, _ = _prompt(prompt)
-        started, stats, out, text = time.perf_counter(), Stats(), [], ""
+        totals = StreamTotals(_prompt(prompt)[0])
         async for msg in self._messages(prompt, max_new_tokens, num_draft_tokens,
                                         SamplingParams(temperature, top_k, top_p, seed)):
-            ids = ids or list(msg.prompt_ids)
-            out += msg.token_ids
-            text += msg.text
-            if out and not stats.first_token_seconds:
-                stats.first_token_seconds = time.perf_counter() - started
-            if msg.HasField("stats"):
-                merge_stats(stats, stats_from_proto(msg.stats))
-        stats.seconds = time.perf_counter() - started
-        return Completion(ids or [], out, text, stats.as_dict(len(out)))
+            totals.add(msg)
+        return _completion(*totals.finish())
 
     async def _messages(self, prompt: str | list[int], max_new_tokens: int, num_draft_tokens: int,
                         sampling: SamplingParams) -> AsyncIterator[target_service_pb2.GenerateResponse]:
         """`server_stream` for asyncio: reopened after a break on the prompt plus the tokens received."""
-        ids, text = _prompt(prompt)
-        prompt_ids, out, failures, deadline = list(ids or []), [], 0, self._options.deadline()
+        resume = Resume(*_prompt(prompt), max_new_tokens, num_draft_tokens, sampling, self._options.deadline(),
+                        self._max_attempts)
         while True:
-            received = len(out)
-            request = resume_request(prompt_ids, out, text, max_new_tokens, num_draft_tokens, sampling)
             try:
-                async for msg in self._stub.Generate(
-                        request, timeout=None if deadline is None else deadline - time.monotonic(),
-                        wait_for_ready=True):
-                    prompt_ids = prompt_ids or list(msg.prompt_ids)
-                    out += msg.token_ids
+                async for msg in self._stub.Generate(resume.request(), timeout=resume.timeout(),
+                                                     wait_for_ready=True):
+                    resume.seen(msg)
                     yield msg
                 return
             except grpc.RpcError as e:
-                failures = 0 if len(out) > received else failures + 1
-                if e.code() != grpc.StatusCode.UNAVAILABLE or failures == self._max_attempts:
+                try:
+                    delay = resume.after_break(e)
+                except grpc.RpcError:
                     raise DeltaspecRpcError.from_rpc_error(e) from e
-                await asyncio.sleep(resume_delay(failures))
+                await asyncio.sleep(delay)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -44,66 +44,92 @@ def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt
                        model: str = "deltaspec-target",
                        security: ClientSecurity = ClientSecurity()) -> tuple[Generation, str]:
     telemetry = telemetry or Telemetry()
-    started = time.perf_counter()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    prompt, out, text, stats = list(prompt_ids or []), [], "", Stats()
+    totals = StreamTotals(prompt_ids)
     with generation_span(telemetry.tracer, "server", model, max_new_tokens) as span, \
             telemetry.channel(security.channel(target_address)) as ch:
         stub = target_service_pb2_grpc.TargetServiceStub(ch)
         for msg in server_stream(stub, prompt_ids, prompt_text, max_new_tokens, num_draft_tokens, sampling,
                                  deadline, max_attempts):
-            prompt = prompt or list(msg.prompt_ids)
-            out += msg.token_ids
-            if out and not stats.first_token_seconds:
-                stats.first_token_seconds = time.perf_counter() - started
-            text += msg.text
+            totals.add(msg)
             if on_tokens and (msg.token_ids or msg.text):
                 on_tokens(list(msg.token_ids), msg.text)
-            if msg.HasField("stats"):
-                merge_stats(stats, stats_from_proto(msg.stats))
-        record_usage(span, prompt, out)
-    stats.seconds = time.perf_counter() - started
-    return Generation(prompt, out, stats), text
+        record_usage(span, totals.prompt, totals.out)
+    return totals.finish()
+
+
+class StreamTotals:
+    """A `Generate` stream's messages added up (over every reopening) into the result in-process `generate`
+    returns: the prompt as tokens, the new tokens, their text, the merged stats timed from construction."""
+
+    def __init__(self, prompt_ids: list[int] | None) -> None:
+        self.started = time.perf_counter()
+        self.prompt, self.out, self.text, self.stats = list(prompt_ids or []), [], "", Stats()
+
+    def add(self, msg: target_service_pb2.GenerateResponse) -> None:
+        self.prompt = self.prompt or list(msg.prompt_ids)
+        self.out += msg.token_ids
+        self.text += msg.text
+        if self.out and not self.stats.first_token_seconds:
+            self.stats.first_token_seconds = time.perf_counter() - self.started
+        if msg.HasField("stats"):
+            merge_stats(self.stats, stats_from_proto(msg.stats))
+
+    def finish(self) -> tuple[Generation, str]:
+        self.stats.seconds = time.perf_counter() - self.started
+        return Generation(self.prompt, self.out, self.stats), self.text
+
+
+class Resume:
+    """What reopening a broken `Generate` stream needs, for the sync and asyncio loops alike: the request for
+    the tokens still missing (the prompt, text until the server has tokenized it, followed by what arrived),
+    the time left, and the back-off after a break. Draws are keyed by (seed, position), so a resumed
+    generation is the one an unbroken stream would have made, sampled too."""
+
+    def __init__(self, prompt_ids: list[int] | None, prompt_text: str, max_new_tokens: int, num_draft_tokens: int,
+                 sampling: SamplingParams, deadline: float | None, max_attempts: int) -> None:
+        self.prompt, self.out, self.prompt_text = list(prompt_ids or []), [], prompt_text
+        self.max_new_tokens, self.num_draft_tokens, self.sampling = max_new_tokens, num_draft_tokens, sampling
+        self.deadline, self.max_attempts = deadline, max_attempts
+        self.failures, self.received = 0, 0  # breaks in a row that brought no token; tokens before this opening
+
+    def request(self) -> target_service_pb2.GenerateRequest:
+        self.received = len(self.out)
+        return target_service_pb2.GenerateRequest(
+            prompt_ids=self.prompt + self.out, prompt_text="" if self.prompt else self.prompt_text,
+            sampling=sampling_to_proto(self.sampling), max_new_tokens=self.max_new_tokens - len(self.out),
+            num_draft_tokens=self.num_draft_tokens)
+
+    def timeout(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def seen(self, msg: target_service_pb2.GenerateResponse) -> None:
+        self.prompt = self.prompt or list(msg.prompt_ids)
+        self.out += msg.token_ids
+
+    def after_break(self, err: grpc.RpcError) -> float:
+        """The delay before reopening, or `err` raised again: not `UNAVAILABLE`, or `max_attempts` breaks in a
+        row without a token. No delay after a stream that brought tokens, then 50 ms doubling to 1 s (a
+        restarted target listens before it has loaded)."""
+        self.failures = 0 if len(self.out) > self.received else self.failures + 1
+        if err.code() != grpc.StatusCode.UNAVAILABLE or self.failures == self.max_attempts:  # type: ignore
+            raise err
+        return min(0.05 * 2 ** self.failures, 1.0) if self.failures else 0.0
 
 
 def server_stream(stub: target_service_pb2_grpc.TargetServiceStub, prompt_ids: list[int] | None, prompt_text: str,
                   max_new_tokens: int, num_draft_tokens: int, sampling: SamplingParams, deadline: float | None,
                   max_attempts: int = 8) -> Iterator[target_service_pb2.GenerateResponse]:
-    """`Generate`'s messages, the stream opened again after a break (`UNAVAILABLE`) on the prompt plus the
-    tokens received so far. Draws are keyed by (seed, position), so a resumed generation is the one an
-    unbroken stream would have made, sampled too. Gives up after `max_attempts` breaks in a row without a token.
-    """
-    prompt, out, failures = list(prompt_ids or []), [], 0
+    """`Generate`'s messages, the stream opened again after a break (`UNAVAILABLE`, see `Resume`)."""
+    resume = Resume(prompt_ids, prompt_text, max_new_tokens, num_draft_tokens, sampling, deadline, max_attempts)
     while True:
-        received = len(out)
-        request = resume_request(prompt, out, prompt_text, max_new_tokens, num_draft_tokens, sampling)
         try:
-            for msg in stub.Generate(request, timeout=None if deadline is None else deadline - time.monotonic(),
-                                     wait_for_ready=True):
-                prompt = prompt or list(msg.prompt_ids)
-                out += msg.token_ids
+            for msg in stub.Generate(resume.request(), timeout=resume.timeout(), wait_for_ready=True):
+                resume.seen(msg)
                 yield msg
             return
         except grpc.RpcError as e:
-            failures = 0 if len(out) > received else failures + 1
-            if e.code() != grpc.StatusCode.UNAVAILABLE or failures == max_attempts:
-                raise
-            time.sleep(resume_delay(failures))
-
-
-def resume_request(prompt: list[int], out: list[int], prompt_text: str, max_new_tokens: int, num_draft_tokens: int,
-                   sampling: SamplingParams) -> target_service_pb2.GenerateRequest:
-    """The `Generate` request for the tokens still missing: the prompt (text until the server has tokenized it)
-    followed by what already arrived."""
-    return target_service_pb2.GenerateRequest(
-        prompt_ids=prompt + out, prompt_text="" if prompt else prompt_text, sampling=sampling_to_proto(sampling),
-        max_new_tokens=max_new_tokens - len(out), num_draft_tokens=num_draft_tokens)
-
-
-def resume_delay(failures: int) -> float:
-    """Back-off before reopening a broken stream: none after one that brought tokens, then 50 ms doubling to 1 s
-    (a restarted target listens before it has loaded)."""
-    return min(0.05 * 2 ** failures, 1.0) if failures else 0.0
+            time.sleep(resume.after_break(e))
 
 
 def generate_client_driven(target_address: str, draft_address: str | None, prompt_ids: list[int] | None,

@@ -79,24 +79,27 @@ def to_status(err: DeltaspecError) -> grpc.Status:
     return rpc_status.to_status(status)
 
 
-def field_of(err: grpc.RpcError) -> str | None:
-    """The request field a refused call names (its ErrorInfo's `field`), or None."""
+def error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """The ErrorInfo (domain deltaspec.io) a refused call carries: its stable `reason` and the `field` at fault
+    in its metadata; None where gRPC or the security layer refused before a service read the request."""
     status = rpc_status.from_call(err)  # type: ignore[arg-type]
     for packed in status.details if status else ():
         info = error_details_pb2.ErrorInfo()
         if packed.Unpack(info) and info.domain == DOMAIN:
-            return info.metadata.get("field") or None
+            return info
     return None
+
+
+def field_of(err: grpc.RpcError) -> str | None:
+    """The request field a refused call names, or None."""
+    info = error_info(err)
+    return (info.metadata.get("field") or None) if info else None
 
 
 def reason_of(err: grpc.RpcError) -> str | None:
-    """The stable reason (`ErrorInfo.reason`, domain deltaspec.io) a refused call carries, or None."""
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    for packed in status.details if status else ():
-        info = error_details_pb2.ErrorInfo()
-        if packed.Unpack(info) and info.domain == DOMAIN:
-            return info.reason
-    return None
+    """The stable reason a refused call carries, or None."""
+    info = error_info(err)
+    return info.reason if info else None
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
