@@ -13,6 +13,8 @@ from grpc_status import rpc_status
 from deltaspec.v1 import sampling_pb2
 from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.shared.decoding.session_table import Limits
+from deltaspec.shared.errors import NotFound
+from deltaspec.shared.rpc.remote_target import RemoteTargetSession
 from test_rpc_support import PROMPT, one_torch_thread, pair, refused, start, target_service, target_stub  # noqa: F401
 
 Code = grpc.StatusCode
@@ -170,3 +172,13 @@ def test_concurrent_calls_are_atomic(stub):
 def test_prompt_as_text(stub):
     created = stub.CreateSession(pb.CreateSessionRequest(prompt_text="hi"))
     assert list(created.prompt_ids) == [104, 105]  # the byte tokenizer
+
+
+def test_remote_chained_verify_on_an_unknown_parent_is_not_found_naming_it(pair):
+    """The client-side session rebuilds the target's refusal of a pipelined round as the engine's own error."""
+    with start(target_service(pair[0])) as server:
+        session = RemoteTargetSession(target_stub(server.address), PROMPT)
+        with pytest.raises(NotFound) as info:
+            session.verify("r2", [1, 2], base_version=1, parent="r1", guess=3)
+        assert (info.value.field, info.value.resource_name) == ("parent_round_id", "r1")
+        session.close()

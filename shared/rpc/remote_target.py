@@ -85,9 +85,10 @@ class RemoteTargetSession:
             put_probs(request, draft_probs, self.sampling.greedy, self.sparse_probs)
             reply = self.stub.Verify(request, **self._opts())
         except grpc.RpcError as e:
-            refusal = NotFound if e.code() == grpc.StatusCode.NOT_FOUND else FailedPrecondition
-            raise refusal(f"round {round_id!r} was not staged on {parent!r}: {e.code().name}: {e.details()}",
-                          "parent_round_id") from None
+            message = f"round {round_id!r} was not staged on {parent!r}: {e.code().name}: {e.details()}"
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise NotFound(message, "parent_round_id", parent) from None
+            raise FailedPrecondition(message, "parent_round_id") from None
         rnd = Round(round_id, base_version or 0, tuple(drafts), Verdict(reply.accepted, reply.next_token),
                     reply.round.staged_bytes, hidden=torch.empty(0), parent=parent, guess=guess)
         with self._lock:  # a chained verify may return while the loop commits
