@@ -31,13 +31,17 @@ from torch import Tensor
 
 from deltaspec.shared.kernels.chunk import one_chunk_gated_delta_rule
 from deltaspec.shared.model import fused
-from deltaspec.shared.state.rollback import LOG_CAPACITY, ModelState
+from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, LOG_CAPACITY, ModelState
 
 if TYPE_CHECKING:
     from deltaspec.shared.model.hybrid import HybridLM
     from deltaspec.shared.model.layers import DecoderLayer
 
 WHOLE_GRAPH_LAYERS = 4  # deeper stacks compile per layer kind (a whole 12-layer graph was not compiled after 15 min)
+# A pass's most tokens, for every state: one range, whatever a state's log capacity (`fits` keeps each pass within
+# its own), so every compile of a graph agrees on it. Ranges that differed per capacity made Inductor's on-disk FX
+# graph cache hand a graph compiled for 2..36 tokens to a trace marked 2..51, which dynamo refuses.
+MAX_PASS_TOKENS = CHAIN_LOG_CAPACITY
 _GDN_ARGS = ("conv_in", "state_in", "window", "spare", "x", "k", "delta", "g")  # a GDN layer's state arguments
 
 # Inductor warns, once per graph, that the chunk kernel's triangular solve has no C shim and runs through its
@@ -129,9 +133,8 @@ class CompiledPasses:
             _require_cpp_compiler()
             options["cpp_wrapper"] = True  # the kernels called from generated C++: no Python per kernel
         self.per_layer = n_layers > WHOLE_GRAPH_LAYERS
-        self.max_tokens = LOG_CAPACITY  # a pass's most tokens: the logs' capacity of the state it runs on
         if self.per_layer:
-            self.gdn_layer, self.attention_layer = (_token_count_dynamic(_compile(fn, options), self)
+            self.gdn_layer, self.attention_layer = (_token_count_dynamic(_compile(fn, options))
                                                     for fn in (_gdn_layer, _attention_layer))
         else:
             self.fn: Callable[..., tuple[Tensor, Tensor]] = _compile(_pass, options)
@@ -143,13 +146,12 @@ class CompiledPasses:
 
     def __call__(self, model: HybridLM, x: Tensor, state: ModelState, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         T, start, gdn = x.shape[0], state.length + state.staged, state.gdn
-        self.max_tokens = gdn.log_capacity  # a graph for each capacity a model's states have (a draft's: 51)
         state.ensure_positions(start + T)
         positions = torch.arange(start, start + T, device=x.device)
         slots = positions - state.length
         if T > 1:  # one graph for every verify length
             for t in (x, *rope, positions, slots):
-                torch._dynamo.mark_dynamic(t, 0, min=2, max=self.max_tokens)
+                torch._dynamo.mark_dynamic(t, 0, min=2, max=MAX_PASS_TOKENS)
         kv = [(layer.k, layer.v) for layer in state.attn]
         for k_cache, v_cache in kv:  # and for every K/V capacity
             torch._dynamo.maybe_mark_dynamic(k_cache, 1)
@@ -195,10 +197,10 @@ def _compile(fn: Callable, options: dict) -> Callable:
     return torch.compile(own, fullgraph=True, options=options)
 
 
-def _token_count_dynamic(layer_fn: Callable[..., Tensor], passes: CompiledPasses) -> Callable[..., Tensor]:
+def _token_count_dynamic(layer_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """A compiled layer whose input `x`'s token count is symbolic from 2 tokens on (each layer's `x` is a new tensor)."""
     def call(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, *rest: Tensor) -> Tensor:
         if x.shape[0] > 1:
-            torch._dynamo.mark_dynamic(x, 0, min=2, max=passes.max_tokens)
+            torch._dynamo.mark_dynamic(x, 0, min=2, max=MAX_PASS_TOKENS)
         return layer_fn(layer, f, x, *rest)
     return call
