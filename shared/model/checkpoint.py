@@ -9,13 +9,15 @@ import torch
 from safetensors.torch import save_file
 
 from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.model.family import family_of
 from deltaspec.shared.model.hybrid import HybridLM
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def save_checkpoint(model: HybridLM, directory: str | Path) -> Path:
-    """`config.json` + `model.safetensors` that HF's `Qwen3_5ForCausalLM` loads as they are."""
+    """`config.json` + `model.safetensors` in the family's published layout, which HF's `Qwen3_5ForCausalLM`,
+    `Qwen3_5MoeForCausalLM` or `Qwen3NextForCausalLM` loads as it is (experts fused, as HF keeps them)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = dict(model.config.raw)
@@ -25,6 +27,7 @@ def save_checkpoint(model: HybridLM, directory: str | Path) -> Path:
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight")
     tensors.update(model.mtp)
+    family_of(config["model_type"]).publish(tensors, model.config)  # type: ignore[union-attr]
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     return directory
 
@@ -44,6 +47,23 @@ def hf_config(**overrides: Any) -> dict[str, Any]:
     }
     cfg.update(overrides)
     cfg["num_hidden_layers"] = len(cfg["layer_types"])
+    return cfg
+
+
+MOE_ARCHITECTURES = {"qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+
+
+def hf_moe_config(model_type: str = "qwen3_5_moe_text", **overrides: Any) -> dict[str, Any]:
+    """A small sparse MoE config of either family (8 experts, top-2, a shared expert); every field can be overridden.
+    Qwen3.5-MoE has no dense MLP (no `intermediate_size`); Qwen3-Next keeps one for its `mlp_only_layers`."""
+    moe: dict[str, Any] = {"architectures": [MOE_ARCHITECTURES[model_type]], "model_type": model_type,
+                           "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                           "shared_expert_intermediate_size": 48}
+    if model_type == "qwen3_next":
+        moe.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    cfg = hf_config(**{**moe, **overrides})
+    if model_type != "qwen3_next" and "intermediate_size" not in overrides:
+        del cfg["intermediate_size"]
     return cfg
 
 

@@ -21,7 +21,8 @@ from torch import Tensor, nn
 
 from deltaspec.shared.kernels import pick_kernel
 from deltaspec.shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
-from deltaspec.shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, RMSNorm
+from deltaspec.shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, RMSNorm, SparseMoE
+from deltaspec.shared.model.moe import apply_experts, route
 
 if TYPE_CHECKING:
     from deltaspec.shared.model.hybrid import HybridStack
@@ -51,12 +52,20 @@ class FusedAttention:
 
 
 @dataclass
+class FusedMoE:
+    w_in: Tensor  # (E + 2 shared intermediate + 1, hidden): router, shared expert gate and up, shared expert gate
+    splits: tuple[int, int, int]
+    shared_down_t: Tensor  # shared_expert.down_proj.weight.t(), a view
+
+
+@dataclass
 class FusedLayer:
     input_norm: Tensor  # (hidden,) 1 + w
     post_norm: Tensor
-    w_gate_up: Tensor  # (2 intermediate, hidden)
-    down_t: Tensor  # down_proj.weight.t(), a view
+    w_gate_up: Tensor | None  # (2 intermediate, hidden); None where the MLP is a sparse MoE block
+    down_t: Tensor | None  # down_proj.weight.t(), a view
     mixer: FusedGDN | FusedAttention
+    moe: FusedMoE | None = None
 
 
 def _concat(*linears: nn.Linear) -> Tensor:
@@ -101,9 +110,16 @@ def fuse_stack(stack: HybridStack) -> FusedStack:
 
 def fuse_layer(layer: DecoderLayer) -> FusedLayer:
     mixer = _fuse_gdn(layer.linear_attn) if layer.kind == "linear_attention" else _fuse_attention(layer.self_attn)
-    return FusedLayer(input_norm=_plus_one(layer.input_layernorm), post_norm=_plus_one(layer.post_attention_layernorm),
-                      w_gate_up=_concat(layer.mlp.gate_proj, layer.mlp.up_proj),
-                      down_t=layer.mlp.down_proj.weight.detach().t(), mixer=mixer)
+    norms = {"input_norm": _plus_one(layer.input_layernorm), "post_norm": _plus_one(layer.post_attention_layernorm)}
+    m = layer.mlp
+    if isinstance(m, SparseMoE):
+        shared = m.shared_expert
+        moe = FusedMoE(w_in=_concat(m.gate, shared.gate_proj, shared.up_proj, m.shared_expert_gate),
+                       splits=(m.gate.weight.shape[0], 2 * shared.gate_proj.weight.shape[0], 1),
+                       shared_down_t=shared.down_proj.weight.detach().t())
+        return FusedLayer(**norms, w_gate_up=None, down_t=None, mixer=mixer, moe=moe)
+    return FusedLayer(**norms, w_gate_up=_concat(m.gate_proj, m.up_proj), down_t=m.down_proj.weight.detach().t(),
+                      mixer=mixer)
 
 
 def rotary_signed(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -228,10 +244,22 @@ def _attention(m: Attention, f: FusedAttention, h: Tensor, residual: Tensor, st:
 
 
 def mlp(layer: DecoderLayer, f: FusedLayer, x: Tensor) -> Tensor:
-    """The post-mixer norm and MLP, added to the residual."""
-    gate, up = F.linear(F.rms_norm(x, x.shape[-1:], f.post_norm, layer.post_attention_layernorm.eps),
-                        f.w_gate_up).chunk(2, dim=-1)
+    """The post-mixer norm and MLP (dense, or sparse MoE over all of x's tokens at once), added to the residual."""
+    h = F.rms_norm(x, x.shape[-1:], f.post_norm, layer.post_attention_layernorm.eps)
+    if f.moe is not None:
+        return _moe(layer.mlp, f.moe, h, x)  # type: ignore[arg-type]
+    gate, up = F.linear(h, f.w_gate_up).chunk(2, dim=-1)
     return torch.addmm(x, F.silu(gate) * up, f.down_t)
+
+
+def _moe(m: SparseMoE, f: FusedMoE, h: Tensor, residual: Tensor) -> Tensor:
+    """`SparseMoE.forward` with the router and the shared expert's input projections in one matmul."""
+    logits, gate_up, shared_gate = F.linear(h, f.w_in).split(f.splits, dim=-1)
+    weights, chosen = route(logits, m.top_k, m.renormalise)
+    routed, m.touched = apply_experts(m.experts, h, weights, chosen)
+    gate, up = gate_up.chunk(2, dim=-1)
+    shared = torch.sigmoid(shared_gate) * torch.mm(F.silu(gate) * up, f.shared_down_t)
+    return residual + (routed + shared)
 
 
 def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, st: GDNSlot | AttnLayerState, start: int,

@@ -1,4 +1,4 @@
-"""The layers of the Qwen3.5 hybrid stack, in plain PyTorch, with HF's parameter names.
+"""The layers of the Qwen hybrid stacks, in plain PyTorch, with HF's parameter names (Qwen3.5's GDN layout).
 
 Every layer works on one sequence `(T, hidden)` and stages its tokens into its slice of a
 `ModelState` (see `deltaspec.shared.state.rollback`); none of them changes the committed head.
@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from deltaspec.shared.kernels import pick_kernel
 from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.model.moe import Experts, apply_experts, route
 from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot
 
 
@@ -53,6 +54,25 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Router (`gate`), routed experts, and a shared expert behind a sigmoid gate; HF's parameter names."""
+
+    def __init__(self, hidden: int, n_experts: int, top_k: int, intermediate: int, shared_intermediate: int,
+                 renormalise: bool) -> None:
+        super().__init__()
+        self.top_k, self.renormalise = top_k, renormalise
+        self.gate = nn.Linear(hidden, n_experts, bias=False)
+        self.experts = Experts(n_experts, hidden, intermediate)
+        self.shared_expert = MLP(hidden, shared_intermediate)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.touched = 0  # distinct experts the last pass read
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, chosen = route(self.gate(x), self.top_k, self.renormalise)
+        routed, self.touched = apply_experts(self.experts, x, weights, chosen)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -155,14 +175,18 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str) -> None:
+    def __init__(self, cfg: ModelConfig, kind: str, sparse: bool = False) -> None:
+        """`sparse`: a sparse MoE block (`deltaspec.shared.model.moe`) in place of the dense MLP."""
         super().__init__()
         self.kind = kind
         if kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg)
         else:
             self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                      cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
+            if sparse else MLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

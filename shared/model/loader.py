@@ -1,12 +1,18 @@
-"""Load a HF checkpoint directory into a `HybridLM`.
+"""Load a HF checkpoint directory into a `HybridLM`, for every family in `deltaspec.shared.model.family`.
 
-Reads `config.json` and `model.safetensors` or its shards (`model.safetensors.index.json`);
-weight prefixes `model.` and `model.language_model.`; float32, bfloat16, float16. `mtp.*` tensors
-are kept on `model.mtp`. Any mismatch stops with one `CheckpointError` naming the tensor or field.
+Reads `config.json` and `model.safetensors` or its shards (`model.safetensors.index.json`); weight prefixes
+`model.` and `model.language_model.`; float32, bfloat16, float16. Routed experts come per expert
+(`mlp.experts.N.gate_proj.weight`, `up_proj`, `down_proj`) or fused as HF keeps them (`mlp.experts.gate_up_proj`
+(E, 2 I, H), `mlp.experts.down_proj` (E, H, I)), or both in one checkpoint (the published Qwen3.5-35B-A3B: main
+layers fused, MTP per expert); per-expert ones are stacked. A multimodal wrapper's vision tower (`model.visual.*`)
+is skipped with a log line. `mtp.*` tensors are kept on `model.mtp`. Every tensor must be consumed and every
+parameter found: any mismatch stops with one `CheckpointError` naming the tensor or field.
 """
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import torch
@@ -15,7 +21,12 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from deltaspec.shared.model.config import ConfigError, ModelConfig
+from deltaspec.shared.model.family import family_of
 from deltaspec.shared.model.hybrid import HybridLM
+
+log = logging.getLogger(__name__)
+VISION_PREFIXES = ("model.visual.", "visual.")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,6 +73,19 @@ def load_model(directory: str | Path, dtype: torch.dtype | None = None, device: 
             raise CheckpointError(f"config.json: field 'dtype' {raw_dtype!r} is not one of {sorted(DTYPES)}")
         dtype = DTYPES[raw_dtype]
     tensors = {canonical_name(k): v for k, v in read_tensors(directory).items()}
+    vision = [k for k in tensors if k.startswith(VISION_PREFIXES)]
+    if vision:
+        log.info("%s: skipping the vision tower (%d tensors under model.visual); deltaspec serves the text model",
+                 directory, len(vision))
+        for k in vision:
+            del tensors[k]
+    try:
+        family_of(cfg.raw.get("model_type")).convert(tensors, cfg)  # type: ignore[union-attr]
+        stack_experts(tensors, cfg)
+    except KeyError as e:
+        raise CheckpointError(f"{directory}: missing tensor {e.args[0]!r}") from None
+    except ValueError as e:
+        raise CheckpointError(f"{directory}: {e}") from None
     mtp = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("mtp.")]}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
@@ -86,6 +110,30 @@ def load_model(directory: str | Path, dtype: torch.dtype | None = None, device: 
         model.lm_head.weight = model.model.embed_tokens.weight
     model.mtp = {k: v.to(dtype) for k, v in mtp.items()}
     return model.to(device).eval().fuse()
+
+
+def stack_experts(tensors: dict[str, Tensor], cfg: ModelConfig) -> None:
+    """Per-expert tensors -> HF's fused ones, in place: `gate_up_proj` = [gate; up] per expert, stacked over experts.
+
+    Every expert 0..E-1 of a block must be there, with all three projections, and a block must not come both ways."""
+    blocks: dict[str, dict[int, dict[str, Tensor]]] = {}
+    for name in [n for n in tensors if _PER_EXPERT.match(n)]:
+        prefix, index, proj = _PER_EXPERT.match(name).groups()  # type: ignore[union-attr]
+        blocks.setdefault(prefix, {}).setdefault(int(index), {})[proj] = tensors.pop(name)
+    for prefix, experts in sorted(blocks.items()):
+        if f"{prefix}.gate_up_proj" in tensors or f"{prefix}.down_proj" in tensors:
+            raise ValueError(f"{prefix} comes both fused ({prefix}.gate_up_proj) and per expert ({prefix}.0.*)")
+        for e in range(cfg.num_experts):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                if proj not in experts.get(e, {}):
+                    raise KeyError(f"{prefix}.{e}.{proj}.weight")
+        extra = sorted(e for e in experts if not 0 <= e < cfg.num_experts)
+        if extra:
+            raise ValueError(f"unexpected tensor '{prefix}.{extra[0]}.gate_proj.weight': the config has "
+                             f"{cfg.num_experts} experts")
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in range(cfg.num_experts)])
+        tensors[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(cfg.num_experts)])
 
 
 def _more(names: list[str]) -> str:

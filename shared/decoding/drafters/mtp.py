@@ -54,11 +54,12 @@ class MTPHead(nn.Module):
         self.fc = nn.Linear(2 * D, D, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(D, eps)
         self.pre_fc_norm_hidden = RMSNorm(D, eps)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, "full_attention") for _ in range(n_layers))
+        # a MoE model's head has its own sparse MoE block and shared expert (both families' published layout)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, "full_attention", cfg.num_experts > 0) for _ in range(n_layers))
         self.norm = RMSNorm(D, eps)
         missing, unexpected = self.load_state_dict(weights, strict=False)
         if missing or unexpected:
-            raise ValueError(f"mtp.* tensors do not match the Qwen3.5 MTP layout: missing {sorted(missing)[:3]}, "
+            raise ValueError(f"mtp.* tensors do not match the MTP layout: missing {sorted(missing)[:3]}, "
                              f"unexpected {sorted(unexpected)[:3]}")
         self.to(device=target.device, dtype=target.dtype).eval()
 
@@ -154,6 +155,6 @@ def random_mtp_weights(cfg, n_layers: int = 1, seed: int = 0) -> dict[str, Tenso
               "norm.weight": (D,)}
     for i in range(n_layers):
         shapes.update({f"layers.{i}.{k}": tuple(v.shape)
-                       for k, v in DecoderLayer(cfg, "full_attention").state_dict().items()})
+                       for k, v in DecoderLayer(cfg, "full_attention", cfg.num_experts > 0).state_dict().items()})
     return {f"mtp.{k}": torch.randn(s, generator=gen) * (0.3 if len(s) == 1 else s[-1] ** -0.5)
             for k, s in shapes.items()}

@@ -1,0 +1,27 @@
+"""Qwen3.5, dense (`qwen3_5_text`) and mixture-of-experts (`qwen3_5_moe_text`): the layout the shared layers use.
+
+The MoE models (35B-A3B, 122B-A10B, 397B-A17B) differ from the dense ones only in their MLPs: every layer's is a
+sparse MoE block (router, top-k renormalised always, experts, a shared expert behind a sigmoid gate), and so is
+the MTP head's. Published checkpoints wrap the text model in a multimodal one (`qwen3_5`, `qwen3_5_moe`) whose
+vision tower the loader skips.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from deltaspec.shared.model.config import ModelConfig
+
+TEXT_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+WRAPPER_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+ALWAYS_NORM_TOPK = True  # HF's Qwen3_5MoeTopKRouter renormalises the top-k weights; its config has no switch
+
+
+def convert(tensors: dict[str, Tensor], cfg: ModelConfig) -> None:
+    """Nothing to rename: the shared layers carry Qwen3.5's names."""
+
+
+def publish(tensors: dict[str, Tensor], cfg: ModelConfig) -> None:
+    """Nothing to rename for saving either."""
