@@ -80,14 +80,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
     from deltaspec.shared.decoding.speculative import generate
     from deltaspec.shared.model.loader import load_model
-    from deltaspec.shared.model.tokenizer import load_tokenizer
+    from deltaspec.shared.model.tokenizer import encode_chat, load_tokenizer
     from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY
     from deltaspec.shared.telemetry import CLIENT, Telemetry
 
     target_dir = Path(args.target or DEFAULT_TARGET)
     draft = args.draft if args.draft is not None else (str(DEFAULT_DRAFT) if args.target is None else "none")
+    if args.stop:
+        raise ValueError("--stop is applied by a target service's Generate: give --target-addr (without --draft-addr)")
     tokenizer = load_tokenizer(target_dir)
-    prompt = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
+    if args.chat:
+        prompt = encode_chat(tokenizer, _messages(args))
+    else:
+        prompt = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
     sampling = _sampling(args)
     target = load_model(target_dir, device=args.device).compile(args.compile, warm_up=True)
     k, stop_below = draft_settings(args.num_draft_tokens, args.stop_below, draft not in ("none", "mtp", "ngram"))
@@ -102,6 +107,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         telemetry.shutdown()
     _print_generation(result, tokenizer.decode(result.token_ids), args.json)
     return 0
+
+
+def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
+    """`--chat`: the prompt as the one user message of a conversation."""
+    if args.prompt is None:
+        raise ValueError("--chat sends --prompt as a user message: give --prompt, not --prompt-ids")
+    return [{"role": "user", "content": args.prompt}]
 
 
 def draft_settings(num_draft_tokens: int | None, stop_below: float | None, draft_model: bool) -> tuple[int, float]:
@@ -145,10 +157,14 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
     if args.target or args.draft:
         raise ValueError("--target/--draft name local checkpoints; with --target-addr the servers hold the models")
+    if args.stop and args.draft_addr:
+        raise ValueError("--stop is applied by the target's Generate: leave out --draft-addr to use it")
     security = _client_security(args, "")
     for address in filter(None, (args.target_addr, args.draft_addr)):
         security.check(address)
-    prompt = dict(prompt_ids=args.prompt_ids, prompt_text=args.prompt or "", max_new_tokens=args.max_new_tokens,
+    messages = _messages(args) if args.chat else None
+    prompt = dict(prompt_ids=args.prompt_ids, prompt_text="" if messages else args.prompt or "", messages=messages,
+                  max_new_tokens=args.max_new_tokens,
                   num_draft_tokens=FIXED_DRAFT_TOKENS if args.num_draft_tokens is None else args.num_draft_tokens,
                   sampling=_sampling(args), timeout_s=args.timeout,
                   security=security, telemetry=(telemetry := Telemetry.from_env(CLIENT)))
@@ -157,7 +173,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
             result, text = generate_client_driven(args.target_addr, args.draft_addr, **prompt,
                                                   pipeline=not args.no_pipeline)
         else:
-            result, text = generate_on_server(args.target_addr, **prompt)
+            result, text = generate_on_server(args.target_addr, **prompt, stop_strings=args.stop or [])
     except grpc.RpcError as e:
         print(f"deltaspec: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 2
@@ -404,6 +420,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt")
     prompt.add_argument("--prompt-ids", type=_ids)
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as one user message, rendered with the target checkpoint's chat template")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="with --target-addr: end where the text first contains TEXT (repeatable; the text stops "
+                        "before it)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     _add_sampling(p)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP + " (in process: the target and a draft model)")

@@ -13,14 +13,17 @@ token pieces as rounds commit; a stream broken by a restart or a reset is reopen
 tokens already received, which gives the same tokens (greedy, and sampled: draws are keyed by seed and
 position). `generate` returns the whole completion; with `draft=` it runs the loop in this process against a
 draft service (client-driven rounds, pipelined), retrying each round by its id, which the services make
-idempotent. Every refusal is raised as a `DeltaspecRpcError` subclass carrying the status code, the stable
-reason and the field at fault (see protos/deltaspec/v1/target_service.proto for the contract).
+idempotent. A prompt is text, token ids, or `messages=[{"role": "user", "content": ...}]` (OpenAI-style), which
+the target renders with its checkpoint's chat template; `stop_strings=` end a generation on `Generate` where its
+text first contains one (the text stops before it). Every refusal is raised as a `DeltaspecRpcError` subclass
+carrying the status code, the stable reason and the field at fault (see protos/deltaspec/v1/target_service.proto
+for the contract).
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +33,8 @@ from grpc_status import rpc_status
 
 from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.speculative import Generation
-from deltaspec.shared.rpc.client import Resume, StreamTotals, generate_client_driven, generate_on_server, server_stream
+from deltaspec.shared.rpc.client import (Messages, Resume, StreamTotals, generate_client_driven, generate_on_server,
+                                         server_stream)
 from deltaspec.shared.rpc.security import ClientSecurity
 from deltaspec.shared.rpc.status import error_info, field_of
 from deltaspec.v1 import target_service_pb2, target_service_pb2_grpc
@@ -150,9 +154,12 @@ class _Options:
         return None if self.timeout_s is None else time.monotonic() + self.timeout_s
 
 
-def _prompt(prompt: str | list[int]) -> tuple[list[int] | None, str]:
-    if isinstance(prompt, str):
-        return None, prompt
+Prompt = str | list[int] | None  # None: the prompt is `messages`
+
+
+def _prompt(prompt: Prompt) -> tuple[list[int] | None, str]:
+    if prompt is None or isinstance(prompt, str):
+        return None, prompt or ""
     return list(prompt), ""
 
 
@@ -171,33 +178,39 @@ class Client:
         self._channel = self._options.security.channel(target)
         self._stub = target_service_pb2_grpc.TargetServiceStub(self._channel)
 
-    def stream(self, prompt: str | list[int], *, max_new_tokens: int, num_draft_tokens: int = 4,
-               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Iterator[Piece]:
-        """Text (or token ids) in, pieces out as rounds commit; the target runs the loop (`Generate`)."""
+    def stream(self, prompt: Prompt = None, *, max_new_tokens: int, messages: Messages | None = None,
+               stop_strings: Sequence[str] = (), num_draft_tokens: int = 4, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0) -> Iterator[Piece]:
+        """Text, token ids or chat messages in, pieces out as rounds commit; the target runs the loop (`Generate`)."""
         ids, text = _prompt(prompt)
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         try:
             for msg in server_stream(self._stub, ids, text, max_new_tokens, num_draft_tokens, sampling,
-                                     self._options.deadline()):
+                                     self._options.deadline(), messages=messages, stop_strings=list(stop_strings)):
                 if msg.token_ids or msg.text:
                     yield Piece(list(msg.token_ids), msg.text)
         except grpc.RpcError as e:
             raise DeltaspecRpcError.from_rpc_error(e) from e
 
-    def generate(self, prompt: str | list[int], *, max_new_tokens: int, num_draft_tokens: int = 4,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Completion:
-        """The whole completion: through `Generate`, or, with a draft service, rounds run in this process."""
+    def generate(self, prompt: Prompt = None, *, max_new_tokens: int, messages: Messages | None = None,
+                 stop_strings: Sequence[str] = (), num_draft_tokens: int = 4, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Completion:
+        """The whole completion: through `Generate`, or, with a draft service, rounds run in this process (which
+        stop at the target's end-of-sequence ids; stop strings are `Generate`'s)."""
         ids, text = _prompt(prompt)
         sampling = SamplingParams(temperature, top_k, top_p, seed)
+        if self._options.draft and stop_strings:
+            raise ValueError("stop_strings are applied by the target's Generate: leave out draft= to use them")
         try:
             if self._options.draft:
                 generation, out = generate_client_driven(
                     self._options.target, self._options.draft, ids, text, max_new_tokens, num_draft_tokens,
-                    sampling, self._options.timeout_s, security=self._options.security)
+                    sampling, self._options.timeout_s, security=self._options.security, messages=messages)
             else:
                 generation, out = generate_on_server(self._options.target, ids, text, max_new_tokens,
                                                      num_draft_tokens, sampling, self._options.timeout_s,
-                                                     security=self._options.security)
+                                                     security=self._options.security, messages=messages,
+                                                     stop_strings=list(stop_strings))
         except grpc.RpcError as e:
             raise DeltaspecRpcError.from_rpc_error(e) from e
         return _completion(generation, out)
@@ -223,27 +236,29 @@ class AsyncClient:
         self._stub = target_service_pb2_grpc.TargetServiceStub(self._channel)
         self._max_attempts = max_attempts
 
-    async def stream(self, prompt: str | list[int], *, max_new_tokens: int, num_draft_tokens: int = 4,
-                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                     seed: int = 0) -> AsyncIterator[Piece]:
+    async def stream(self, prompt: Prompt = None, *, max_new_tokens: int, messages: Messages | None = None,
+                     stop_strings: Sequence[str] = (), num_draft_tokens: int = 4, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> AsyncIterator[Piece]:
         async for msg in self._messages(prompt, max_new_tokens, num_draft_tokens,
-                                        SamplingParams(temperature, top_k, top_p, seed)):
+                                        SamplingParams(temperature, top_k, top_p, seed), messages, stop_strings):
             if msg.token_ids or msg.text:
                 yield Piece(list(msg.token_ids), msg.text)
 
-    async def generate(self, prompt: str | list[int], *, max_new_tokens: int, num_draft_tokens: int = 4,
-                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Completion:
+    async def generate(self, prompt: Prompt = None, *, max_new_tokens: int, messages: Messages | None = None,
+                       stop_strings: Sequence[str] = (), num_draft_tokens: int = 4, temperature: float = 0.0,
+                       top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Completion:
         totals = StreamTotals(_prompt(prompt)[0])
         async for msg in self._messages(prompt, max_new_tokens, num_draft_tokens,
-                                        SamplingParams(temperature, top_k, top_p, seed)):
+                                        SamplingParams(temperature, top_k, top_p, seed), messages, stop_strings):
             totals.add(msg)
         return _completion(*totals.finish())
 
-    async def _messages(self, prompt: str | list[int], max_new_tokens: int, num_draft_tokens: int,
-                        sampling: SamplingParams) -> AsyncIterator[target_service_pb2.GenerateResponse]:
+    async def _messages(self, prompt: Prompt, max_new_tokens: int, num_draft_tokens: int, sampling: SamplingParams,
+                        messages: Messages | None,
+                        stop_strings: Sequence[str]) -> AsyncIterator[target_service_pb2.GenerateResponse]:
         """`server_stream` for asyncio: reopened after a break on the prompt plus the tokens received."""
         resume = Resume(*_prompt(prompt), max_new_tokens, num_draft_tokens, sampling, self._options.deadline(),
-                        self._max_attempts)
+                        self._max_attempts, messages, list(stop_strings))
         while True:
             try:
                 async for msg in self._stub.Generate(resume.request(), timeout=resume.timeout(),

@@ -26,9 +26,10 @@ from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.session_table import Limits, SessionTable
 from deltaspec.shared.decoding.speculative import Stats, decode
 from deltaspec.shared.decoding.target import MAX_DRAFT_TOKENS, Round, TargetSession
+from deltaspec.shared.decoding.text_stream import TextStream
 from deltaspec.shared.errors import InvalidArgument
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.model.tokenizer import Tokenizer
+from deltaspec.shared.model.tokenizer import Tokenizer, encode_chat
 from deltaspec.shared.rpc.convert import probs_from_proto, sampling_from_proto, stats_to_proto
 from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
 from deltaspec.shared.rpc.security import ClientSecurity, Redialing, caller
@@ -37,6 +38,7 @@ from deltaspec.shared.telemetry import Telemetry
 from deltaspec.shared.telemetry import attributes as attr
 
 NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 16, 256
 
 
 @dataclass
@@ -66,7 +68,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         model, self.tokenizer = self._load()
         self.model = serving(model, self.limits, self.batching, self.metrics)
         self.vocab_size = self.model.config.vocab_size
-        self.eos = set(self.model.config.eos_token_id)
+        self.eos = set(self.model.config.eos_token_id) | set(self.tokenizer.eos_token_ids)
         self.draft_channel = (Redialing(self.draft.security, self.draft.address, self.telemetry.channel)
                               if self.draft else None)  # made again when the client certificate is renewed
 
@@ -136,11 +138,13 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         if request.num_draft_tokens > MAX_DRAFT_TOKENS:
             raise InvalidArgument(f"num_draft_tokens = {request.num_draft_tokens} is over the limit "
                                   f"{MAX_DRAFT_TOKENS}", "num_draft_tokens")
+        stops = _stop_strings(request.stop_strings)
         owner = caller()
         self.sessions.reserve(owner)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        loop, queue, cancelled = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        cancelled, stopped = threading.Event(), threading.Event()  # the caller went away; the text reached a stop
         started = time.perf_counter()
 
         def run() -> None:  # in a worker thread: the loop, one queue item per round, then the stats
@@ -166,6 +170,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                             loop.call_soon_threadsafe(queue.put_nowait, new)
                             if cancelled.is_set():
                                 return
+                            if stopped.is_set():  # a stop string: the rounds end, the stats still go out
+                                break
                 finally:  # the stream's session ends with it (nobody else knows its id): free its slot and state
                     self.sessions.remove(session.session_id, owner)  # type: ignore[attr-defined]
                 stats.seconds = time.perf_counter() - started
@@ -180,16 +186,22 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                     remote.close()
 
         loop.run_in_executor(None, contextvars.copy_context().run, run)  # the rounds' spans join this call's trace
-        text, generated = _TextStream(self.tokenizer), []
+        text, generated = TextStream(self.tokenizer, stops), []
         try:
             yield pb.GenerateResponse(prompt_ids=prompt)
             while not isinstance(item := await queue.get(), sampling_pb2.GenerationStats):
                 if isinstance(item, Exception):
                     raise item
-                generated += item
-                yield pb.GenerateResponse(token_ids=item, text=text.push(item))
-            reason = pb.FINISH_REASON_EOS if generated and generated[-1] in self.eos else pb.FINISH_REASON_LENGTH
-            yield pb.GenerateResponse(text=text.push([], final=True), stats=item, finish_reason=reason)
+                if text.stopped is None:  # rounds the loop ran before it saw the stop are dropped
+                    ids, piece = text.push(item)
+                    generated += ids
+                    yield pb.GenerateResponse(token_ids=ids, text=piece)
+                    if text.stopped is not None:
+                        stopped.set()
+            reason = (pb.FINISH_REASON_STOP if text.stopped is not None else pb.FINISH_REASON_EOS
+                      if generated and generated[-1] in self.eos else pb.FINISH_REASON_LENGTH)
+            yield pb.GenerateResponse(text=text.push([], final=True)[1], stats=item, finish_reason=reason,
+                                      stop_string=text.stopped or "")
         finally:
             cancelled.set()
 
@@ -200,28 +212,36 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                              self.vocab_size, self.draft.timeout_s, deadline)  # type: ignore[union-attr]
 
     def _prompt(self, request: pb.CreateSessionRequest | pb.GenerateRequest) -> list[int]:
-        if request.prompt_ids and request.prompt_text:
-            raise InvalidArgument("set one of prompt_ids and prompt_text, not both", "prompt_ids")
-        prompt = list(request.prompt_ids) or self.tokenizer.encode(request.prompt_text)
-        field_name = "prompt_text" if request.prompt_text else "prompt_ids"
+        """The prompt's ids from whichever of prompt_ids, prompt_text and messages is set (exactly one)."""
+        given = [name for name in ("prompt_ids", "prompt_text", "messages") if getattr(request, name)]
+        if len(given) > 1:
+            raise InvalidArgument(f"set one of prompt_ids, prompt_text and messages, not {' and '.join(given)}",
+                                  given[0])
+        field_name = given[0] if given else "prompt_ids"
+        if request.messages:
+            prompt = self._chat_prompt(request.messages)
+        else:
+            prompt = list(request.prompt_ids) or self.tokenizer.encode(request.prompt_text)
         if not prompt:
             raise InvalidArgument("the prompt is empty", field_name)
         self.limits.check_prompt(len(prompt), field_name)
         return prompt
 
+    def _chat_prompt(self, messages) -> list[int]:
+        for i, message in enumerate(messages):
+            if not message.role:
+                raise InvalidArgument(f"messages[{i}].role is empty", f"messages[{i}].role")
+        return encode_chat(self.tokenizer, [{"role": m.role, "content": m.content} for m in messages])
 
-class _TextStream:
-    """Text of a growing token list, in pieces; a trailing incomplete character waits for its next bytes."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
-
-    def push(self, ids: list[int], final: bool = False) -> str:
-        self.ids += ids
-        text = self.tokenizer.decode(self.ids)
-        text = text if final else text.rstrip("\ufffd")
-        piece, self.sent = text[self.sent:], max(self.sent, len(text))
-        return piece
+def _stop_strings(stops: list[str]) -> list[str]:
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"{len(stops)} stop strings, the limit is {MAX_STOP_STRINGS}", "stop_strings")
+    for i, stop in enumerate(stops):
+        if not 0 < len(stop) <= MAX_STOP_STRING_CHARS:
+            raise InvalidArgument(f"stop_strings[{i}] has {len(stop)} characters, not 1 to {MAX_STOP_STRING_CHARS}",
+                                  "stop_strings")
+    return list(stops)
 
 
 def _commit(session: TargetSession, round_id: str, accepted: int) -> tuple[int, list[int], Round | None]:

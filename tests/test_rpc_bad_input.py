@@ -275,6 +275,7 @@ class Case:
 T, D = "TargetService", "DraftService"
 CREATE = pb.CreateSessionRequest
 DCREATE = dpb.DraftServiceCreateSessionRequest
+CHAT = pb.ChatMessage(role="user", content="hi")
 IA, NF, FP, RE = Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED
 DEFAULT_REASON = {IA: "INVALID_FIELD", NF: "NOT_FOUND", FP: "WRONG_STATE", RE: "QUOTA_EXCEEDED"}
 
@@ -332,6 +333,21 @@ CASES = [
     Case("Generate prompt text invalid UTF-8", T, "committed",
          lambda L: raw(L.s, TARGET + "Generate", string_field(2, BAD_UTF8), stream=True), IA, "prompt_text",
          reason="UNPARSEABLE_REQUEST"),
+    Case("chat messages and prompt ids both set", T, "committed",
+         lambda L: L.t.CreateSession(CREATE(prompt_ids=PROMPT, messages=[CHAT])), IA, "prompt_ids"),
+    Case("chat message with an empty role", T, "committed",
+         lambda L: L.t.CreateSession(CREATE(messages=[CHAT, pb.ChatMessage(content="x")])), IA, "messages[1].role"),
+    Case("chat messages to a checkpoint without a chat template", T, "committed",
+         lambda L: L.t.CreateSession(CREATE(messages=[CHAT])), FP, "messages", reason="NO_CHAT_TEMPLATE"),
+    Case("Generate chat messages without a chat template", T, "committed",
+         lambda L: list(L.t.Generate(pb.GenerateRequest(messages=[CHAT], max_new_tokens=2))), FP, "messages",
+         reason="NO_CHAT_TEMPLATE"),
+    Case("Generate empty stop string", T, "committed",
+         lambda L: list(L.t.Generate(pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=2, stop_strings=[""]))),
+         IA, "stop_strings"),
+    Case("Generate 17 stop strings", T, "committed",
+         lambda L: list(L.t.Generate(pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=2,
+                                                        stop_strings=["a"] * 17))), IA, "stop_strings"),
     # TargetService sessions
     Case("Verify on an unknown session", T, "proposed",
          lambda L: L.t.Verify(L.verify_request(session_id="nope", round_id="x")), NF, "session_id"),

@@ -35,14 +35,21 @@ from deltaspec.shared.telemetry import Telemetry
 from deltaspec.shared.telemetry.spans import generation_span, record_usage
 
 OnTokens = Callable[[list[int], str], None]
+Messages = list[dict[str, str]]  # OpenAI-style chat messages: [{"role": "user", "content": "..."}]
+
+
+def chat_messages(messages: Messages | None) -> list[target_service_pb2.ChatMessage]:
+    return [target_service_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()]
 
 
 def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt_text: str, max_new_tokens: int,
                        num_draft_tokens: int = 4, sampling: SamplingParams = SamplingParams(),
                        timeout_s: float | None = None, on_tokens: OnTokens | None = None,
                        max_attempts: int = 8, telemetry: Telemetry | None = None,
-                       model: str = "deltaspec-target",
-                       security: ClientSecurity = ClientSecurity()) -> tuple[Generation, str]:
+                       model: str = "deltaspec-target", security: ClientSecurity = ClientSecurity(),
+                       messages: Messages | None = None, stop_strings: list[str] = ()) -> tuple[Generation, str]:
+    """`messages` is the prompt as a conversation (instead of ids or text), rendered by the target's chat
+    template; the generation ends where its text reaches one of `stop_strings`."""
     telemetry = telemetry or Telemetry()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     totals = StreamTotals(prompt_ids)
@@ -50,7 +57,7 @@ def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt
             telemetry.channel(security.channel(target_address)) as ch:
         stub = target_service_pb2_grpc.TargetServiceStub(ch)
         for msg in server_stream(stub, prompt_ids, prompt_text, max_new_tokens, num_draft_tokens, sampling,
-                                 deadline, max_attempts):
+                                 deadline, max_attempts, messages, stop_strings):
             totals.add(msg)
             if on_tokens and (msg.token_ids or msg.text):
                 on_tokens(list(msg.token_ids), msg.text)
@@ -82,13 +89,16 @@ class StreamTotals:
 
 class Resume:
     """What reopening a broken `Generate` stream needs, for the sync and asyncio loops alike: the request for
-    the tokens still missing (the prompt, text until the server has tokenized it, followed by what arrived),
-    the time left, and the back-off after a break. Draws are keyed by (seed, position), so a resumed
-    generation is the one an unbroken stream would have made, sampled too."""
+    the tokens still missing (the prompt, text or messages until the server has tokenized it, followed by what
+    arrived), the time left, and the back-off after a break. Draws are keyed by (seed, position), so a resumed
+    generation is the one an unbroken stream would have made, sampled too (a stop string that straddles the
+    break is not seen: the reopened stream searches the new text only)."""
 
     def __init__(self, prompt_ids: list[int] | None, prompt_text: str, max_new_tokens: int, num_draft_tokens: int,
-                 sampling: SamplingParams, deadline: float | None, max_attempts: int) -> None:
+                 sampling: SamplingParams, deadline: float | None, max_attempts: int,
+                 messages: Messages | None = None, stop_strings: list[str] = ()) -> None:
         self.prompt, self.out, self.prompt_text = list(prompt_ids or []), [], prompt_text
+        self.messages, self.stop_strings = chat_messages(messages), list(stop_strings)
         self.max_new_tokens, self.num_draft_tokens, self.sampling = max_new_tokens, num_draft_tokens, sampling
         self.deadline, self.max_attempts = deadline, max_attempts
         self.failures, self.received = 0, 0  # breaks in a row that brought no token; tokens before this opening
@@ -97,8 +107,9 @@ class Resume:
         self.received = len(self.out)
         return target_service_pb2.GenerateRequest(
             prompt_ids=self.prompt + self.out, prompt_text="" if self.prompt else self.prompt_text,
-            sampling=sampling_to_proto(self.sampling), max_new_tokens=self.max_new_tokens - len(self.out),
-            num_draft_tokens=self.num_draft_tokens)
+            messages=[] if self.prompt else self.messages, sampling=sampling_to_proto(self.sampling),
+            max_new_tokens=self.max_new_tokens - len(self.out), num_draft_tokens=self.num_draft_tokens,
+            stop_strings=self.stop_strings)
 
     def timeout(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -119,9 +130,11 @@ class Resume:
 
 def server_stream(stub: target_service_pb2_grpc.TargetServiceStub, prompt_ids: list[int] | None, prompt_text: str,
                   max_new_tokens: int, num_draft_tokens: int, sampling: SamplingParams, deadline: float | None,
-                  max_attempts: int = 8) -> Iterator[target_service_pb2.GenerateResponse]:
+                  max_attempts: int = 8, messages: Messages | None = None,
+                  stop_strings: list[str] = ()) -> Iterator[target_service_pb2.GenerateResponse]:
     """`Generate`'s messages, the stream opened again after a break (`UNAVAILABLE`, see `Resume`)."""
-    resume = Resume(prompt_ids, prompt_text, max_new_tokens, num_draft_tokens, sampling, deadline, max_attempts)
+    resume = Resume(prompt_ids, prompt_text, max_new_tokens, num_draft_tokens, sampling, deadline, max_attempts,
+                    messages, stop_strings)
     while True:
         try:
             for msg in stub.Generate(resume.request(), timeout=resume.timeout(), wait_for_ready=True):
@@ -137,8 +150,8 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
                            sampling: SamplingParams = SamplingParams(), timeout_s: float | None = None,
                            draft_timeout_s: float = 1.0, on_tokens: OnTokens | None = None,
                            telemetry: Telemetry | None = None, model: str = "deltaspec-target",
-                           security: ClientSecurity = ClientSecurity(),
-                           pipeline: bool = True) -> tuple[Generation, str]:
+                           security: ClientSecurity = ClientSecurity(), pipeline: bool = True,
+                           messages: Messages | None = None) -> tuple[Generation, str]:
     telemetry = telemetry or Telemetry()
     started = time.perf_counter()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -147,7 +160,7 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
         target_ch = stack.enter_context(telemetry.channel(security.channel(target_address)))
         replicas = stack.enter_context(_ReplicaChannels(telemetry, security))  # closed after the session, which may use one
         session = RemoteTargetSession(target_service_pb2_grpc.TargetServiceStub(target_ch), prompt_ids, prompt_text,
-                                      sampling, deadline, dial=replicas.stub)
+                                      sampling, deadline, dial=replicas.stub, messages=chat_messages(messages))
         stack.callback(session.close)
         remote = None
         if draft_address:

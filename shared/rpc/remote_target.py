@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 import torch
@@ -42,8 +42,9 @@ class RemoteTargetSession:
     def __init__(self, stub: target_service_pb2_grpc.TargetServiceStub, prompt_ids: list[int] | None = None,
                  prompt_text: str = "", sampling: SamplingParams = SamplingParams(), deadline: float | None = None,
                  call_timeout_s: float = 30.0, max_attempts: int = 8,
-                 dial: Callable[[str], target_service_pb2_grpc.TargetServiceStub] | None = None) -> None:
-        self.stub, self.sampling, self.prompt_text = stub, sampling, prompt_text
+                 dial: Callable[[str], target_service_pb2_grpc.TargetServiceStub] | None = None,
+                 messages: Sequence[pb.ChatMessage] = ()) -> None:
+        self.stub, self.sampling, self.prompt_text, self.messages = stub, sampling, prompt_text, list(messages)
         self.entry_stub, self.dial = stub, dial  # the address sessions are opened through; a stub for a replica
         self.pinned: str | None = None  # the replica holding the session, when it advertised one
         self.deadline, self.call_timeout_s, self.max_attempts = deadline, call_timeout_s, max_attempts
@@ -130,11 +131,12 @@ class RemoteTargetSession:
         return self._round
 
     def _open(self) -> None:
-        """A new session on the committed history (the prompt text only the first time), then the round in flight."""
+        """A new session on the committed history (the prompt text or messages only the first time), then the round
+        in flight."""
         self.pinned = None
         created = self.entry_stub.CreateSession(pb.CreateSessionRequest(
             prompt_ids=self.tokens, prompt_text="" if self.tokens else self.prompt_text,
-            sampling=sampling_to_proto(self.sampling)), **self._opts())
+            messages=[] if self.tokens else self.messages, sampling=sampling_to_proto(self.sampling)), **self._opts())
         pinned = created.target_address if created.target_address and self.dial is not None else None
         # the stub before the session id: a pipelined verify on another thread must not reach the session
         # through the load-balanced address
