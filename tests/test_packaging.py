@@ -44,6 +44,14 @@ def test_code_imports_the_folders_only_through_the_namespace():
     assert not offenders
 
 
+def test_the_state_layer_imports_nothing_of_the_model_package():
+    """The state takes its shapes from the config (`StateShapes`): model and state do not import each other, so a
+    new model family touches no state code."""
+    offenders = [p.name for p in (ROOT / "shared" / "state").glob("*.py") if "deltaspec.shared.model" in
+                 re.sub(r'""".*?"""|#.*', "", p.read_text(), flags=re.S)]
+    assert not offenders
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """A fresh venv with only the built wheel installed; returns its bin directory."""

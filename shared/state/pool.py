@@ -27,27 +27,26 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from deltaspec.shared.errors import ResourceExhausted
-from deltaspec.shared.model.config import ModelConfig
-from deltaspec.shared.state.rollback import LOG_CAPACITY, GDNStates, ModelState
+from deltaspec.shared.state.rollback import LOG_CAPACITY, GDNStates, ModelState, StateShapes
 
 if TYPE_CHECKING:
     from deltaspec.shared.decoding.session_table import Limits
-    from deltaspec.shared.model.hybrid import HybridLM
 
 MIN_CONTEXT = 256  # the smallest K/V capacity a session asks for (TargetSession, ModelDrafter: max(256, 2 x prompt))
 FIELD = "state_memory"  # what a refusal names (QuotaFailure subject)
 COLLECT_INTERVAL_S = 1.0  # a full pool collects reference cycles at most this often (a flood of refusals costs no more)
 
 
-def gdn_bytes(cfg: ModelConfig, dtype: torch.dtype, log_capacity: int = LOG_CAPACITY) -> int:
+def gdn_bytes(cfg: StateShapes, dtype: torch.dtype, log_capacity: int = LOG_CAPACITY) -> int:
     """Bytes of one sequence's GDN state: constant, whatever the context length."""
     shapes = GDNStates.buffers(cfg, cfg.layer_types.count("linear_attention"), dtype, log_capacity).values()
     return sum(torch.Size(shape).numel() * kind.itemsize for shape, kind in shapes)
 
 
-def kv_bytes_per_position(cfg: ModelConfig, dtype: torch.dtype) -> int:
+def kv_bytes_per_position(cfg: StateShapes, dtype: torch.dtype) -> int:
     """Bytes of attention K/V one more position costs a sequence, all attention layers together."""
     return cfg.layer_types.count("full_attention") * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
@@ -74,7 +73,7 @@ class StatePool:
     """Slots for up to `max_slots` sequences of one model shape within `budget` bytes (GDN slots + K/V); each slot's
     round logs hold `log_capacity` staged tokens."""
 
-    def __init__(self, config: ModelConfig, budget: int, max_slots: int | None = None,
+    def __init__(self, config: StateShapes, budget: int, max_slots: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  log_capacity: int = LOG_CAPACITY) -> None:
         self.config, self.device, self.dtype, self.budget = config, device, dtype, budget
@@ -156,13 +155,13 @@ class StatePool:
             self._free.append(lease.index)
 
 
-def _reserve_positions(model: HybridLM, args: tuple, kwargs: dict) -> None:
+def _reserve_positions(model: nn.Module, args: tuple, kwargs: dict) -> None:
     ids = args[0] if args else kwargs["ids"]
     state = args[1] if len(args) > 1 else kwargs["state"]
     state.ensure_positions(state.length + state.staged + ids.numel())
 
 
-def attach(model: HybridLM, pool: StatePool) -> None:
+def attach(model: nn.Module, pool: StatePool) -> None:
     """From now on `model.new_state` takes slots from `pool`, and each forward reserves its positions first."""
     if getattr(model, "state_pool", None) is not None:
         raise ValueError("the model has a state pool already")
@@ -170,7 +169,7 @@ def attach(model: HybridLM, pool: StatePool) -> None:
     model.register_forward_pre_hook(_reserve_positions, with_kwargs=True)
 
 
-def server_pool(model: HybridLM, limits: Limits, log_capacity: int = LOG_CAPACITY) -> StatePool:
+def server_pool(model: nn.Module, limits: Limits, log_capacity: int = LOG_CAPACITY) -> StatePool:
     """The pool a server attaches: `limits.state_memory_bytes` for at most `limits.max_sessions` sessions, or
     (0) room for `max_sessions` sessions of `auto_context(max_prompt_tokens)` positions each."""
     budget, cfg, dtype = limits.state_memory_bytes, model.config, model.dtype

@@ -33,15 +33,30 @@ numbers per GDN layer and round; no forward pass is ever re-run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-from deltaspec.shared.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from deltaspec.shared.state.pool import Lease
+
+class StateShapes(Protocol):
+    """What the state layer reads of a model's config (`deltaspec.shared.model.config.ModelConfig` has it all): the
+    state takes its shapes from the config alone and imports nothing from the model package, whatever the family."""
+
+    layer_types: tuple[str, ...]
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_key_value_heads: int
+    head_dim: int
+
+    @property
+    def conv_dim(self) -> int: ...
+
 
 LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one on top) of k <= 16 drafts plus inputs
 CHAIN_LOG_CAPACITY = 51  # a draft's: its open round and two speculations on top, 3 x (k + 1) for k <= 16 (a third
@@ -67,7 +82,7 @@ class GDNStates:
     """The GDN state of every linear-attention layer of one sequence, stacked on a leading layer axis."""
 
     @staticmethod
-    def buffers(cfg: ModelConfig, n_layers: int, dtype: torch.dtype,
+    def buffers(cfg: StateShapes, n_layers: int, dtype: torch.dtype,
                 log_capacity: int = LOG_CAPACITY) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of every buffer one sequence's GDN state holds, the mark snapshot included; the logs
         hold `log_capacity` staged tokens."""
@@ -82,7 +97,7 @@ class GDNStates:
                 "delta": ((n_layers, H, log_capacity, Dv), torch.float32),
                 "g": ((n_layers, H, log_capacity), torch.float32)}
 
-    def __init__(self, cfg: ModelConfig, n_layers: int, device: torch.device | str, dtype: torch.dtype,
+    def __init__(self, cfg: StateShapes, n_layers: int, device: torch.device | str, dtype: torch.dtype,
                  slot: dict[str, Tensor] | None = None, log_capacity: int = LOG_CAPACITY) -> None:
         """`slot`: preallocated buffers, one per name of `buffers` (a `deltaspec.shared.state.pool.StatePool`
         slot), zeroed and used in place of fresh tensors, the mark snapshot's too (its logs' size wins over `log_capacity`);
@@ -300,7 +315,7 @@ class AttnLayerState:
 class ModelState:
     """One sequence's state for a whole hybrid stack: the committed head and at most one staged round."""
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    def __init__(self, config: StateShapes, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  capacity: int = 256, lease: Lease | None = None, log_capacity: int = LOG_CAPACITY) -> None:
         """`lease`: a slot of a `deltaspec.shared.state.pool.StatePool` (GDN buffers, K/V paid for `capacity`
         positions; its logs' size is the pool's); `log_capacity`: staged tokens a partial commit can keep (`CHAIN_LOG_CAPACITY`
