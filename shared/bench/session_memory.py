@@ -3,7 +3,8 @@
 A session's GDN state (committed state, spare, mark snapshot, conv windows, round logs) is the same
 size at any context; its attention K/V grows by a fixed amount per token. The figures come from
 the configs (`deltaspec.shared.state.pool.gdn_bytes`, `kv_bytes_per_position`: what a `StatePool` charges),
-for the embedded target and draft and for a Qwen3.5-0.8B-shaped config (no weights needed), and are
+for the embedded target and draft and for configs shaped as Qwen3.5-0.8B, Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B
+(no weights needed: experts change the weights, not a session's state), and are
 checked against the bytes a real pooled session holds. A draft's round logs hold `CHAIN_LOG_CAPACITY`
 tokens (it speculates two rounds ahead), a target's `LOG_CAPACITY`.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from deltaspec.shared.model.checkpoint import hf_config
+from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.state.pool import MIN_CONTEXT, StatePool, gdn_bytes, kv_bytes_per_position
 from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, LOG_CAPACITY
@@ -27,13 +28,30 @@ QWEN35_08B = hf_config(vocab_size=248320, hidden_size=1024, intermediate_size=35
                        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
                        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6)
 
+# Qwen/Qwen3.5-35B-A3B's text config: 40 layers, every fourth attention, 256 experts top-8 (HF's defaults for
+# qwen3_5_moe_text are this model's)
+QWEN35_35B_A3B = hf_moe_config("qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_attention_heads=16,
+                               num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                               linear_key_head_dim=128, linear_value_head_dim=128, num_experts=256,
+                               num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                               layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10)
+# Qwen/Qwen3-Next-80B-A3B's config: 48 layers, every fourth attention, 512 experts top-10
+QWEN3_NEXT_80B_A3B = hf_moe_config("qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
+                                   num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                   linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                                   linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
+                                   moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                   layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12)
+
 
 def models() -> dict[str, tuple[ModelConfig, torch.dtype, int]]:
     """Name: (config, dtype, log capacity of its sessions)."""
     return {"embedded target": (ModelConfig.from_file(DEFAULT_TARGET / "config.json"), torch.float32, LOG_CAPACITY),
             "embedded draft": (ModelConfig.from_file(DEFAULT_DRAFT / "config.json"), torch.float32,
                                CHAIN_LOG_CAPACITY),
-            "Qwen3.5-0.8B shape": (ModelConfig.from_dict(QWEN35_08B), torch.bfloat16, LOG_CAPACITY)}
+            "Qwen3.5-0.8B shape": (ModelConfig.from_dict(QWEN35_08B), torch.bfloat16, LOG_CAPACITY),
+            "Qwen3.5-35B-A3B shape": (ModelConfig.from_dict(QWEN35_35B_A3B), torch.bfloat16, LOG_CAPACITY),
+            "Qwen3-Next-80B-A3B shape": (ModelConfig.from_dict(QWEN3_NEXT_80B_A3B), torch.bfloat16, LOG_CAPACITY)}
 
 
 def measured_bytes(cfg: ModelConfig, dtype: torch.dtype, positions: int, log_capacity: int = LOG_CAPACITY) -> int:
@@ -63,10 +81,10 @@ def print_rows(result: list[dict]) -> None:
     contexts = "".join(f"{n:>9}" for n in CONTEXTS)
     print("\nMemory per session by context (GDN state constant, attention K/V per token; a pooled session measured "
           "at 256 positions holds exactly what the pool charges)")
-    print(f"{'model':<20} {'dtype':<9} {'GDN MiB':>8} {'K/V KiB/token':>13} {'K/V = GDN at':>12} | MiB at{contexts}")
+    print(f"{'model':<24} {'dtype':<9} {'GDN MiB':>8} {'K/V KiB/token':>13} {'K/V = GDN at':>12} | MiB at{contexts}")
     for r in result:
         even = r["gdn_mib"] * 1024 / r["kv_kib_per_token"]
-        print(f"{r['model']:<20} {r['dtype']:<9} {r['gdn_mib']:>8.2f} {r['kv_kib_per_token']:>13.2f} {even:>12.0f} | "
+        print(f"{r['model']:<24} {r['dtype']:<9} {r['gdn_mib']:>8.2f} {r['kv_kib_per_token']:>13.2f} {even:>12.0f} | "
               f"{'':<6}" + "".join(f"{r['session_mib'][n]:>9.1f}" for n in CONTEXTS))
     print(f"{'sessions per GiB':<66} | at    {contexts}")
     for r in result:
