@@ -102,7 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     telemetry = Telemetry.from_env(CLIENT)  # spans as OTEL_* say: a root span over the rounds
     try:
         result = generate(target, prompt, args.max_new_tokens, drafter, k, sampling, telemetry.tracer,
-                          target_dir.name)
+                          target_dir.name, tokenizer.eos_token_ids)
     finally:
         telemetry.shutdown()
     _print_generation(result, tokenizer.decode(result.token_ids), args.json)

@@ -141,6 +141,9 @@ def test_generation_config_eos_ids_end_the_generation(tmp_path, chat_dir, refere
         assert [t for m in out for t in m.token_ids] == reference[:j + 1]
         assert out[-1].finish_reason == pb.FINISH_REASON_EOS
         assert client.generate(messages=CONVERSATION, max_new_tokens=N).token_ids == reference[:j + 1]
+    in_process = generate(load_model(directory), expected_prompt, N,
+                          eos_token_ids=load_tokenizer(directory).eos_token_ids)
+    assert in_process.token_ids == reference[:j + 1]
 
 
 def test_stop_strings_end_the_text_before_them(chat_server, reference, hf_tokenizer):
@@ -205,10 +208,12 @@ def test_chat_template_jinja_beside_the_config_wins(tmp_path):
     assert load_chat_template(tmp_path / "missing") is None
 
 
-def test_cli_chat_sends_the_prompt_as_a_user_message(chat_server, chat_dir, hf_tokenizer):
+@pytest.mark.parametrize("where", ["server", "in process"])
+def test_cli_chat_sends_the_prompt_as_a_user_message(where, chat_server, chat_dir, hf_tokenizer):
     user = [{"role": "user", "content": "Say hello, fox."}]
-    out = subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", "generate", "--target-addr", chat_server,
-                          "--prompt", user[0]["content"], "--chat", "--max-new-tokens", "8", "--json"],
+    place = ["--target-addr", chat_server] if where == "server" else ["--target", str(chat_dir)]
+    out = subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", "generate", *place, "--prompt",
+                          user[0]["content"], "--chat", "--max-new-tokens", "8", "--json"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     line = json.loads(out.stdout.splitlines()[-1])

@@ -157,8 +157,10 @@ def generate(
     sampling: SamplingParams = SamplingParams(),
     tracer: Tracer = NO_TRACER,
     model: str = "deltaspec-target",
+    eos_token_ids: tuple[int, ...] = (),
 ) -> Generation:
-    """Exactly `max_new_tokens` new tokens unless the target's EOS appears (it is included, then we stop).
+    """Exactly `max_new_tokens` new tokens unless the target's EOS appears (it is included, then we stop): the
+    config's `eos_token_id` or one of `eos_token_ids` (a checkpoint's generation_config.json lists them).
 
     With a recording `tracer`: one trace, a root span named for `model` over the rounds' spans."""
     drafter = drafter or NoDrafter()
@@ -168,8 +170,8 @@ def generate(
         drafter.start(list(prompt_ids))
         attach(drafter, session)
         stats = Stats(prefill_seconds=time.perf_counter() - started)
-        for _ in decode(session, drafter, max_new_tokens, num_draft_tokens, set(target.config.eos_token_id), stats,
-                        tracer):
+        eos = set(target.config.eos_token_id) | set(eos_token_ids)
+        for _ in decode(session, drafter, max_new_tokens, num_draft_tokens, eos, stats, tracer):
             stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
         stats.seconds = time.perf_counter() - started
         record_usage(span, list(prompt_ids), session.generated)
