@@ -8,7 +8,9 @@ tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over 
 pipelined vs serial rounds over gRPC with 0, 1 and 5 ms of network delay, and what a round costs in CPU time
 and draft passes (`deltaspec.shared.bench.pipeline`); load
 (1 to 32 concurrent sessions over loopback gRPC, `deltaspec.shared.bench.load`); memory per session against
-context and sessions per GiB (`deltaspec.shared.bench.session_memory`, computed from the configs); compiled passes
+context and sessions per GiB (`deltaspec.shared.bench.session_memory`, computed from the configs); sparse MoE
+targets of both families (verify cost against the distinct experts read, break-even acceptance, rounds at drawn
+accepts, against HF generate(): `deltaspec.shared.bench.moe`); compiled passes
 (steps fused vs compiled, and the long generations again with both models compiled); and, only where CUDA is
 present, the GPU: the verify/decode ratio, the load table with both servers on CUDA, and eager against
 compiled generations (`generation.eager_and_compiled`). `--only` runs some sections. Plots go to docs/; a full
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deltaspec.shared.bench import generation, load, pipeline, report, session_memory, steps as step_costs, wire
+from deltaspec.shared.bench import generation, load, moe, pipeline, report, session_memory, steps as step_costs, wire
 from deltaspec.shared.bench.rollback import compare
 from deltaspec.shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
 from deltaspec.shared.decoding.drafters import make_drafter
@@ -41,7 +43,7 @@ from deltaspec.shared.telemetry.overhead import tracing_overhead
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
 SECTIONS = ("steps", "acceptance", "generations", "grpc", "wire", "tracing", "rollback", "memory", "pipeline", "load",
-            "sessions", "compiled", "gpu")
+            "sessions", "moe", "compiled", "gpu")
 
 
 def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
@@ -113,6 +115,9 @@ def run(args: argparse.Namespace) -> dict:
         if "sessions" in steps:
             result["sessions"] = session_memory.rows()
             bar.update()
+        if "moe" in steps:
+            result["moe"] = moe.moe(quick)
+            bar.update()
         if "compiled" in steps:  # both models' passes compiled: speculative and target-only alike
             result["compiled"] = {"steps": step_costs.step_costs({"embedded target": target, "embedded draft": draft},
                                                                  blocks=3 if quick else 7, paths=("fused", "compiled"))}
@@ -172,6 +177,8 @@ def print_tables(result: dict) -> None:
         load.print_rows(result["load"])
     if "sessions" in result:
         session_memory.print_rows(result["sessions"])
+    if "moe" in result:
+        moe.print_rows(result["moe"])
     if "gpu" in result:
         print(f"GPU: verify/decode ratio {result['gpu']['memory_bound']['ratio']:.2f}")
         print("GPU: load (both servers --device cuda)", end="")
@@ -239,6 +246,8 @@ def main(args: argparse.Namespace) -> int:
         report.save(DOCS, "pipeline", result["pipeline"], pipeline.print_rows, pipeline.plot)
     if not args.quick and "load" in result:
         report.save(DOCS, "load", result["load"], load.print_rows, load.plot)
+    if not args.quick and "moe" in result:
+        report.save(DOCS, "moe", result["moe"], moe.print_rows, moe.plot)
     if "sessions" in result:  # computed, not timed: the same in quick runs
         report.save(DOCS, "memory_per_session", result["sessions"], session_memory.print_rows, session_memory.plot)
     return 0

@@ -1,0 +1,230 @@
+"""Sparse MoE targets on this machine (`deltaspec bench --only moe`): what a verify costs when each token picks
+its own experts, and whether speculation still pays.
+
+For a small random target of each family (32 experts, top-4, a shared expert, 4 layers), in one run:
+- ms per pass of T = 1 (decode) and T = k+1 (verify, k = 1..8) tokens per session, batched over 1, 4 and 8
+  sessions, with the distinct experts the pass read per sparse layer (`SparseMoE.touched`): a verify routes all its
+  tokens at once and reads each chosen expert once, so its cost follows the distinct experts, not T x top-k;
+- the acceptance at which speculation breaks even at each k: tokens a round yields at per-token acceptance a,
+  (1 - a^(k+1)) / (1 - a), against the round's cost in decode steps, verify(k+1) / decode + k x draft step / decode
+  (a dense 2-layer draft, measured at the same batch);
+- rounds with a real draft model and accept counts drawn at a = 0.7 (round cost is measured here, not acceptance),
+  k = 4, against target-only decoding, batched 1, 4 and 8;
+- our target-only against HF `generate()` on the same checkpoint, one sequence.
+Passes are timed alternately (every T in turn, repeated), medians with their spread.
+"""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.batched import forward_batch
+from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.layers import SparseMoE
+from deltaspec.shared.model.loader import load_model
+
+FAMILIES = {"Qwen3.5-MoE": "qwen3_5_moe_text", "Qwen3-Next": "qwen3_next"}
+KS = tuple(range(1, 9))
+BATCHES = (1, 4, 8)
+PREFIX = 32  # tokens each session holds before the timed passes
+ALPHA = 0.7
+
+
+def moe_config(model_type: str) -> dict:
+    return hf_moe_config(model_type, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=64, linear_value_head_dim=64, num_experts=32, num_experts_per_tok=4,
+                         moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                         eos_token_id=None)  # no end of sequence: both sides generate every token asked for
+
+
+def draft_model() -> HybridLM:
+    return random_model(hf_config(layer_types=["linear_attention", "full_attention"]), seed=1).fuse()
+
+
+def _sessions(model: HybridLM, batch: int, gen: torch.Generator) -> list:
+    states = []
+    for _ in range(batch):
+        state = model.new_state(capacity=1024)
+        model(torch.randint(0, model.config.vocab_size, (PREFIX,), generator=gen), state)
+        state.commit(PREFIX)
+        states.append(state)
+    return states
+
+
+def _pass(model: HybridLM, states: list, T: int, gen: torch.Generator) -> float:
+    items = [(torch.randint(0, model.config.vocab_size, (T,), generator=gen), st) for st in states]
+    start = time.perf_counter()
+    forward_batch(model, items)
+    elapsed = time.perf_counter() - start
+    for st in states:
+        st.revert()
+    return elapsed
+
+
+def pass_costs(model: HybridLM, draft: HybridLM, repeats: int) -> list[dict]:
+    """Per batch: decode and verify(k+1) ms and distinct experts per sparse layer, the draft's step ms."""
+    gen = torch.Generator().manual_seed(0)
+    sparse = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoE)]
+    rows = []
+    for batch in BATCHES:
+        states, drafts = _sessions(model, batch, gen), _sessions(draft, batch, gen)
+        lengths = (1, *(k + 1 for k in KS))
+        times: dict[int, list[float]] = {T: [] for T in lengths}
+        touched: dict[int, list[float]] = {T: [] for T in lengths}
+        draft_times = []
+        for _ in range(repeats + 1):  # the first round warms every path up and is dropped
+            for T in lengths:
+                times[T].append(_pass(model, states, T, gen))
+                touched[T].append(statistics.mean(m.touched for m in sparse))
+            draft_times.append(_pass(draft, drafts, 1, gen))
+        decode = statistics.median(times[1][1:])
+        draft_ms = 1000 * statistics.median(draft_times[1:])
+        for T in lengths:
+            ms = [1000 * t for t in times[T][1:]]
+            rows.append({"batch": batch, "tokens": T, "ms": statistics.median(ms), "ms_min": min(ms),
+                         "ms_max": max(ms), "vs_decode": statistics.median(times[T][1:]) / decode,
+                         "experts": statistics.mean(touched[T][1:]), "draft_step_ms": draft_ms,
+                         "break_even": None if T == 1 else break_even(T - 1, statistics.median(times[T][1:]) / decode,
+                                                                      draft_ms / (1000 * decode))})
+    return rows
+
+
+def break_even(k: int, verify_vs_decode: float, draft_vs_decode: float) -> float | None:
+    """Per-token acceptance at which a round of k drafts yields as many tokens per decode step's time as decoding."""
+    cost = verify_vs_decode + k * draft_vs_decode
+    if cost >= k + 1:
+        return None  # not even full acceptance pays
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        a = (lo + hi) / 2
+        tokens = k + 1 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+        lo, hi = (lo, a) if tokens >= cost else (a, hi)
+    return hi
+
+
+def drawn_rounds(model: HybridLM, draft: HybridLM, batch: int, k: int, new_tokens: int, seed: int) -> float:
+    """Tokens/s of rounds with a real draft and accept counts drawn at `ALPHA`, over `batch` sessions."""
+    gen = torch.Generator().manual_seed(seed)
+    states, drafts = _sessions(model, batch, gen), _sessions(draft, batch, gen)
+    produced, start = 0, time.perf_counter()
+    while produced < new_tokens * batch:
+        for _ in range(k):  # the draft stages its k proposals, one batched step each
+            forward_batch(draft, [(torch.randint(0, 257, (1,), generator=gen), ds) for ds in drafts])
+        forward_batch(model, [(torch.randint(0, 257, (k + 1,), generator=gen), st) for st in states])
+        for st, ds in zip(states, drafts):
+            accepted = 0
+            while accepted < k and torch.rand((), generator=gen) < ALPHA:
+                accepted += 1
+            st.commit(accepted + 1)
+            ds.commit(accepted)
+            produced += accepted + 1
+    return produced / (time.perf_counter() - start)
+
+
+def target_only(model: HybridLM, batch: int, new_tokens: int, seed: int) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    states = _sessions(model, batch, gen)
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        forward_batch(model, [(torch.randint(0, 257, (1,), generator=gen), st) for st in states])
+        for st in states:
+            st.commit(1)
+    return new_tokens * batch / (time.perf_counter() - start)
+
+
+def speculation_rows(model: HybridLM, draft: HybridLM, repeats: int, new_tokens: int, k: int = 4) -> list[dict]:
+    rows = []
+    for batch in BATCHES:
+        spec, plain = [], []
+        for r in range(repeats + 1):
+            spec.append(drawn_rounds(model, draft, batch, k, new_tokens, seed=r))
+            plain.append(target_only(model, batch, new_tokens, seed=r))
+        ratios = [s / p for s, p in zip(spec[1:], plain[1:])]
+        rows.append({"batch": batch, "k": k, "alpha": ALPHA, "spec_tok_s": statistics.median(spec[1:]),
+                     "target_only_tok_s": statistics.median(plain[1:]), "speedup": statistics.median(ratios),
+                     "speedup_min": min(ratios), "speedup_max": max(ratios)})
+    return rows
+
+
+def versus_hf(directory: Path, model: HybridLM, repeats: int, new_tokens: int) -> dict:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompt = torch.randint(0, 257, (PREFIX,), generator=torch.Generator().manual_seed(3)).tolist()
+    ours, theirs = [], []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        got = generate(model, prompt, new_tokens).token_ids
+        ours.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0, PREFIX:].tolist()
+        theirs.append(time.perf_counter() - start)
+    ratios = [t / o for o, t in zip(ours[1:], theirs[1:])]
+    return {"ours_tok_s": new_tokens / statistics.median(ours[1:]), "hf_tok_s": new_tokens / statistics.median(theirs[1:]),
+            "ours_vs_hf": statistics.median(ratios), "ours_vs_hf_min": min(ratios), "ours_vs_hf_max": max(ratios),
+            "same_tokens": got == want}
+
+
+def moe(quick: bool = False) -> dict:
+    repeats, new_tokens = (3, 24) if quick else (7, 64)
+    draft = draft_model()
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, model_type in FAMILIES.items():
+            directory = save_checkpoint(random_model(moe_config(model_type), seed=2), Path(tmp) / model_type)
+            model = load_model(directory)
+            result[name] = {"passes": pass_costs(model, draft, repeats),
+                            "speculation": speculation_rows(model, draft, repeats, new_tokens),
+                            "hf": versus_hf(directory, model, repeats, new_tokens)}
+    return result
+
+
+def print_rows(result: dict) -> None:
+    print("\nSparse MoE targets (32 experts, top-4, 4 layers, hidden 256; random weights; medians)")
+    for name, r in result.items():
+        hf = r["hf"]
+        print(f"\n{name}: target-only {hf['ours_tok_s']:.1f} tok/s, HF generate() {hf['hf_tok_s']:.1f} tok/s "
+              f"({hf['ours_vs_hf']:.2f}x, {hf['ours_vs_hf_min']:.2f}-{hf['ours_vs_hf_max']:.2f}; "
+              f"same tokens: {hf['same_tokens']})")
+        print(f"{'batch':>5} {'tokens':>6} {'ms/pass':>8} {'min-max':>13} {'x decode':>8} {'experts/layer':>13} "
+              f"{'break-even a':>12}")
+        for p in r["passes"]:
+            even = "-" if p["tokens"] == 1 else "never" if p["break_even"] is None else f"{p['break_even']:.2f}"
+            print(f"{p['batch']:>5} {p['tokens']:>6} {p['ms']:>8.2f} {p['ms_min']:>6.2f}-{p['ms_max']:<6.2f} "
+                  f"{p['vs_decode']:>8.2f} {p['experts']:>13.1f} {even:>12}")
+        print(f"draft step (dense 2-layer) per batch: "
+              + ", ".join(f"{p['batch']}: {p['draft_step_ms']:.2f} ms" for p in r["passes"] if p["tokens"] == 1))
+        for s in r["speculation"]:
+            print(f"k = {s['k']}, accepts drawn at {s['alpha']}, batch {s['batch']}: {s['spec_tok_s']:.0f} tok/s "
+                  f"against {s['target_only_tok_s']:.0f} target-only, {s['speedup']:.2f}x "
+                  f"({s['speedup_min']:.2f}-{s['speedup_max']:.2f})")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(result), figsize=(5.5 * len(result), 4), squeeze=False)
+    for ax, (name, r) in zip(axes[0], result.items()):
+        for batch in BATCHES:
+            rows = [p for p in r["passes"] if p["batch"] == batch]
+            line, = ax.plot([p["tokens"] for p in rows], [p["vs_decode"] for p in rows], marker="o",
+                            label=f"{batch} session(s): pass / decode")
+            ax.plot([p["tokens"] for p in rows], [p["experts"] / rows[0]["experts"] for p in rows], ls=":",
+                    color=line.get_color(), label=f"{batch}: distinct experts / decode's")
+        ax.set_xlabel("tokens per session in the pass (k + 1)")
+        ax.set_ylabel("relative to a decode step")
+        ax.set_title(f"{name}: verify cost and experts read")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
