@@ -91,7 +91,8 @@ def test_greedy_generation_matches_hf_target_only_and_speculative(checkpoint):
     draft = random_model(hf_config(vocab_size=ours.config.vocab_size, layer_types=["linear_attention",
                                                                                  "full_attention"]), seed=5).fuse()
     for k in (1, 3, 5):
-        for drafter in (ModelDrafter(draft), ModelDrafter(ours), make_drafter("mtp", ours), make_drafter("ngram", ours)):
+        drafters = (ModelDrafter(draft), ModelDrafter(ours), make_drafter("mtp", ours), make_drafter("ngram", ours))
+        for drafter in drafters:
             got = generate(ours, prompt, 24, drafter, k)
             assert got.token_ids == want, (type(drafter).__name__, k)
             assert got.stats.drafted > 0 or isinstance(drafter, type(make_drafter("ngram", ours)))

@@ -168,7 +168,8 @@ def versus_hf(directory: Path, model: HybridLM, repeats: int, new_tokens: int) -
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0, PREFIX:].tolist()
         theirs.append(time.perf_counter() - start)
     ratios = [t / o for o, t in zip(ours[1:], theirs[1:])]
-    return {"ours_tok_s": new_tokens / statistics.median(ours[1:]), "hf_tok_s": new_tokens / statistics.median(theirs[1:]),
+    return {"ours_tok_s": new_tokens / statistics.median(ours[1:]),
+            "hf_tok_s": new_tokens / statistics.median(theirs[1:]),
             "ours_vs_hf": statistics.median(ratios), "ours_vs_hf_min": min(ratios), "ours_vs_hf_max": max(ratios),
             "same_tokens": got == want}
 

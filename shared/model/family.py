@@ -3,8 +3,8 @@
 A family is one module under `deltaspec.shared.model` that says which `model_type`s it covers and how its published
 tensors map onto the shared layers (`deltaspec.shared.model.layers`): Qwen3.5, dense and MoE, is the layout the layers
 use; Qwen3-Next packs its GDN input projections per key head and is unpacked at load. A family module defines
-`TEXT_TYPES`, `WRAPPER_TYPES`, `ALWAYS_NORM_TOPK`, `convert` and its inverse `publish`; adding one is that module and a line here, with no
-decoding, state or service code touched.
+`TEXT_TYPES`, `WRAPPER_TYPES`, `ALWAYS_NORM_TOPK`, `convert` and its inverse `publish`; adding one is that module
+and a line here, with no decoding, state or service code touched.
 """
 from __future__ import annotations
 
