@@ -58,7 +58,7 @@ def installed(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     # Built from a copy: an in-tree build leaves build/lib behind, whose stale modules a later wheel would carry.
     source = shutil.copytree(ROOT, tmp / "source", ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "site", "*.egg-info", "__pycache__", ".hypothesis", ".pytest_cache"))
+        ".git", ".venv", "build", "site", "*.egg-info", "__pycache__", ".hypothesis", ".pytest_cache", "node_modules"))
     subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp / "dist"),
                     str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp / "dist").glob("deltaspec-*.whl")
