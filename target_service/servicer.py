@@ -11,7 +11,7 @@ import asyncio
 import contextvars
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -227,14 +227,14 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         self.limits.check_prompt(len(prompt), field_name)
         return prompt
 
-    def _chat_prompt(self, messages) -> list[int]:
+    def _chat_prompt(self, messages: Sequence[pb.ChatMessage]) -> list[int]:
         for i, message in enumerate(messages):
             if not message.role:
                 raise InvalidArgument(f"messages[{i}].role is empty", f"messages[{i}].role")
         return encode_chat(self.tokenizer, [{"role": m.role, "content": m.content} for m in messages])
 
 
-def _stop_strings(stops: list[str]) -> list[str]:
+def _stop_strings(stops: Sequence[str]) -> list[str]:
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidArgument(f"{len(stops)} stop strings, the limit is {MAX_STOP_STRINGS}", "stop_strings")
     for i, stop in enumerate(stops):
