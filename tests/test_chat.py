@@ -6,6 +6,7 @@ prompt ids the server builds, and in-process target-only decoding the reference 
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ import grpc
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from deltaspec.shared.client import Client, FailedPreconditionError, InvalidArgumentError
+from deltaspec.shared.client import AsyncClient, Client, FailedPreconditionError, InvalidArgumentError
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.decoding.text_stream import TextStream
 from deltaspec.shared.model.chat_template import load_chat_template
@@ -162,6 +163,11 @@ def test_stop_strings_end_the_text_before_them(chat_server, reference, hf_tokeni
     with Client(chat_server) as client:
         whole = client.generate(messages=CONVERSATION, max_new_tokens=N, stop_strings=[stop])
     assert (whole.token_ids, whole.text) == (reference[:n], text[:text.index(stop)])
+
+    async def run():
+        async with AsyncClient(chat_server) as client:
+            return await client.generate(messages=CONVERSATION, max_new_tokens=N, stop_strings=[stop])
+    assert asyncio.run(run()).token_ids == reference[:n]
 
 
 def test_text_that_may_begin_a_stop_string_waits_for_the_next_tokens():
