@@ -10,6 +10,7 @@ without the bad call. The last test prints how many kinds were tried.
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -428,6 +429,12 @@ CASES = [
     Case("sparse draft probabilities unnormalised", T, "proposed",
          lambda L: L.t.Verify(L.verify_request(round_id="x", draft_probs_sparse=sparse(L, p=0.7))), IA,
          "draft_probs_sparse"),
+    Case("sparse draft probabilities NaN", T, "proposed",
+         lambda L: L.t.Verify(L.verify_request(round_id="x", draft_probs_sparse=sparse(L, p=float("nan")))), IA,
+         "draft_probs_sparse.probs"),
+    Case("sparse draft probabilities negative", T, "proposed",
+         lambda L: L.t.Verify(L.verify_request(round_id="x", draft_probs_sparse=sparse(L, p=-0.5))), IA,
+         "draft_probs_sparse.probs"),
     Case("sparse draft probabilities zero on the drafted token", T, "proposed",
          lambda L: L.t.Verify(L.verify_request(round_id="x", draft_probs_sparse=sparse(L, p=0.0))), IA,
          "draft_probs_sparse"),
@@ -516,6 +523,9 @@ CASES = [
     Case("draft Commit accept count above the proposal", D, "committed",
          lambda L: L.d.Commit(dpb.DraftServiceCommitRequest(session_id=L.dsid, outcome=L.outcome(accepted=K + 1))),
          IA, "outcome.accepted"),
+    Case("draft Commit next token outside the vocabulary", D, "committed",
+         lambda L: L.d.Commit(dpb.DraftServiceCommitRequest(session_id=L.dsid, outcome=L.outcome(next_token=U32))),
+         IA, "outcome.next_token"),
     Case("draft Commit repeated with another outcome", D, "committed",
          lambda L: L.d.Commit(dpb.DraftServiceCommitRequest(session_id=L.dsid, outcome=L.outcome(
              next_token=(L.previous.next_token + 1) % VOCAB))), FP, "outcome",
@@ -574,6 +584,35 @@ def test_bad_input_is_refused_and_changes_nothing(servers, reference, baseline, 
     assert loop.finish() == reference
     assert loop.proposals == baseline
     tried[case.name] = case.service
+
+
+# Request fields for which every value the wire can carry is valid, each with its documented meaning
+ANY_VALUE = {
+    "sampling": "a message; its fields are checked one by one",
+    "sampling.top_k": "0 turns top-k off; a k at or above the vocabulary keeps every token",
+    "sampling.seed": "any 64-bit value is a seed",
+    "messages.content": "any text, empty included",
+    "max_new_tokens": "0 generates none",
+    "sparse_probs": "a switch: dense or sparse draft distributions",
+    "speculative": "a switch; a parent round without it is refused (parent_round_id)",
+}
+
+
+def request_fields(message, prefix: str = ""):
+    for f in message.fields:
+        yield prefix + f.name
+        if f.message_type is not None:
+            yield from request_fields(f.message_type, f"{prefix}{f.name}.")
+
+
+def test_every_field_of_every_request_is_in_the_table():
+    """Each field of each request of both services is named by a refusal above, or listed in ANY_VALUE."""
+    named = {re.sub(r"\[\d+\]", "", c.field) for c in CASES if c.field}
+    missing = [f"{service.name}.{method.name}: {path}"
+               for module in (pb, dpb) for service in module.DESCRIPTOR.services_by_name.values()
+               for method in service.methods for path in request_fields(method.input_type)
+               if path not in named and path.rsplit(".", 1)[-1] not in named and path not in ANY_VALUE]
+    assert not missing
 
 
 def test_how_many_kinds(capsys):

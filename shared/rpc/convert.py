@@ -73,7 +73,8 @@ def probs_from_proto(msg, tokens: list[int], vocab_size: int) -> Tensor | None:
         values = torch.from_numpy(np.array(dense, dtype=np.float32))  # read as one buffer, not float by float
         q = values.view(rows, vocab_size)
     if not (torch.isfinite(values).all() and (values >= 0).all()):
-        raise InvalidArgument("draft probabilities must be finite and >= 0", field_name)
+        raise InvalidArgument("draft probabilities must be finite and >= 0",
+                              field_name if sparse is None else f"{field_name}.probs")
     if not torch.allclose(q.sum(-1), torch.ones(rows), atol=1e-3):
         raise InvalidArgument(f"draft probabilities must sum to 1 per token, got {q.sum(-1).tolist()}", field_name)
     if not (q[torch.arange(rows), torch.tensor(tokens, dtype=torch.long)] > 0).all():
