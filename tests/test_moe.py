@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from deltaspec.shared.decoding.batcher import BatchConfig
 from deltaspec.shared.decoding.drafters import make_drafter
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
@@ -18,8 +19,12 @@ from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
 from deltaspec.shared.model.loader import CheckpointError, load_model
+from deltaspec.shared.model.tokenizer import load_tokenizer
 from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.target_service import servicer as target_servicer
+from test_batching import assert_batched, run_threads
 from test_rpc_servers import Served
+from test_rpc_support import start
 
 transformers = pytest.importorskip("transformers")
 
@@ -272,3 +277,24 @@ def test_services_serve_hf_tokens_for_a_moe_target(tmp_path):
         for process in (served, drafted):
             process.proc.kill()
             process.proc.wait()
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "ngram"])
+def test_batched_generate_streams_on_a_moe_target_equal_hf(drafter, tmp_path):
+    """A batching target (Qwen3.5-MoE, its MTP head or n-grams in process): five Generate streams of different
+    lengths and k at once, joining and leaving the batch as they start and finish, each HF's greedy tokens."""
+    directory = save_checkpoint(moe_model(CONFIGS["qwen3_5_moe-top2-dk!=dv"], seed=20), tmp_path)
+    service = target_servicer.service(lambda: (load_model(directory), load_tokenizer(directory)),
+                                      local_draft=drafter, batching=BatchConfig(max_batch=8, max_wait_ms=10.0))
+    streams = [(5, 3, 24), (12, 4, 16), (3, 2, 28), (9, 1, 20), (8, 0, 12)]  # (prompt length, k, new tokens)
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, 257, (n,), generator=gen).tolist() for n, _, _ in streams]
+    with start(service) as t:
+        results = run_threads(lambda i: generate_on_server(t.address, prompts[i], "", streams[i][2],
+                                                           streams[i][1])[0].token_ids, list(range(len(streams))))
+        assert_batched(service.load.__self__.model)
+    hf = hf_model(directory)
+    for prompt, (_, _, n), out in zip(prompts, streams, results):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+        assert out == want
