@@ -1,7 +1,7 @@
 """Speculative sampling is lossless: the first tokens are distributed exactly as the target alone draws them.
 
-Over many seeded runs on a tiny random model (vocabulary 16, so every cell of the test is
-populated), the empirical distribution of the first three generated tokens, taken as the marginal
+Over many seeded runs on tiny random models (vocabulary 16, so every cell of the test is
+populated; a dense Qwen3.5 target and a Qwen3-Next MoE one with its MTP head), the empirical distribution of the first three generated tokens, taken as the marginal
 of t1, the joint of (t1, t2) and the marginal of t3, is compared with the target's exact distribution, computed
 from its logits (p(t1), p(t2 | t1), p(t3 | t1, t2) after temperature, top-k and top-p) rather
 than sampled. The test is a G-test (likelihood-ratio chi-square; cells with expected count
@@ -22,55 +22,68 @@ from deltaspec.shared.decoding.drafters.mtp import MTPDrafter, MTPHead, random_m
 from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabilities
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.decoding.verify import Verdict
-from deltaspec.shared.model.checkpoint import hf_config, random_model
+from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model
 
 ALPHA = 1e-3
 RUNS = 200  # per drafter; the test's size (false-alarm rate) does not depend on it, its power does
 WRONG_RUNS = {"accept_always": 100, "resample_from_target": 300}
 V = 16
-CFG = hf_config(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-                head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
-                linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], eos_token_id=None)
-TARGET = random_model(CFG, seed=1)
-TARGET.mtp = random_mtp_weights(TARGET.config, 1, seed=4)
-MTP_HEAD = MTPHead(TARGET)
+SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+             linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], eos_token_id=None)
+CFG = hf_config(**SHAPE)
+MOE_CFG = hf_moe_config("qwen3_next", **SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=16)
+
+
+def with_mtp(config: dict, seed: int):
+    model = random_model(config, seed=seed)
+    model.mtp = random_mtp_weights(model.config, 1, seed=seed + 3)
+    return model
+
+
+TARGETS = {"dense": with_mtp(CFG, 1), "moe": with_mtp(MOE_CFG, 5)}
+TARGET = TARGETS["dense"]
+HEADS = {name: MTPHead(model) for name, model in TARGETS.items()}
 DRAFT = random_model(CFG, seed=2)  # a different model: q differs from p, so both accepts and rejections occur
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so the n-gram drafter proposes in the first round
 T1 = SamplingParams(temperature=1.0)
 FILTERED = SamplingParams(temperature=0.8, top_k=10, top_p=0.9)
 
-DRAFTERS = {
-    "model": lambda s: ModelDrafter(DRAFT, s),
-    "model-stop": lambda s: ModelDrafter(DRAFT, s, stop_below=0.35),  # proposals end where the draft is unsure
-    "ngram": lambda s: make_drafter("ngram", TARGET, s),
-    "mtp": lambda s: MTPDrafter(TARGET, s, MTP_HEAD),
+DRAFTERS = {  # (target name, sampling) -> drafter
+    "model": lambda t, s: ModelDrafter(DRAFT, s),
+    "model-stop": lambda t, s: ModelDrafter(DRAFT, s, stop_below=0.35),  # proposals end where the draft is unsure
+    "ngram": lambda t, s: make_drafter("ngram", TARGETS[t], s),
+    "mtp": lambda t, s: MTPDrafter(TARGETS[t], s, HEADS[t]),
 }
 
 
-def target_probs(prefix: list[int], sampling: SamplingParams) -> torch.Tensor:
-    logits, _ = TARGET(torch.tensor(PROMPT + prefix), TARGET.new_state())
+def target_probs(target: str, prefix: list[int], sampling: SamplingParams) -> torch.Tensor:
+    model = TARGETS[target]
+    logits, _ = model(torch.tensor(PROMPT + prefix), model.new_state())
     return probabilities(logits[-1], sampling).double()
 
 
 @functools.cache
-def exact_distributions(sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_distributions(target: str, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Joint of (t1, t2) `(V, V)` and marginal of t3 `(V,)`, from the target's logits."""
-    p1 = target_probs([], sampling)
-    joint = torch.stack([p1[a] * target_probs([a], sampling) for a in range(V)])
+    p1 = target_probs(target, [], sampling)
+    joint = torch.stack([p1[a] * target_probs(target, [a], sampling) for a in range(V)])
     p3 = torch.zeros(V, dtype=torch.float64)
     for a in range(V):
         for b in range(V):
             if joint[a, b] > 0:
-                p3 += joint[a, b] * target_probs([a, b], sampling)
+                p3 += joint[a, b] * target_probs(target, [a, b], sampling)
     return joint, p3
 
 
-def sample(drafter_name: str, sampling: SamplingParams, runs: int = RUNS, k: int = 2) -> tuple[torch.Tensor, dict]:
+def sample(drafter_name: str, sampling: SamplingParams, runs: int = RUNS, k: int = 2,
+           target: str = "dense") -> tuple[torch.Tensor, dict]:
     """`runs` seeded generations of 3 tokens: (runs, 3) tokens, and totals of drafted / accepted tokens."""
     out, totals = [], {"drafted": 0, "accepted": 0, "rounds": 0}
     for seed in range(runs):
         s = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed)
-        result = generate(TARGET, PROMPT, 3, DRAFTERS[drafter_name](s), k, s)
+        result = generate(TARGETS[target], PROMPT, 3, DRAFTERS[drafter_name](target, s), k, s)
         out.append(result.token_ids)
         totals["drafted"] += result.stats.drafted
         totals["accepted"] += result.stats.accepted
@@ -93,22 +106,25 @@ def g_test(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(g / 2)))
 
 
-def p_values(tokens: torch.Tensor, sampling: SamplingParams) -> tuple[float, float, float]:
+def p_values(tokens: torch.Tensor, sampling: SamplingParams, target: str = "dense") -> tuple[float, float, float]:
     """G-test p-values of t1, of (t1, t2) jointly, and of t3."""
-    joint, p3 = exact_distributions(sampling)
+    joint, p3 = exact_distributions(target, sampling)
     joint_counts = torch.bincount(tokens[:, 0] * V + tokens[:, 1], minlength=V * V).view(V, V)
     return (g_test(joint_counts.sum(1), joint.sum(1)), g_test(joint_counts, joint),
             g_test(torch.bincount(tokens[:, 2], minlength=V), p3))
 
 
-@pytest.mark.parametrize("drafter, sampling", [("model", T1), ("model-stop", T1), ("ngram", T1), ("mtp", FILTERED)],
-                         ids=["model-T1", "model-stop_below-T1", "ngram-T1", "mtp-T0.8-topk10-topp0.9"])
-def test_speculative_sampling_matches_target(drafter, sampling):
-    tokens, totals = sample(drafter, sampling)
+@pytest.mark.parametrize("target, drafter, sampling",
+                         [("dense", "model", T1), ("dense", "model-stop", T1), ("dense", "ngram", T1),
+                          ("dense", "mtp", FILTERED), ("moe", "model", T1), ("moe", "mtp", FILTERED)],
+                         ids=["model-T1", "model-stop_below-T1", "ngram-T1", "mtp-T0.8-topk10-topp0.9",
+                              "moe-model-T1", "moe-mtp-T0.8-topk10-topp0.9"])
+def test_speculative_sampling_matches_target(target, drafter, sampling):
+    tokens, totals = sample(drafter, sampling, target=target)
     assert 0 < totals["accepted"] < totals["drafted"], totals  # both accepts and rejections happened
     if drafter == "model-stop":  # some proposals stopped short of k = 2, some did not
         assert totals["rounds"] < totals["drafted"] < 2 * totals["rounds"], totals
-    p = p_values(tokens, sampling)
+    p = p_values(tokens, sampling, target)
     assert min(p) > ALPHA, p
 
 
@@ -136,8 +152,8 @@ def test_wrong_acceptance_rule_is_caught(rule, monkeypatch):
 
 @pytest.mark.parametrize("drafter", ["none", *DRAFTERS])
 def test_same_seed_same_tokens(drafter):
-    factory = DRAFTERS.get(drafter, lambda s: None)
-    runs = [generate(TARGET, PROMPT, 12, factory(s), 3, s).token_ids
+    factory = DRAFTERS.get(drafter, lambda t, s: None)
+    runs = [generate(TARGET, PROMPT, 12, factory("dense", s), 3, s).token_ids
             for s in (SamplingParams(1.0, seed=7), SamplingParams(1.0, seed=7), SamplingParams(1.0, seed=8))]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
