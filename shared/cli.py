@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -522,6 +523,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    log = logging.getLogger("deltaspec")  # what the loader and the services log (a skipped vision tower, TLS reloads)
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("deltaspec: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     from deltaspec.shared.errors import DeltaspecError
     from deltaspec.shared.model.loader import CheckpointError
 

@@ -6,6 +6,8 @@ them (per expert), as HF keeps them in memory (fused 3-D experts), mixed, sharde
 """
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -212,6 +214,9 @@ def test_vision_tower_is_skipped_with_a_log_line(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="deltaspec.shared.model.loader"):
         load_model(plain)
     assert "skipping the vision tower (1 tensors" in caplog.text
+    out = subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", "generate", "--target", str(plain),
+                          "--prompt-ids", "1,2,3", "--max-new-tokens", "2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "deltaspec: " in out.stderr and "skipping the vision tower" in out.stderr
 
 
 @pytest.mark.parametrize("break_it, message", [
