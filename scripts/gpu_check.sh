@@ -2,7 +2,8 @@
 # Every GPU check in one run, for a lent GPU machine (`bash scripts/gpu_check.sh` from anywhere in the repo):
 #   1. wheels: carried gRPC/protobuf/OpenTelemetry wheels (.whl/, see below) into /tmp/site; versions, nvidia-smi,
 #      and an import of the generated deltaspec/v1 modules (their grpcio/protobuf version checks);
-#   2. pytest: tests/test_triton_kernel.py (the Triton kernel compiled for the GPU against the naive loop) and
+#   2. pytest: tests/test_triton_kernel.py and tests/test_triton_commit.py (the Triton kernels compiled for the
+#      GPU against the naive loop and the torch commit) and
 #      tests/test_cuda.py (models, state, decoding loop and served models on CUDA against the CPU);
 #   3. bench: `deltaspec bench --only gpu --quick` (the verify/decode ratio, the load table with both servers on
 #      CUDA, and eager against compiled generations on the GPU);
@@ -118,7 +119,7 @@ STEP_START=$SECONDS
 echo "=== 2. pytest"
 t=$(limit 240)
 run "$OUT/pytest.log" "$t" "$PY" -m pytest -p no:cacheprovider -rfEsxX --timeout 150 --durations 10 \
-    --junitxml "$OUT/junit.xml" tests/test_triton_kernel.py tests/test_cuda.py
+    --junitxml "$OUT/junit.xml" tests/test_triton_kernel.py tests/test_triton_commit.py tests/test_cuda.py
 rc=$?
 line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped)|^=+ .*(passed|failed|error|no tests ran)' \
     "$OUT/pytest.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')

@@ -181,6 +181,13 @@ class GDNStates:
             out_window.copy_(p.x_tail)
         else:
             torch.cat([self.tails["conv"][n], p.x_tail], dim=1, out=out_window)
+        if out_state.is_cuda:  # one Triton launch for every (layer, head) tile (`shared/kernels/triton_commit.py`)
+            from deltaspec.shared.kernels.triton_commit import commit_states
+
+            counts = torch.full((1,), n, dtype=torch.int32, device=out_state.device)
+            commit_states(self.recurrent[None], self.k[None], self.delta[None], self.g[None], out_state[None],
+                          counts.new_zeros(1), counts)
+            return out_window, out_state
         # [exp(G_n), exp(G_n - G_0), ..., exp(G_n - G_{n-1})] per (layer, head), G_t = g_0 + ... + g_t
         torch.mm(p.g, p.sums, out=p.exps).exp_()
         # state <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T, one batched matmul over (layer, head),

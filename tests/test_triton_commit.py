@@ -1,0 +1,80 @@
+"""The Triton closed-form commit against the sequential recurrence and against `GDNStates.prepare_commit` (under
+TRITON_INTERPRET=1 on the CPU), for one sequence and for many slots with their own counts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaspec.shared.kernels.triton_commit import commit_states
+from deltaspec.shared.model.checkpoint import hf_config, random_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def logs(S: int, L: int, H: int, Dk: int, Dv: int, C: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    recurrent = torch.randn(S, L, H, Dk, Dv, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(S, L, H, Dk, C, generator=gen), dim=3)
+    delta = torch.randn(S, L, H, C, Dv, generator=gen)
+    g = -torch.rand(S, L, H, C, generator=gen) * 3
+    return tuple(x.to(DEVICE) for x in (recurrent, k, delta, g))
+
+
+def sequential(s0: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
+    """S_t = exp(g_t) S_{t-1} + k_t delta_t^T, token by token: the definition the closed form sums up."""
+    state = s0.clone()
+    for t in range(n):
+        state = state * g[..., t, None, None].exp() + k[..., :, t, None] * delta[..., t, None, :]
+    return state
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 3, 12, 20, 9), (2, 1, 1, 8, 8, 4), (4, 3, 2, 16, 24, 17)],
+                         ids=lambda s: "S{}-L{}-H{}-Dk{}-Dv{}-C{}".format(*s))
+def test_many_slots_each_with_its_count(shape):
+    S, L, H, Dk, Dv, C = shape
+    recurrent, k, delta, g = logs(*shape, seed=sum(shape))
+    slots = torch.tensor([S - 1, 0], dtype=torch.int32, device=DEVICE)
+    counts = torch.tensor([C, C // 2], dtype=torch.int32, device=DEVICE)
+    before = recurrent.clone()
+    out = torch.full_like(recurrent, 7.0)
+    commit_states(recurrent, k, delta, g, out, slots, counts)
+    for slot, n in zip(slots.tolist(), counts.tolist()):
+        want = sequential(recurrent[slot], k[slot], delta[slot], g[slot], n)
+        torch.testing.assert_close(out[slot], want, atol=1e-5, rtol=1e-5)
+    untouched = [s for s in range(S) if s not in slots.tolist()]
+    assert (out[untouched] == 7.0).all() and torch.equal(recurrent, before)
+
+
+def test_zero_tokens_keeps_the_state_and_in_place_works():
+    recurrent, k, delta, g = logs(2, 2, 2, 8, 12, 5, seed=3)
+    want = [sequential(recurrent[s], k[s], delta[s], g[s], n) for s, n in ((0, 0), (1, 3))]
+    commit_states(recurrent, k, delta, g, recurrent, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                  torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
+    for s in range(2):
+        torch.testing.assert_close(recurrent[s], want[s], atol=1e-5, rtol=1e-5)
+
+
+def test_equals_prepare_commit_on_a_real_staging():
+    """A model's verify pass logs 7 tokens; keeping any n of them gives the state `prepare_commit` computes."""
+    model = random_model(hf_config(linear_key_head_dim=12, linear_value_head_dim=20), seed=4).to(DEVICE)
+    state = model.new_state()
+    model(torch.arange(5, device=DEVICE) % 97, state)
+    state.commit(5)
+    model(torch.arange(7, device=DEVICE) * 3 % 97, state)
+    gdn = state.gdn
+    for n in range(8):
+        gdn.mark(n, 7)  # the snapshot after n of the 7: prepare_commit's closed form (the staged state itself at 7)
+        want = gdn.marked_state
+        got = commit_states(gdn.recurrent[None], gdn.k[None], gdn.delta[None], gdn.g[None],
+                            torch.empty_like(gdn.recurrent)[None], torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                            torch.tensor([n], dtype=torch.int32, device=DEVICE))[0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_refuses_what_it_cannot_commit():
+    recurrent, k, delta, g = logs(1, 1, 1, 8, 8, 4, seed=5)
+    one = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="a count outside 0..4"):
+        commit_states(recurrent, k, delta, g, recurrent.clone(), one, one + 5)
+    with pytest.raises(ValueError, match="delta: expected a contiguous float32"):
+        commit_states(recurrent, k, delta.transpose(-1, -2), g, recurrent.clone(), one, one)
