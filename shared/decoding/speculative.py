@@ -13,6 +13,7 @@ from typing import Protocol
 from opentelemetry.trace import NoOpTracer, Tracer
 from torch import Tensor
 
+from deltaspec.shared.decoding.draft_length import CostModelLength
 from deltaspec.shared.decoding.drafters import Drafter, NoDrafter, attach
 from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.target import Round, TargetSession
@@ -95,9 +96,12 @@ def drafts_kept(rnd: Round, eos: set[int]) -> int:
                 rnd.verdict.accepted)
 
 
-def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_tokens: int, eos: set[int],
-           stats: Stats, tracer: Tracer = NO_TRACER, metrics=None) -> Iterator[list[int]]:
+def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_tokens: int | CostModelLength,
+           eos: set[int], stats: Stats, tracer: Tracer = NO_TRACER, metrics=None) -> Iterator[list[int]]:
     """Run rounds until `max_new_tokens` or an EOS (included), yielding the tokens each round commits.
+
+    `num_draft_tokens`: k for every round, or a `CostModelLength` that chooses k per round and learns from each
+    verdict.
 
     Each round is a span `round` with children `propose`, `verify`, `commit` (no-op spans unless
     `tracer` records); `metrics` (a `deltaspec.shared.telemetry.Metrics`) counts the round when given.
@@ -110,7 +114,8 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
             ids = _ids(session, f"r{stats.rounds}") if traced else {}
             t0 = time.perf_counter()
             with tracer.start_as_current_span("propose") as phase:
-                proposal = drafter.propose(min(num_draft_tokens, room - 1))
+                asked = num_draft_tokens if isinstance(num_draft_tokens, int) else num_draft_tokens.choose()
+                proposal = drafter.propose(min(asked, room - 1))
                 if traced:
                     phase.set_attributes({**ids, attr.DRAFT_TOKENS: len(proposal.tokens)})
             t1 = time.perf_counter()
@@ -122,6 +127,8 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
                                           attr.ACCEPTED_TOKENS: rnd.verdict.accepted,
                                           attr.STAGED_BYTES: rnd.staged_bytes})
             t2 = time.perf_counter()
+            if not isinstance(num_draft_tokens, int):
+                num_draft_tokens.observe(len(proposal.tokens), rnd.verdict.accepted)
             keep = drafts_kept(rnd, eos)
             with tracer.start_as_current_span("commit") as phase:
                 version = session.commit(rnd.round_id, keep)
@@ -153,7 +160,7 @@ def generate(
     prompt_ids: list[int],
     max_new_tokens: int,
     drafter: Drafter | None = None,
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int | CostModelLength = 4,
     sampling: SamplingParams = SamplingParams(),
     tracer: Tracer = NO_TRACER,
     model: str = "deltaspec-target",
