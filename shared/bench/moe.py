@@ -9,7 +9,8 @@ For a small random target of each family (32 experts, top-4, a shared expert, 4 
   (1 - a^(k+1)) / (1 - a), against the round's cost in decode steps, verify(k+1) / decode + k x draft step / decode
   (a dense 2-layer draft, measured at the same batch);
 - rounds with a real draft model and accept counts drawn at a = 0.7 (round cost is measured here, not acceptance),
-  k = 4, against target-only decoding, batched 1, 4 and 8;
+  at k = 4 and at the k the cost model picks from this run's pass costs (`deltaspec.shared.decoding.draft_length`;
+  0 is decoding alone), against target-only decoding, batched 1, 4 and 8;
 - our target-only against HF `generate()` on the same checkpoint, one sequence.
 Passes are timed alternately (every T in turn, repeated), medians with their spread.
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from deltaspec.shared.decoding.draft_length import PassCosts, best_k
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
@@ -139,17 +141,25 @@ def target_only(model: HybridLM, batch: int, new_tokens: int, seed: int) -> floa
     return new_tokens * batch / (time.perf_counter() - start)
 
 
-def speculation_rows(model: HybridLM, draft: HybridLM, repeats: int, new_tokens: int, k: int = 4) -> list[dict]:
+def speculation_rows(model: HybridLM, draft: HybridLM, passes: list[dict], repeats: int,
+                     new_tokens: int) -> list[dict]:
+    """At each batch: k = 4, and the k the cost model (`deltaspec.shared.decoding.draft_length`) picks from this
+    run's pass costs at acceptance `ALPHA` (0: decoding alone)."""
     rows = []
     for batch in BATCHES:
-        spec, plain = [], []
-        for r in range(repeats + 1):
-            spec.append(drawn_rounds(model, draft, batch, k, new_tokens, seed=r))
-            plain.append(target_only(model, batch, new_tokens, seed=r))
-        ratios = [s / p for s, p in zip(spec[1:], plain[1:])]
-        rows.append({"batch": batch, "k": k, "alpha": ALPHA, "spec_tok_s": statistics.median(spec[1:]),
-                     "target_only_tok_s": statistics.median(plain[1:]), "speedup": statistics.median(ratios),
-                     "speedup_min": min(ratios), "speedup_max": max(ratios)})
+        at = {p["tokens"]: p for p in passes if p["batch"] == batch}
+        costs = PassCosts(tuple(at[T]["ms"] / 1000 for T in sorted(at)), at[1]["draft_step_ms"] / 1000)
+        for policy, k in (("fixed", 4), ("cost model", best_k(costs, ALPHA))):
+            spec, plain = [], []
+            for r in range(repeats + 1):
+                spec.append(drawn_rounds(model, draft, batch, k, new_tokens, seed=r) if k else
+                            target_only(model, batch, new_tokens, seed=100 + r))
+                plain.append(target_only(model, batch, new_tokens, seed=r))
+            ratios = [s / p for s, p in zip(spec[1:], plain[1:])]
+            rows.append({"batch": batch, "policy": policy, "k": k, "alpha": ALPHA,
+                         "spec_tok_s": statistics.median(spec[1:]), "target_only_tok_s": statistics.median(plain[1:]),
+                         "speedup": statistics.median(ratios), "speedup_min": min(ratios),
+                         "speedup_max": max(ratios)})
     return rows
 
 
@@ -182,8 +192,9 @@ def moe(quick: bool = False) -> dict:
         for name, model_type in FAMILIES.items():
             directory = save_checkpoint(random_model(moe_config(model_type), seed=2), Path(tmp) / model_type)
             model = load_model(directory)
-            result[name] = {"passes": pass_costs(model, draft, repeats),
-                            "speculation": speculation_rows(model, draft, repeats, new_tokens),
+            passes = pass_costs(model, draft, repeats)
+            result[name] = {"passes": passes,
+                            "speculation": speculation_rows(model, draft, passes, repeats, new_tokens),
                             "hf": versus_hf(directory, model, repeats, new_tokens)}
     return result
 
@@ -204,8 +215,8 @@ def print_rows(result: dict) -> None:
         print(f"draft step (dense 2-layer) per batch: "
               + ", ".join(f"{p['batch']}: {p['draft_step_ms']:.2f} ms" for p in r["passes"] if p["tokens"] == 1))
         for s in r["speculation"]:
-            print(f"k = {s['k']}, accepts drawn at {s['alpha']}, batch {s['batch']}: {s['spec_tok_s']:.0f} tok/s "
-                  f"against {s['target_only_tok_s']:.0f} target-only, {s['speedup']:.2f}x "
+            print(f"{s['policy']:>10} k = {s['k']}, accepts drawn at {s['alpha']}, batch {s['batch']}: "
+                  f"{s['spec_tok_s']:.0f} tok/s against {s['target_only_tok_s']:.0f} target-only, {s['speedup']:.2f}x "
                   f"({s['speedup_min']:.2f}-{s['speedup_max']:.2f})")
 
 
