@@ -100,6 +100,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     drafter = make_drafter(draft, target, sampling, stop_below)
     if args.compile and isinstance(drafter, ModelDrafter):
         drafter.model.compile(warm_up=True, log_capacity=CHAIN_LOG_CAPACITY)
+    if args.draft_length == "cost":
+        from deltaspec.shared.decoding.draft_length import CostModelLength, PassCosts
+
+        if not isinstance(drafter, ModelDrafter):
+            raise ValueError("--draft-length cost needs a draft model (a checkpoint directory as --draft): it times "
+                             "the draft's steps against the target's passes")
+        k = CostModelLength(PassCosts.measure(target, drafter.model, k))
     telemetry = Telemetry.from_env(CLIENT)  # spans as OTEL_* say: a root span over the rounds
     try:
         result = generate(target, prompt, args.max_new_tokens, drafter, k, sampling, telemetry.tracer,
@@ -418,6 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dynamic draft length: a draft model stops proposing after a token it gives less than this "
                         "probability (exact: the decision reads only the draft; 0: always k; default 0.3 in process, "
                         "measured best with k up to 16; over gRPC the draft service's --stop-below decides)")
+    p.add_argument("--draft-length", choices=["fixed", "cost"], default="fixed",
+                   help="in process, with a draft model: 'cost' picks k per round (0 to --num-draft-tokens) from "
+                        "pass costs measured at start-up and the acceptance seen so far, where a round of k would not "
+                        "pay, k = 0 (docs/drafters.md); 'fixed': up to --num-draft-tokens every round")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt")
     prompt.add_argument("--prompt-ids", type=_ids)

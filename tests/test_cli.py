@@ -47,6 +47,17 @@ def test_generate_with_explicit_draft_dir(tmp_path):
     assert spec["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 9
 
 
+def test_generate_with_a_cost_model_draft_length():
+    """`--draft-length cost`: the embedded pair, k chosen per round from measured costs; the target's tokens."""
+    out = run("generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "24", "--json", "--draft-length", "cost")
+    assert out.returncode == 0, out.stderr
+    line = json.loads(out.stdout.splitlines()[-1])
+    assert line["token_ids"] == generate(load_model(DEFAULT_TARGET), [1, 2, 3], 24).token_ids
+    refused = run("generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--draft", "ngram",
+                  "--draft-length", "cost")
+    assert refused.returncode == 2 and "--draft-length cost needs a draft model" in refused.stderr
+
+
 def test_bad_checkpoint_is_one_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     out = run("generate", "--target", str(tmp_path), "--prompt", "x")
