@@ -18,9 +18,8 @@ import torch
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
-from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
 from test_fused import AWKWARD, assert_same_head, close
-from test_rpc_servers import Served
+from test_rpc_servers import Served, both_loops
 
 
 TARGET = hf_config(**{**AWKWARD, "layer_types": ["full_attention", "linear_attention", "linear_attention",
@@ -108,21 +107,12 @@ def test_compiled_services_serve_target_only_tokens(models, tmp_path):
     """`serve-draft --compile` and `serve-target --compile` as real processes (their graphs compile at start-up),
     both loops over gRPC."""
     target, draft = models["target"][0], models["draft"][0]
-    drafted = Served("serve-draft", save_checkpoint(draft, tmp_path / "draft"), "--compile")
-    served = Served("serve-target", save_checkpoint(target, tmp_path / "target"), "--draft-addr", drafted.address,
-                    "--compile")
-    try:
-        drafted.wait_serving(), served.wait_serving()
+    with Served("serve-draft", save_checkpoint(draft, tmp_path / "draft"), "--compile") as drafted, \
+            Served("serve-target", save_checkpoint(target, tmp_path / "target"), "--draft-addr", drafted.address,
+                   "--compile") as served:
         prompt = torch.randint(0, target.config.vocab_size, (9,), generator=torch.Generator().manual_seed(4)).tolist()
         want = generate(target, prompt, 32).token_ids
-        on_server = generate_on_server(served.address, prompt, "", 32, 4)[0]
-        client = generate_client_driven(served.address, drafted.address, prompt, "", 32, 4, draft_timeout_s=30.0)[0]
-        assert on_server.token_ids == want and client.token_ids == want
-        assert on_server.stats.drafted > 0 and client.stats.drafted > 0
-    finally:
-        for process in (served, drafted):
-            process.proc.kill()
-            process.proc.wait()
+        assert both_loops(served, drafted, prompt, 32, 4) == (want, want)
 
 
 def test_compile_needs_the_fused_path():

@@ -22,10 +22,10 @@ from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
 from deltaspec.shared.model.loader import CheckpointError, load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
-from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.client import generate_on_server
 from deltaspec.target_service import servicer as target_servicer
 from test_batching import assert_batched, run_threads
-from test_rpc_servers import Served
+from test_rpc_servers import Served, both_loops
 from test_rpc_support import start
 
 transformers = pytest.importorskip("transformers")
@@ -266,22 +266,13 @@ def test_services_serve_hf_tokens_for_a_moe_target(tmp_path):
     loop, pipelined): HF's greedy tokens both ways."""
     target_dir = save_checkpoint(moe_model(CONFIGS["qwen3_next-top3-normed-sparse_step2"], seed=17), tmp_path / "t")
     draft = random_model(hf_config(layer_types=["linear_attention", "full_attention"]), seed=18)
-    drafted = Served("serve-draft", save_checkpoint(draft, tmp_path / "d"))
-    served = Served("serve-target", target_dir, "--draft", "mtp")
-    try:
-        drafted.wait_serving(), served.wait_serving()
+    with Served("serve-draft", save_checkpoint(draft, tmp_path / "d")) as drafted, \
+            Served("serve-target", target_dir, "--draft", "mtp") as served:
         prompt = torch.randint(0, 257, (10,), generator=torch.Generator().manual_seed(19)).tolist()
         with torch.no_grad():
             want = hf_model(target_dir).generate(torch.tensor([prompt]), max_new_tokens=24,
                                                  do_sample=False)[0, len(prompt):].tolist()
-        on_server = generate_on_server(served.address, prompt, "", 24, 3)[0]
-        client = generate_client_driven(served.address, drafted.address, prompt, "", 24, 3, draft_timeout_s=30.0)[0]
-        assert on_server.token_ids == want and client.token_ids == want
-        assert on_server.stats.drafted > 0 and client.stats.drafted > 0
-    finally:
-        for process in (served, drafted):
-            process.proc.kill()
-            process.proc.wait()
+        assert both_loops(served, drafted, prompt, 24, 3) == (want, want)
 
 
 @pytest.mark.parametrize("drafter", ["mtp", "ngram"])

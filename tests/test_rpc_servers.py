@@ -21,6 +21,7 @@ from deltaspec.draft_service.servicer import NAME as DRAFT_NAME
 from deltaspec.shared.cli import main as cli_main
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.options import channel
 from deltaspec.shared.rpc.server import BackgroundServer, Service
 from deltaspec.target_service.servicer import NAME as TARGET_NAME
@@ -83,11 +84,28 @@ class Served:
         self._wait_for("serving")
         return self
 
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
     def _wait_for(self, prefix: str) -> str:
         for line in self.proc.stderr:  # type: ignore[union-attr]
             if line.startswith(prefix):
                 return line
         raise AssertionError(f"exited with {self.proc.wait()} before {prefix!r}")
+
+
+def both_loops(target: Served, draft: Served, prompt: list[int], n: int, k: int) -> tuple[list[int], list[int]]:
+    """Greedy tokens through the target's own loop (`Generate`) and the client-driven one, once both serve; each
+    loop drafted."""
+    draft.wait_serving(), target.wait_serving()
+    on_server = generate_on_server(target.address, prompt, "", n, k)[0]
+    client = generate_client_driven(target.address, draft.address, prompt, "", n, k, draft_timeout_s=30.0)[0]
+    assert on_server.stats.drafted > 0 and client.stats.drafted > 0
+    return on_server.token_ids, client.token_ids
 
 
 def test_cli_paths_print_the_in_process_json_and_sigterm_drains(pair, capsys):

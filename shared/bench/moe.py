@@ -212,7 +212,7 @@ def print_rows(result: dict) -> None:
             even = "-" if p["tokens"] == 1 else "never" if p["break_even"] is None else f"{p['break_even']:.2f}"
             print(f"{p['batch']:>5} {p['tokens']:>6} {p['ms']:>8.2f} {p['ms_min']:>6.2f}-{p['ms_max']:<6.2f} "
                   f"{p['vs_decode']:>8.2f} {p['experts']:>13.1f} {even:>12}")
-        print(f"draft step (dense 2-layer) per batch: "
+        print("draft step (dense 2-layer) per batch: "
               + ", ".join(f"{p['batch']}: {p['draft_step_ms']:.2f} ms" for p in r["passes"] if p["tokens"] == 1))
         for s in r["speculation"]:
             print(f"{s['policy']:>10} k = {s['k']}, accepts drawn at {s['alpha']}, batch {s['batch']}: "
