@@ -33,23 +33,21 @@ def sequential(s0: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.
 def test_many_slots_each_with_its_count(shape):
     S, L, H, Dk, Dv, C = shape
     recurrent, k, delta, g = logs(*shape, seed=sum(shape))
-    slots = torch.tensor([S - 1, 0], dtype=torch.int32, device=DEVICE)
-    counts = torch.tensor([C, C // 2], dtype=torch.int32, device=DEVICE)
+    slots, counts = [S - 1, 0], [C, C // 2]
     before = recurrent.clone()
     out = torch.full_like(recurrent, 7.0)
     commit_states(recurrent, k, delta, g, out, slots, counts)
-    for slot, n in zip(slots.tolist(), counts.tolist()):
+    for slot, n in zip(slots, counts):
         want = sequential(recurrent[slot], k[slot], delta[slot], g[slot], n)
         torch.testing.assert_close(out[slot], want, atol=1e-5, rtol=1e-5)
-    untouched = [s for s in range(S) if s not in slots.tolist()]
+    untouched = [s for s in range(S) if s not in slots]
     assert (out[untouched] == 7.0).all() and torch.equal(recurrent, before)
 
 
 def test_zero_tokens_keeps_the_state_and_in_place_works():
     recurrent, k, delta, g = logs(2, 2, 2, 8, 12, 5, seed=3)
     want = [sequential(recurrent[s], k[s], delta[s], g[s], n) for s, n in ((0, 0), (1, 3))]
-    commit_states(recurrent, k, delta, g, recurrent, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
-                  torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
+    commit_states(recurrent, k, delta, g, recurrent, [0, 1], [0, 3])
     for s in range(2):
         torch.testing.assert_close(recurrent[s], want[s], atol=1e-5, rtol=1e-5)
 
@@ -66,15 +64,15 @@ def test_equals_prepare_commit_on_a_real_staging():
         gdn.mark(n, 7)  # the snapshot after n of the 7: prepare_commit's closed form (the staged state itself at 7)
         want = gdn.marked_state
         got = commit_states(gdn.recurrent[None], gdn.k[None], gdn.delta[None], gdn.g[None],
-                            torch.empty_like(gdn.recurrent)[None], torch.zeros(1, dtype=torch.int32, device=DEVICE),
-                            torch.tensor([n], dtype=torch.int32, device=DEVICE))[0]
+                            torch.empty_like(gdn.recurrent)[None], [0], [n])[0]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_refuses_what_it_cannot_commit():
     recurrent, k, delta, g = logs(1, 1, 1, 8, 8, 4, seed=5)
-    one = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="a count outside 0..4"):
-        commit_states(recurrent, k, delta, g, recurrent.clone(), one, one + 5)
+    with pytest.raises(ValueError, match=r"counts in 0..4"):
+        commit_states(recurrent, k, delta, g, recurrent.clone(), [0], [5])
+    with pytest.raises(ValueError, match=r"slots in 0..0"):
+        commit_states(recurrent, k, delta, g, recurrent.clone(), [1], [2])
     with pytest.raises(ValueError, match="delta: expected a contiguous float32"):
-        commit_states(recurrent, k, delta.transpose(-1, -2), g, recurrent.clone(), one, one)
+        commit_states(recurrent, k, delta.transpose(-1, -2), g, recurrent.clone(), [0], [0])

@@ -10,6 +10,8 @@ form's `g @ sums` computes it. Many sequences are slots of stacked buffers (a `S
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -47,13 +49,14 @@ def _commit_kernel(s0_ptr, k_ptr, delta_ptr, g_ptr, out_ptr, slot_ptr, n_ptr, C,
     tl.store(out_ptr + state_offs, tl.exp(after) * s0 + acc, mask=mask_kv)
 
 
-def commit_states(recurrent: Tensor, k: Tensor, delta: Tensor, g: Tensor, out: Tensor, slots: Tensor,
-                  counts: Tensor) -> Tensor:
+def commit_states(recurrent: Tensor, k: Tensor, delta: Tensor, g: Tensor, out: Tensor, slots: Sequence[int],
+                  counts: Sequence[int]) -> Tensor:
     """Writes into `out[s]` the state of slot s after its first `counts[i]` logged tokens, for each s = `slots[i]`.
 
     Buffers stacked over slots, float32, contiguous: recurrent and out `(S, L, H, Dk, Dv)`, k `(S, L, H, Dk, C)`,
-    delta `(S, L, H, C, Dv)`, g `(S, L, H, C)`; slots and counts int32 `(B,)` on the same device. out may be
-    recurrent (each program reads the tile it writes); other slots of out are left as they are. Returns out."""
+    delta `(S, L, H, C, Dv)`, g `(S, L, H, C)`. Slots and counts are host integers, checked on the host (no device
+    sync on a commit's path). out may be recurrent (each program reads the tile it writes); other slots of out are
+    left as they are. Returns out."""
     S, L, H, Dk, Dv = recurrent.shape
     C = g.shape[-1]
     if Dk > MAX_DK:
@@ -62,10 +65,12 @@ def commit_states(recurrent: Tensor, k: Tensor, delta: Tensor, g: Tensor, out: T
                            ("out", out, recurrent.shape)):
         if tuple(t.shape) != tuple(shape) or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous float32 {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
-    if int(counts.max()) > C or int(counts.min()) < 0:
-        raise ValueError(f"a count outside 0..{C}, the logs' capacity")
+    if len(slots) != len(counts) or any(not 0 <= n <= C for n in counts) or any(not 0 <= s < S for s in slots):
+        raise ValueError(f"slots {list(slots)} and counts {list(counts)}: one count per slot, slots in 0..{S - 1}, "
+                         f"counts in 0..{C} (the logs' capacity)")
+    slots_t, counts_t = torch.tensor([list(slots), list(counts)], dtype=torch.int32, device=out.device)
     block_v = min(triton.next_power_of_2(Dv), 8)
-    grid = (triton.cdiv(Dv, block_v), L * H, slots.numel())
-    _commit_kernel[grid](recurrent, k, delta, g, out, slots, counts, C, L * H, DK=Dk, DV=Dv,
+    grid = (triton.cdiv(Dv, block_v), L * H, len(slots))
+    _commit_kernel[grid](recurrent, k, delta, g, out, slots_t, counts_t, C, L * H, DK=Dk, DV=Dv,
                          BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, num_warps=1)
     return out

@@ -184,9 +184,7 @@ class GDNStates:
         if out_state.is_cuda:  # one Triton launch for every (layer, head) tile (`shared/kernels/triton_commit.py`)
             from deltaspec.shared.kernels.triton_commit import commit_states
 
-            counts = torch.full((1,), n, dtype=torch.int32, device=out_state.device)
-            commit_states(self.recurrent[None], self.k[None], self.delta[None], self.g[None], out_state[None],
-                          counts.new_zeros(1), counts)
+            commit_states(self.recurrent[None], self.k[None], self.delta[None], self.g[None], out_state[None], [0], [n])
             return out_window, out_state
         # [exp(G_n), exp(G_n - G_0), ..., exp(G_n - G_{n-1})] per (layer, head), G_t = g_0 + ... + g_t
         torch.mm(p.g, p.sums, out=p.exps).exp_()
