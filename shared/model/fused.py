@@ -2,12 +2,13 @@
 
 At these model sizes a step costs per-op dispatch, not arithmetic, so this path cuts ops:
 each layer's input projections run as one matmul (GDN qkv/z/b/a, attention q/k/v, MLP
-gate/up; a sparse MoE block's router, shared expert gate/up and shared expert gate), norms are single
-`rms_norm` calls with their weights folded (`1 + w`, the l2norm's scales), residual adds ride on `addmm`, q and k share one rotary call, and a one-token GDN
-step does its conv window and recurrent update in a handful of batched ops, writing the new
-state straight into the staging buffer. `fuse(model)` builds the concatenated weights once and
-re-points the original parameters at slices of them (no extra memory; `state_dict` keys and
-values are unchanged). The layer forwards in `deltaspec.shared.model.layers` stay the truth:
+gate/up; a sparse MoE block's router, shared expert gate/up and shared expert gate), norms are
+single `rms_norm` calls with their weights folded (`1 + w`, the l2norm's scales), residual adds
+ride on `addmm`, q and k share one rotary call, and a one-token GDN step does its conv window and
+recurrent update in a handful of batched ops, writing the new state straight into the staging
+buffer. `fuse(model)` builds the concatenated weights once and re-points the original parameters
+at slices of them (no extra memory; `state_dict` keys and values are unchanged). The layer
+forwards in `deltaspec.shared.model.layers` stay the truth:
 `tests/test_fused.py` checks this path against them on random weights.
 """
 from __future__ import annotations
