@@ -106,6 +106,7 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
     Each round is a span `round` with children `propose`, `verify`, `commit` (no-op spans unless
     `tracer` records); `metrics` (a `deltaspec.shared.telemetry.Metrics`) counts the round when given.
     """
+    length = None if isinstance(num_draft_tokens, int) else num_draft_tokens
     out = session.generated
     while len(out) < max_new_tokens and not (out and out[-1] in eos):
         room = max_new_tokens - len(out)
@@ -114,7 +115,7 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
             ids = _ids(session, f"r{stats.rounds}") if traced else {}
             t0 = time.perf_counter()
             with tracer.start_as_current_span("propose") as phase:
-                asked = num_draft_tokens if isinstance(num_draft_tokens, int) else num_draft_tokens.choose()
+                asked = num_draft_tokens if length is None else length.choose()
                 proposal = drafter.propose(min(asked, room - 1))
                 if traced:
                     phase.set_attributes({**ids, attr.DRAFT_TOKENS: len(proposal.tokens)})
@@ -127,8 +128,8 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
                                           attr.ACCEPTED_TOKENS: rnd.verdict.accepted,
                                           attr.STAGED_BYTES: rnd.staged_bytes})
             t2 = time.perf_counter()
-            if not isinstance(num_draft_tokens, int):
-                num_draft_tokens.observe(len(proposal.tokens), rnd.verdict.accepted)
+            if length is not None:
+                length.observe(len(proposal.tokens), rnd.verdict.accepted)
             keep = drafts_kept(rnd, eos)
             with tracer.start_as_current_span("commit") as phase:
                 version = session.commit(rnd.round_id, keep)

@@ -159,7 +159,7 @@ class GDNStates:
             exps = self.g.new_empty(L * H, n + 1)
             scaled = self.k.new_empty(L, H, Dk, n)
             plan = self._prefixes[n] = CommitPlan(
-                x_tail=self.x[:, max(0, n - self.conv.shape[1]):n], g=self.g.view(L * H, C)[:, :n],
+                x_tail=self._x_tail(n), g=self.g.view(L * H, C)[:, :n],
                 sums=torch.ones(n, n + 1, device=self.g.device).tril(), exps=exps,
                 exp_total=exps[:, :1].view(L, H, 1, 1), decays=exps[:, 1:].view(L, H, 1, n), k=self.k[..., :n],
                 scaled_k=scaled, scaled_k_flat=scaled.view(L * H, Dk, n), delta=self.delta[:, :, :n].view(L * H, n, Dv))
@@ -175,17 +175,16 @@ class GDNStates:
             return self.window, self.spare
         if not self.logged:
             raise ValueError(f"partial commit ({n} of {staged}) of a staging longer than {self.log_capacity} tokens")
-        p = self._prefix(n)
         out_window, out_state = getattr(self, window), getattr(self, state)
-        if n >= self.conv.shape[1]:
-            out_window.copy_(p.x_tail)
-        else:
-            torch.cat([self.tails["conv"][n], p.x_tail], dim=1, out=out_window)
-        if out_state.is_cuda:  # one Triton launch for every (layer, head) tile (`shared/kernels/triton_commit.py`)
+        if out_state.is_cuda:  # one Triton launch for every (layer, head) tile (`shared/kernels/triton_commit.py`):
+            # it reads the logs as they are, so no per-n plan and none of its buffers
             from deltaspec.shared.kernels.triton_commit import commit_states
 
+            self._window_after(n, out_window, self._x_tail(n))
             commit_states(self.recurrent[None], self.k[None], self.delta[None], self.g[None], out_state[None], [0], [n])
             return out_window, out_state
+        p = self._prefix(n)
+        self._window_after(n, out_window, p.x_tail)
         # [exp(G_n), exp(G_n - G_0), ..., exp(G_n - G_{n-1})] per (layer, head), G_t = g_0 + ... + g_t
         torch.mm(p.g, p.sums, out=p.exps).exp_()
         # state <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T, one batched matmul over (layer, head),
@@ -194,6 +193,17 @@ class GDNStates:
         torch.mul(p.k, p.decays, out=p.scaled_k)
         self.flat[state].baddbmm_(p.scaled_k_flat, p.delta)
         return out_window, out_state
+
+    def _x_tail(self, n: int) -> Tensor:
+        """The last K-1 (or fewer) of the first n logged pre-conv inputs, (L, <=K-1, C): a view."""
+        return self.x[:, max(0, n - self.conv.shape[1]):n]
+
+    def _window_after(self, n: int, out: Tensor, x_tail: Tensor) -> None:
+        """The conv window after keeping n staged tokens: what stays of the head's, then their inputs."""
+        if n >= self.conv.shape[1]:
+            out.copy_(x_tail)
+        else:
+            torch.cat([self.tails["conv"][n], x_tail], dim=1, out=out)
 
     def swap_in(self) -> None:
         self._swap("conv", "window")
