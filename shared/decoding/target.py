@@ -36,6 +36,7 @@ from deltaspec.shared.decoding.sampling import SamplingParams, probabilities
 from deltaspec.shared.decoding.verify import Verdict, accept_greedy, accept_rejection
 from deltaspec.shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.state.prefix_cache import Cursor, PrefixCache
 
 MAX_DRAFT_TOKENS = 16
 MAX_WAITING = 2  # verifies waiting for their chained parent to become the pending round, per session
@@ -89,11 +90,32 @@ class TargetSession:
         self.waiting = 0  # verifies waiting for their parent to become the pending round
         self.answers = Answers(answers_sent_by_caller)  # a chained verify waits for the verdicts to leave
         self.state = model.new_state(capacity=max(256, 2 * len(prompt_ids)))
+        cache: PrefixCache | None = getattr(model, "prefix_cache", None)
+        self.cursor = Cursor(cache, self.state) if cache is not None else None  # its place in the prefix cache
         # last-layer states of the prompt's prefilled positions (for drafters that read the trunk: MTP)
         self.prefill_hidden = torch.empty(0, model.config.hidden_size, device=model.device, dtype=model.dtype)
         if len(prompt_ids) > 1:  # prefill all but the pending token, then commit it as version 0
-            _, self.prefill_hidden = model(torch.tensor(prompt_ids[:-1]), self.state)
-            self.state.commit(self.state.staged)
+            self.prefill_hidden = self._prefill(prompt_ids[:-1])
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt positions taken from the prefix cache instead of prefilled."""
+        return self.cursor.cached_tokens if self.cursor is not None else 0
+
+    def _prefill(self, ids: list[int]) -> Tensor:
+        """Stage and commit `ids` after the head (from the longest cached prefix on a new session's prompt)."""
+        if self.cursor is not None:
+            return self.cursor.prefill(self.model, ids)
+        _, hidden = self.model(torch.tensor(ids), self.state)
+        self.state.commit(self.state.staged)
+        return hidden
+
+    def _commit_head(self, ids: list[int], commit: Callable[[], None], hidden: Tensor) -> None:
+        """`commit()` keeps the staged `ids`; with a prefix cache, the blocks they complete are cached."""
+        if self.cursor is None:
+            commit()
+        else:
+            self.cursor.commit(ids, commit, hidden)
 
     @property
     def pending(self) -> Round | None:
@@ -247,9 +269,10 @@ class TargetSession:
             child = self.chained
             keep_child = child is not None and accepted == len(rnd.drafts) and next_token == child.guess
             if keep_child:
-                self.state.commit_marked()
+                self._commit_head([self.tokens[-1], *rnd.drafts], self.state.commit_marked, rnd.hidden)
             else:
-                self.state.commit(accepted + 1)
+                self._commit_head([self.tokens[-1], *rnd.drafts[:accepted]], lambda: self.state.commit(accepted + 1),
+                                  rnd.hidden[:accepted + 1])
                 self._drop_chained()
             rnd.committed_tokens = [*rnd.drafts[:accepted], next_token]
             self.tokens.extend(rnd.committed_tokens)

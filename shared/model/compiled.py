@@ -141,8 +141,9 @@ class CompiledPasses:
 
     @staticmethod
     def fits(state: ModelState, T: int) -> bool:
-        """Whether a pass of T tokens is one the graphs cover: its GDN steps land in the logs."""
-        return state.gdn.logged and state.staged + T <= state.gdn.log_capacity
+        """Whether a pass of T tokens is one the graphs cover: its GDN steps land in the logs, and no prefix cache
+        takes heads inside it (`Capture`: eager passes only)."""
+        return state.gdn.logged and state.staged + T <= state.gdn.log_capacity and state.gdn.capture is None
 
     def __call__(self, model: HybridLM, x: Tensor, state: ModelState, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         T, start, gdn = x.shape[0], state.length + state.staged, state.gdn

@@ -13,6 +13,9 @@ leading slot axis, and leaves the rest of the budget to K/V:
   doubling when the budget allows, else what is left, else `ResourceExhausted`. A forward reserves its
   positions before its first layer runs (`ModelState.ensure_positions`, a forward pre-hook set by
   `attach`), so a refused pass changes nothing and the session goes on once other sessions free memory;
+- a prefix cache's entries (`deltaspec.shared.state.prefix_cache`) are paid from the K/V budget too
+  (`take`, `give`), and admission or growth that finds no room has the cache evict entries (`reclaim`)
+  before it refuses: cached prefixes never keep a session out;
 - a slot and its K/V come back when the `ModelState` holding them is garbage (`weakref.finalize`):
   closing, expiring or finishing a session drops its last reference, and only then can no late call
   still write the slot. Admission that finds the pool full first collects reference cycles (at most
@@ -24,6 +27,7 @@ import gc
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -94,6 +98,8 @@ class StatePool:
         self._free = list(range(self.slots - 1, -1, -1))  # popped from the end: lowest index first
         self._lock = threading.RLock()  # re-entrant: a finalizer may run inside, on a collection
         self._collected = -COLLECT_INTERVAL_S  # when a full pool last collected garbage
+        # frees K/V budget held by a prefix cache, at least the bytes asked if it can; returns the bytes freed
+        self.reclaim: Callable[[int], int] = lambda nbytes: 0
 
     @property
     def in_use(self) -> int:
@@ -113,8 +119,30 @@ class StatePool:
         weakref.finalize(state, self._release, lease).atexit = False
         return state
 
+    def take(self, nbytes: int) -> bool:
+        """Pay `nbytes` from the K/V budget (a prefix cache's entry); False, paying nothing, when they do not fit."""
+        with self._lock:
+            if self.kv_used + nbytes > self.kv_budget:
+                return False
+            self.kv_used += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.kv_used -= nbytes
+
+    def _make_room(self, cost: int) -> None:
+        """Have the prefix cache free what `cost` more bytes of K/V need (outside the pool's lock: the cache calls
+        `give`, and holds its own lock while it calls `take`)."""
+        with self._lock:
+            short = self.kv_used + cost - self.kv_budget
+        if short > 0:
+            self.reclaim(short)
+
     def _admit(self, capacity: int) -> Lease:
         cost = capacity * self.kv_per_position
+        if self._free:
+            self._make_room(cost)
         if not self._room(cost) and time.monotonic() - self._collected >= COLLECT_INTERVAL_S:
             self._collected = time.monotonic()
             gc.collect()  # states dropped inside reference cycles (an exception's traceback) return now
@@ -133,6 +161,7 @@ class StatePool:
         return bool(self._free) and self.kv_used + cost <= self.kv_budget
 
     def grow(self, lease: Lease, needed: int, preferred: int) -> int:
+        self._make_room((needed - lease.capacity) * self.kv_per_position)
         with self._lock:
             if needed <= lease.capacity:  # another attention layer of the sequence has paid already
                 return lease.capacity

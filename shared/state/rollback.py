@@ -131,6 +131,7 @@ class GDNStates:
             self._make_views("marked_state")
         self._log_views: dict[tuple[int, int, int], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         self._prefixes: dict[int, CommitPlan] = {}
+        self.capture: Capture | None = None  # heads to take at chosen offsets while staging (a prefix cache's)
 
     def _make_views(self, name: str) -> None:
         """Buffer `name`'s per-layer views; for a window, what stays of it after n < K-1 new tokens (`tails[name][n]`);
@@ -173,9 +174,14 @@ class GDNStates:
         window, state = into
         if n == staged and into == ("window", "spare"):
             return self.window, self.spare
+        return self.state_after(n, staged, getattr(self, window), getattr(self, state), self.flat[state])
+
+    def state_after(self, n: int, staged: int, out_window: Tensor, out_state: Tensor,
+                    out_flat: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The head's window and recurrent state after keeping n of `staged` logged tokens, written into `out_window`
+        `(L, K-1, C)` and `out_state` `(L, H, Dk, Dv)` (a prefix cache's entry, or a buffer of this state)."""
         if not self.logged:
             raise ValueError(f"partial commit ({n} of {staged}) of a staging longer than {self.log_capacity} tokens")
-        out_window, out_state = getattr(self, window), getattr(self, state)
         if out_state.is_cuda:  # one Triton launch for every (layer, head) tile (`shared/kernels/triton_commit.py`):
             # it reads the logs as they are, so no per-n plan and none of its buffers
             from deltaspec.shared.kernels.triton_commit import commit_states
@@ -191,7 +197,7 @@ class GDNStates:
         # written in place (a state-sized temporary would cost an allocation and its page faults)
         torch.mul(self.recurrent, p.exp_total, out=out_state)
         torch.mul(p.k, p.decays, out=p.scaled_k)
-        self.flat[state].baddbmm_(p.scaled_k_flat, p.delta)
+        (out_state.view(-1, *out_state.shape[2:]) if out_flat is None else out_flat).baddbmm_(p.scaled_k_flat, p.delta)
         return out_window, out_state
 
     def _x_tail(self, n: int) -> Tensor:
@@ -250,6 +256,42 @@ class GDNStates:
                 views[a], views[b] = views[b], views[a]
 
 
+class Capture:
+    """The head's GDN windows and states after chosen staged offsets, taken by the passes that stage past them: a
+    prefix cache's block boundaries inside a prefill, whose tokens are too many for the logs the commit algebra reads.
+
+    Each layer's pass hands over what it stages (its tokens' pre-conv inputs, keys, corrections and log decays, and
+    the state before and after); a boundary inside the pass is the commit algebra applied to the tokens since the
+    last one, `S_e = exp(G) S_s + sum_t exp(G - G_t) k_t delta_t^T`, and one at the pass's end is the pass's own
+    state. Heads only: nothing staged is kept unless the caller commits at least up to each offset."""
+
+    def __init__(self, gdn: GDNStates, ends: list[int]) -> None:
+        self.ends = ends  # staged offsets, increasing
+        self.windows = gdn.conv.new_empty(len(ends), *gdn.conv.shape)  # (E, L, K-1, C)
+        self.states = gdn.recurrent.new_empty(len(ends), *gdn.recurrent.shape)  # (E, L, H, Dk, Dv)
+
+    def take(self, i: int, offset: int, window_and_x: Tensor, k: Tensor, delta: Tensor, g: Tensor, before: Tensor,
+             after: Tensor) -> None:
+        """Layer i staged tokens offset..offset+T-1: `window_and_x` `(K-1+T, C)`, k `(T, H, Dk)`, delta `(T, H, Dv)`,
+        g `(T, H)`; `before` and `after` its state around them `(H, Dk, Dv)`."""
+        width = self.windows.shape[2]
+        T = window_and_x.shape[0] - width
+        state, start = before, 0
+        for j, end in enumerate(self.ends):
+            n = end - offset
+            if not 0 < n <= T:
+                continue
+            self.windows[j, i] = window_and_x[n:n + width]
+            if n == T:
+                self.states[j, i] = after
+                continue
+            G = g[start:n].cumsum(0)  # (n - start, H)
+            scaled_k = k[start:n] * (G[-1] - G).exp()[..., None]
+            state = G[-1].exp()[:, None, None] * state + torch.einsum("thk,thv->hkv", scaled_k, delta[start:n])
+            self.states[j, i] = state
+            start = n
+
+
 @dataclass
 class GDNSlot:
     """Layer i's view of `GDNStates` during one forward pass that starts `offset` tokens into the staging."""
@@ -295,6 +337,9 @@ class GDNSlot:
             log_g.copy_(g.t())
         if window_and_x is None:
             window_and_x = torch.cat([self.conv_window(), x.to(s.window.dtype)], dim=0)
+        if s.capture is not None:  # before the state after this pass overwrites the one before it
+            s.capture.take(self.i, self.offset, window_and_x, k, delta, g, self.initial_state(),
+                           self.state_out() if final_state is None else final_state)
         s.layers["window"][self.i].copy_(window_and_x[-s.conv.shape[1]:])
         if final_state is not None:
             self.state_out().copy_(final_state)
@@ -346,6 +391,19 @@ class ModelState:
             self.attn = [AttnLayerState(torch.zeros(shape, device=device, dtype=dtype),
                                         torch.zeros(shape, device=device, dtype=dtype), lease)
                          for kind in self.kinds if kind == "full_attention"]
+
+    def load_head(self, length: int, window: Tensor, state: Tensor, kv: Tensor) -> None:
+        """Make a fresh state's head the one after `length` tokens: GDN windows `(L, K-1, C)` and states
+        `(L, H, Dk, Dv)`, attention K/V of positions 0..length-1 `(A, 2, H_kv, length, D)` (a prefix cache's)."""
+        if self.length or self.staged:
+            raise ValueError("load_head needs a fresh state")
+        self.ensure_positions(length)
+        self.gdn.conv.copy_(window)
+        self.gdn.recurrent.copy_(state)
+        for layer, (k, v) in zip(self.attn, kv):
+            layer.k[:, :length] = k
+            layer.v[:, :length] = v
+        self.length = length
 
     def ensure_positions(self, needed: int) -> None:
         """Grow every attention layer's K/V to `needed` positions before a forward stages anything: a pooled
