@@ -24,6 +24,7 @@ import torch
 from deltaspec.shared.decoding.drafters import Proposal
 from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabilities
 from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.state.prefix_cache import Cursor, PrefixCache
 from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
 
 # Dynamic draft length with k up to 16: the best threshold on the embedded pair (`deltaspec bench --only
@@ -52,15 +53,32 @@ class ModelDrafter:
     def start(self, prompt_ids: list[int]) -> None:
         self._drop_chain()
         self.state = self.model.new_state(capacity=max(256, 2 * len(prompt_ids)), log_capacity=CHAIN_LOG_CAPACITY)
+        cache: PrefixCache | None = getattr(self.model, "prefix_cache", None)
+        self.cursor = Cursor(cache, self.state) if cache is not None else None  # its place in the prefix cache
         self.pending, self.proposed, self.guessed = list(prompt_ids), [], None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt positions taken from the prefix cache instead of prefilled."""
+        return self.cursor.cached_tokens if self.cursor is not None else 0
+
+    def _commit(self, ids: list[int], commit: Callable[[], None]) -> None:
+        """`commit()` keeps the staged `ids`; with a prefix cache, the blocks they complete are cached."""
+        if self.cursor is None:
+            commit()
+        else:
+            self.cursor.commit(ids, commit)
 
     def propose(self, k: int) -> Proposal:
         self.state.revert()
         self._drop_chain()
         self.proposed = []
         if len(self.pending) > 2:  # a prompt, or inputs piled up by zero-draft rounds: prefill all but the last
-            self.model(torch.tensor(self.pending[:-1]), self.state)
-            self.state.commit(self.state.staged)
+            if self.cursor is not None:  # a prompt resumes from its longest cached prefix
+                self.cursor.prefill(self.model, self.pending[:-1])
+            else:
+                self.model(torch.tensor(self.pending[:-1]), self.state)
+                self.state.commit(self.state.staged)
             self.pending = self.pending[-1:]
         proposal = self._draw(self.pending, k, self.state.length + len(self.pending))
         self.proposed = list(proposal.tokens)
@@ -151,7 +169,7 @@ class ModelDrafter:
         if self.chain:
             guess, tokens = self.chain[0]
             if accepted == len(self.proposed) and next_token == guess:
-                self.state.commit_marked()
+                self._commit(self.pending + self.proposed, self.state.commit_marked)
                 self.pending, self.proposed, self.chain = [guess], tokens, self.chain[1:]
                 if self.chain:  # the next one stays staged on top: mark where it starts (from the logs)
                     self.state.mark(1 + len(tokens))
@@ -160,6 +178,6 @@ class ModelDrafter:
             self.discard_speculation()
         kept = self.pending + self.proposed[:accepted]
         fed = min(len(kept), self.state.staged)
-        self.state.commit(fed)
+        self._commit(kept[:fed], lambda: self.state.commit(fed))
         self.pending = kept[fed:] + [next_token]
         self.proposed = []
