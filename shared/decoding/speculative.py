@@ -38,6 +38,7 @@ class Stats:
     verify_seconds: float = 0.0
     commit_seconds: float = 0.0  # the target's commit and the drafter's advance (its own commit)
     prefill_seconds: float = 0.0  # opening the target session (prompt prefill), in process only
+    cached_prompt_tokens: int = 0  # prompt positions the target took from its prefix cache
 
     def add_round(self, drafted: int, accepted: int, staged_bytes: int,
                   phase_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
@@ -177,7 +178,7 @@ def generate(
         session = TargetSession(target, prompt_ids, sampling)
         drafter.start(list(prompt_ids))
         attach(drafter, session)
-        stats = Stats(prefill_seconds=time.perf_counter() - started)
+        stats = Stats(prefill_seconds=time.perf_counter() - started, cached_prompt_tokens=session.cached_tokens)
         eos = set(target.config.eos_token_id) | set(eos_token_ids)
         for _ in decode(session, drafter, max_new_tokens, num_draft_tokens, eos, stats, tracer):
             stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started

@@ -102,6 +102,22 @@ class TargetSession:
         """Prompt positions taken from the prefix cache instead of prefilled."""
         return self.cursor.cached_tokens if self.cursor is not None else 0
 
+    def extend(self, ids: list[int], field_name: str = "append_ids") -> int:
+        """Append `ids` to the committed history (a user's next turn), prefilled on top of the head: the new
+        head version. Needs no round pending."""
+        with self.lock:
+            if not ids:
+                raise InvalidArgument("no tokens to append", field_name)
+            check_tokens(ids, self.model.config.vocab_size, field_name)
+            if self.pending is not None:
+                raise FailedPrecondition(f"round {self.pending.round_id!r} is still pending: commit or revert it "
+                                         "before extending the session", "session_id")
+            self._prefill([self.tokens[-1], *ids[:-1]])
+            self.tokens += ids
+            self.version += 1
+            self.changed.notify_all()
+            return self.version
+
     def _prefill(self, ids: list[int]) -> Tensor:
         """Stage and commit `ids` after the head (from the longest cached prefix on a new session's prompt)."""
         if self.cursor is not None:
