@@ -10,12 +10,13 @@ and draft passes (`deltaspec.shared.bench.pipeline`); load
 (1 to 32 concurrent sessions over loopback gRPC, `deltaspec.shared.bench.load`); memory per session against
 context and sessions per GiB (`deltaspec.shared.bench.session_memory`, computed from the configs); sparse MoE
 targets of both families (verify cost against the distinct experts read, break-even acceptance, rounds at drawn
-accepts, against HF generate(): `deltaspec.shared.bench.moe`); compiled passes
-(steps fused vs compiled, and the long generations again with both models compiled); and, only where CUDA is
-present, the GPU: the verify/decode ratio, the load table with both servers on CUDA, and eager against
+accepts, against HF generate(): `deltaspec.shared.bench.moe`); the prefix cache (time to first token and prefilled
+tokens with it on and off, speculation on and off, and memory per cached prefix: `deltaspec.shared.bench.prefix`);
+compiled passes (steps fused vs compiled, and the long generations again with both models compiled); and, only
+where CUDA is present, the GPU: the verify/decode ratio, the load table with both servers on CUDA, and eager against
 compiled generations (`generation.eager_and_compiled`). `--only` runs some sections. Plots go to docs/; a full
 run's tables also go to docs/bench.txt (all sections) and docs/load.txt (the load section, whenever it runs in
-full).
+full; docs/prefix_cache.txt likewise).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deltaspec.shared.bench import generation, load, moe, pipeline, report, session_memory, steps as step_costs, wire
+from deltaspec.shared.bench import (generation, load, moe, pipeline, prefix, report, session_memory,
+                                    steps as step_costs, wire)
 from deltaspec.shared.bench.rollback import compare
 from deltaspec.shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
 from deltaspec.shared.decoding.drafters import make_drafter
@@ -43,7 +45,7 @@ from deltaspec.shared.telemetry.overhead import tracing_overhead
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
 SECTIONS = ("steps", "acceptance", "generations", "grpc", "wire", "tracing", "rollback", "memory", "pipeline", "load",
-            "sessions", "moe", "compiled", "gpu")
+            "sessions", "moe", "prefix", "compiled", "gpu")
 
 
 def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
@@ -118,6 +120,11 @@ def run(args: argparse.Namespace) -> dict:
         if "moe" in steps:
             result["moe"] = moe.moe(quick)
             bar.update()
+        if "prefix" in steps:
+            command = " ".join(["deltaspec bench", *(["--quick"] if quick else []),
+                                *([f"--only {','.join(args.only)}"] if args.only else [])])
+            result["prefix"] = prefix.prefix(quick, command)
+            bar.update()
         if "compiled" in steps:  # both models' passes compiled: speculative and target-only alike
             result["compiled"] = {"steps": step_costs.step_costs({"embedded target": target, "embedded draft": draft},
                                                                  blocks=3 if quick else 7, paths=("fused", "compiled"))}
@@ -179,6 +186,8 @@ def print_tables(result: dict) -> None:
         session_memory.print_rows(result["sessions"])
     if "moe" in result:
         moe.print_rows(result["moe"])
+    if "prefix" in result:
+        prefix.print_rows(result["prefix"])
     if "gpu" in result:
         print(f"GPU: verify/decode ratio {result['gpu']['memory_bound']['ratio']:.2f}")
         print("GPU: load (both servers --device cuda)", end="")
@@ -248,6 +257,8 @@ def main(args: argparse.Namespace) -> int:
         report.save(DOCS, "load", result["load"], load.print_rows, load.plot)
     if not args.quick and "moe" in result:
         report.save(DOCS, "moe", result["moe"], moe.print_rows, moe.plot)
+    if not args.quick and "prefix" in result:
+        prefix.save(DOCS, result["prefix"])
     if "sessions" in result:  # computed, not timed: the same in quick runs
         report.save(DOCS, "memory_per_session", result["sessions"], session_memory.print_rows, session_memory.plot)
     return 0

@@ -1,0 +1,359 @@
+"""The prefix cache on this machine (`deltaspec bench --only prefix`): what a hit saves in time to first token
+and in prefilled tokens, and what an entry costs in memory.
+
+Four runs are compared on every request, back to back in an order that rotates (a noisy neighbour slows them
+alike): speculation off and on (the draft model, k = 4), each with the cache off and on. Each cached run has
+models of its own with caches of their own (`prefix_cache.attach` on the target and on the draft), so one run
+never finds what another published; the caches are cleared before every repetition. Every path is warmed,
+hits included, before timing. Greedy, held-out text (`speedup.heldout_prompts`' files, never trained on):
+1. a 1,024-token system prompt, then 32-token user turns, one per request: the first request fills the cache,
+   the following ones are measured (hit against miss);
+2. prompts under 100 tokens sharing a 64-token prefix, the same way;
+3. an 8-turn conversation, each turn's prompt the whole history (prompts, replies, a new 32-token user turn);
+then memory per entry and per 1,024-token prefix, measured for the embedded pair and computed for the
+Qwen3.5-35B-A3B shape. Cached outputs must equal uncached ones (asserted); the cached positions must not depend
+on speculation (an entry holds committed tokens only), so both counts are printed side by side.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deltaspec.shared.bench.generation import spread
+from deltaspec.shared.bench.session_memory import QWEN35_35B_A3B
+from deltaspec.shared.bench.speedup import HELDOUT_LIST
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.state import prefix_cache
+from deltaspec.shared.state.pool import kv_bytes_per_position
+from deltaspec.shared.state.prefix_cache import Cursor, PrefixCache
+from deltaspec.shared.state.rollback import GDNStates
+
+BLOCK = 16  # tokens per cache entry
+NUM_DRAFT_TOKENS = 4
+SUFFIXES = (16, 21, 26, 31, 35)  # short prompts' own tokens after the shared prefix, in turn (64 + 35 < 100)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of one run: the full one, `QUICK`, or a test's tiny one."""
+
+    system_tokens: int = 1024
+    turn_tokens: int = 32
+    requests: int = 6  # measured requests after the one that fills the cache
+    short_prefix: int = 64
+    short_requests: int = 6
+    turns: int = 8
+    reply_tokens: int = 64
+    new_tokens: int = 16  # per request of scenarios 1 and 2: enough for a few rounds, TTFT being the figure
+    repeats: int = 5
+    block: int = BLOCK
+
+
+QUICK = Plan(requests=3, short_requests=3, reply_tokens=32, repeats=2)
+TINY = Plan(system_tokens=64, turn_tokens=16, requests=1, short_prefix=32, short_requests=1, turns=3, reply_tokens=8,
+            new_tokens=6, repeats=1)  # seconds: the smoke test's
+
+
+@dataclass
+class Side:
+    """One of the compared runs: speculation on or off, the cache on or off (its models then have their own)."""
+
+    spec: bool
+    cache: bool
+    target: HybridLM
+    draft: HybridLM
+
+    @property
+    def name(self) -> str:
+        return side_name(self.spec, self.cache)
+
+    def caches(self) -> list[PrefixCache]:
+        models = (self.target, self.draft) if self.spec else (self.target,)
+        return [c for c in (getattr(m, "prefix_cache", None) for m in models) if c is not None]
+
+    def run(self, prompt: list[int], new_tokens: int) -> dict:
+        """One generation: its TTFT, the target's prefilled and cached positions, the draft's cached ones."""
+        target_cache = getattr(self.target, "prefix_cache", None)
+        draft_cache = getattr(self.draft, "prefix_cache", None) if self.spec else None
+        before = [(c.stats.cached_tokens, c.stats.prefilled_tokens) if c else (0, 0)
+                  for c in (target_cache, draft_cache)]
+        drafter = ModelDrafter(self.draft) if self.spec else None
+        g = generate(self.target, prompt, new_tokens, drafter, NUM_DRAFT_TOKENS)
+        cached = target_cache.stats.cached_tokens - before[0][0] if target_cache else 0
+        prefilled = target_cache.stats.prefilled_tokens - before[0][1] if target_cache else len(prompt) - 1
+        return {"ttft": g.stats.first_token_seconds, "prompt": len(prompt), "prefilled": prefilled, "cached": cached,
+                "draft_cached": draft_cache.stats.cached_tokens - before[1][0] if draft_cache else 0,
+                "tokens": g.token_ids}
+
+
+def side_name(spec: bool, cache: bool) -> str:
+    return f"spec {'on' if spec else 'off'}, cache {'on' if cache else 'off'}"
+
+
+def make_sides(block: int, target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT) -> list[Side]:
+    """The four runs. The uncached ones share a target and a draft (they keep nothing between requests)."""
+    target, draft = load_model(target_dir).fuse(), load_model(draft_dir).fuse()
+    sides = []
+    for spec in (False, True):
+        cached_target = load_model(target_dir).fuse()
+        prefix_cache.attach(cached_target, block)
+        cached_draft = draft
+        if spec:  # the draft resumes from a cache of its own too
+            cached_draft = load_model(draft_dir).fuse()
+            prefix_cache.attach(cached_draft, block)
+        sides += [Side(spec, False, target, draft), Side(spec, True, cached_target, cached_draft)]
+    return sides
+
+
+def heldout_stream() -> list[int]:
+    """The held-out files (never trained on) one after another, as byte-level token ids."""
+    stdlib = Path(os.__file__).parent
+    names = [n.strip() for n in HELDOUT_LIST.read_text().splitlines() if n.strip() and not n.startswith("#")]
+    return [b for name in names if (stdlib / name).exists() for b in (stdlib / name).read_bytes()]
+
+
+class Text:
+    """Consecutive, non-overlapping slices of held-out text, so every user turn differs."""
+
+    def __init__(self) -> None:
+        self.ids, self.at = heldout_stream(), 0
+
+    def take(self, n: int) -> list[int]:
+        if self.at + n > len(self.ids):
+            raise ValueError(f"the held-out files hold {len(self.ids)} tokens, fewer than the bench needs")
+        self.at += n
+        return self.ids[self.at - n:self.at]
+
+
+def rotated(sides: list[Side], turn: int) -> list[Side]:
+    return sides[turn % len(sides):] + sides[:turn % len(sides)]
+
+
+def clear(sides: list[Side]) -> None:
+    for side in sides:
+        for cache in side.caches():
+            cache.clear()
+
+
+def check_same(runs: dict[str, dict], where: str) -> None:
+    for spec in (False, True):
+        off, on = runs[side_name(spec, False)]["tokens"], runs[side_name(spec, True)]["tokens"]
+        assert on == off, f"{where}, speculation {'on' if spec else 'off'}: cache on {on} != cache off {off}"
+
+
+def warm(sides: list[Side], text: list[int], new_tokens: int) -> None:
+    """Every path once on a miss and once on a hit, then empty caches."""
+    for ids in (text, text, text[:-8]):
+        for side in sides:
+            side.run(ids, new_tokens)
+    clear(sides)
+
+
+def shared_prefix(sides: list[Side], prefix: list[int], suffixes: list[list[int]], new_tokens: int,
+                  repeats: int) -> list[list[dict[str, dict]]]:
+    """Per repetition, per request (the first fills the cache): each side's run of `prefix + suffix`."""
+    out = []
+    for rep in range(repeats):
+        clear(sides)
+        reqs = []
+        for i, suffix in enumerate(suffixes):
+            runs = {s.name: s.run(prefix + suffix, new_tokens) for s in rotated(sides, rep + i)}
+            check_same(runs, f"request {i}")
+            reqs.append(runs)
+        out.append(reqs)
+    return out
+
+
+def conversation(sides: list[Side], user_turns: list[list[int]], reply_tokens: int,
+                 repeats: int) -> list[list[dict[str, dict]]]:
+    """Per repetition, per turn: each side's run of its own history (prompts and replies) plus the next user turn."""
+    out = []
+    for rep in range(repeats):
+        clear(sides)
+        history: dict[str, list[int]] = {s.name: [] for s in sides}
+        turns = []
+        for t, user in enumerate(user_turns):
+            runs = {}
+            for s in rotated(sides, rep + t):
+                runs[s.name] = s.run(history[s.name] + user, reply_tokens)
+                history[s.name] += user + runs[s.name]["tokens"]
+            check_same(runs, f"turn {t + 1}")
+            turns.append(runs)
+        out.append(turns)
+    return out
+
+
+def rows(runs: list[list[dict[str, dict]]], requests: range) -> list[dict]:
+    """Per speculation mode: the figures of `requests` over all repetitions, cache off against on."""
+    out = []
+    for spec in (False, True):
+        pairs = [(rep[i][side_name(spec, False)], rep[i][side_name(spec, True)]) for rep in runs for i in requests]
+        offs, ons = [off for off, _ in pairs], [on for _, on in pairs]
+
+        def median(runs_: list[dict], field: str) -> float:
+            return spread([float(r[field]) for r in runs_])["median"]
+
+        out.append({"spec": spec, "prompt": median(offs, "prompt"), "prefill_off": median(offs, "prefilled"),
+                    "prefill_on": median(ons, "prefilled"), "cached": median(ons, "cached"),
+                    "draft_cached": median(ons, "draft_cached"), "cached_total": sum(on["cached"] for on in ons),
+                    "ttft_off_ms": spread([1000 * off["ttft"] for off in offs]),
+                    "ttft_on_ms": spread([1000 * on["ttft"] for on in ons]),
+                    "ratio": spread([on["ttft"] / off["ttft"] for off, on in pairs]),
+                    "same_as_spec_off": all(rep[i][side_name(spec, c)]["tokens"] == rep[i][side_name(False, c)][
+                        "tokens"] for rep in runs for i in requests for c in (False, True))})
+    return out
+
+
+def entry_bytes(cfg: ModelConfig, dtype: torch.dtype, block: int) -> dict:
+    """Computed: an entry's GDN conv windows and states at its end, and its positions' K/V."""
+    shapes = GDNStates.buffers(cfg, cfg.layer_types.count("linear_attention"), dtype)
+    gdn = sum(torch.Size(shape).numel() * kind.itemsize for shape, kind in (shapes["conv"], shapes["recurrent"]))
+    return {"gdn": gdn, "kv": block * kv_bytes_per_position(cfg, dtype)}
+
+
+def measured_prefix(model: HybridLM, ids: list[int]) -> tuple[int, int]:
+    """Bytes and entries of the cache after one sequence prefilled `ids` from an empty cache."""
+    cache: PrefixCache = model.prefix_cache  # type: ignore[assignment]
+    cache.clear()
+    Cursor(cache, model.new_state(capacity=2 * len(ids))).prefill(model, ids)
+    nbytes, entries = cache.bytes, len(cache.entries)
+    cache.clear()
+    return nbytes, entries
+
+
+def memory(sides: list[Side], system: list[int], block: int) -> list[dict]:
+    """Bytes per entry and per `len(system)`-token prefix: measured for the embedded pair (and checked against the
+    computed size), computed for the Qwen3.5-35B-A3B shape at a few block sizes."""
+    cached = next(s for s in sides if s.spec and s.cache)
+    out = []
+    for name, model in (("embedded target", cached.target), ("embedded draft", cached.draft)):
+        if getattr(model, "prefix_cache", None) is None:
+            continue
+        nbytes, entries = measured_prefix(model, system)
+        parts = entry_bytes(model.config, model.dtype, block)
+        assert nbytes == entries * (parts["gdn"] + parts["kv"]), f"{name}: {nbytes} B measured, not as computed"
+        out.append({"model": name, "dtype": str(model.dtype).removeprefix("torch."), "block": block,
+                    "entries": entries, "how": "measured", **parts, "prefix": nbytes})
+    cfg = ModelConfig.from_dict(QWEN35_35B_A3B)
+    for size in sorted({block, 64, 256}):
+        parts = entry_bytes(cfg, torch.bfloat16, size)
+        entries = len(system) // size
+        out.append({"model": "Qwen3.5-35B-A3B shape", "dtype": "bfloat16", "block": size, "entries": entries,
+                    "how": "computed", **parts, "prefix": entries * (parts["gdn"] + parts["kv"])})
+    return out
+
+
+def header(command: str, started: float) -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=False).stdout.strip() or "unknown"
+    when = f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(started))}-{time.strftime('%H:%M')}"
+    return (f"{command}, {when}, {cpu} ({os.cpu_count()} cores), torch {torch.__version__}, "
+            f"{torch.get_num_threads()} torch thread(s), commit {commit}")
+
+
+def prefix(quick: bool = False, command: str = "deltaspec bench --only prefix", plan: Plan | None = None,
+           target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT) -> dict:
+    started = time.time()
+    plan = plan or (QUICK if quick else Plan())
+    sides = make_sides(plan.block, target_dir, draft_dir)
+    text = Text()
+    system = text.take(plan.system_tokens)
+    turns = [text.take(plan.turn_tokens) for _ in range(plan.requests + 1)]
+    short = text.take(plan.short_prefix)
+    suffixes = [text.take(SUFFIXES[i % len(SUFFIXES)]) for i in range(plan.short_requests + 1)]
+    chat = [text.take(plan.turn_tokens) for _ in range(plan.turns)]
+    warm(sides, system[:2 * plan.block] + turns[0], plan.new_tokens)
+    system_runs = shared_prefix(sides, system, turns, plan.new_tokens, plan.repeats)
+    short_runs = shared_prefix(sides, short, suffixes, plan.new_tokens, plan.repeats)
+    chat_runs = conversation(sides, chat, plan.reply_tokens, plan.repeats)
+    return {"plan": plan.__dict__, "system": rows(system_runs, range(1, len(turns))),
+            "system_filling": rows(system_runs, range(1)), "short": rows(short_runs, range(1, len(suffixes))),
+            "conversation": [{"turn": t + 1, **r} for t in range(plan.turns) for r in rows(chat_runs, range(t, t + 1))],
+            "memory": memory(sides, system, plan.block), "seconds": time.time() - started,
+            "header": header(command, started)}
+
+
+def _cell(s: dict, digits: int = 1) -> str:
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+
+def _print_table(rows_: list[dict], turn: bool = False) -> None:
+    print(f"{'turn ' if turn else ''}{'spec':<4} {'prompt':>6} {'prefill off':>11} {'on':>5} {'cached T/D':>10} "
+          f"{'TTFT off ms':>21} {'TTFT on ms':>19} {'on/off':>18}")
+    for r in rows_:
+        draft = f"{r['draft_cached']:.0f}" if r["spec"] else "-"
+        print(f"{r['turn']:>4} " if turn else "", end="")
+        print(f"{'on' if r['spec'] else 'off':<4} {r['prompt']:>6.0f} {r['prefill_off']:>11.0f} "
+              f"{r['prefill_on']:>5.0f} {r['cached']:>5.0f}/{draft:<4} {_cell(r['ttft_off_ms']):>21} "
+              f"{_cell(r['ttft_on_ms']):>19} {_cell(r['ratio'], 3):>18}")
+
+
+def _equal_counts(rows_: list[dict]) -> str:
+    off, on = (sum(r["cached_total"] for r in rows_ if r["spec"] == s) for s in (False, True))
+    same = all(r["same_as_spec_off"] for r in rows_)
+    return (f"cached target positions, speculation off / on: {off} / {on} ({'equal' if off == on else 'DIFFERENT'}); "
+            f"outputs cache on = off: yes (asserted); speculation on = off: {'yes' if same else 'NO'}")
+
+
+def print_rows(result: dict) -> None:
+    p = result["plan"]
+    reps = p["repeats"]
+    print(f"\n{result['header']}")
+    print(f"Prefix cache, embedded pair (greedy, held-out text, block {p['block']} tokens; spec on: draft model, "
+          f"k = {NUM_DRAFT_TOKENS}; cache on/off runs alternated, warmed; median [min-max]; cached T/D: positions "
+          f"the target / draft took from their caches; {result['seconds']:.0f} s)")
+    print(f"\n1. {p['system_tokens']}-token system prompt + {p['turn_tokens']}-token user turns, {p['new_tokens']} new "
+          f"tokens: {p['requests']} requests after the one filling the cache x {reps} runs (goal: hit <= 0.2x miss)")
+    _print_table(result["system"])
+    fill = "; ".join(f"spec {'on' if r['spec'] else 'off'} {_cell(r['ratio'], 2)}" for r in result["system_filling"])
+    print(f"the filling request (a miss that publishes every block), cache on / off TTFT: {fill}")
+    print(_equal_counts(result["system"]))
+    print(f"\n2. Prompts of {p['short_prefix'] + min(SUFFIXES)}-{p['short_prefix'] + max(SUFFIXES)} tokens sharing a "
+          f"{p['short_prefix']}-token prefix: {p['short_requests']} requests after the first x {reps} runs")
+    _print_table(result["short"])
+    print(_equal_counts(result["short"]))
+    print(f"\n3. {p['turns']}-turn conversation ({p['turn_tokens']}-token user turns, {p['reply_tokens']}-token "
+          f"replies; each prompt the whole history) x {reps} runs (goal: last turn <= 0.1x its cold prefill)")
+    _print_table(sorted(result["conversation"], key=lambda r: (r["spec"], r["turn"])), turn=True)
+    print(_equal_counts(result["conversation"]))
+    for r in result["conversation"]:
+        if r["turn"] == p["turns"]:
+            print(f"last turn, spec {'on' if r['spec'] else 'off'}: TTFT {_cell(r['ratio'], 3)} x the cold prefill's "
+                  f"({r['prefill_on']:.0f} of {r['prompt']:.0f} positions prefilled)")
+    print(f"\nMemory per cached prefix (an entry: its block's K/V and the GDN conv windows and states at its end; "
+          f"a {p['system_tokens']}-token prefix is {p['system_tokens']} // block entries)")
+    print(f"{'model':<22} {'dtype':<9} {'block':>5} {'GDN KiB':>9} {'K/V KiB':>8} {'KiB/entry':>9} {'entries':>7} "
+          f"{'prefix MiB':>10} {'K/V alone':>9} how")
+    for m in result["memory"]:
+        total = m["gdn"] + m["kv"]
+        kv_only = m["entries"] * m["kv"] / 2**20
+        print(f"{m['model']:<22} {m['dtype']:<9} {m['block']:>5} {m['gdn'] / 2**10:>9.1f} {m['kv'] / 2**10:>8.1f} "
+              f"{total / 2**10:>9.1f} {m['entries']:>7} {m['prefix'] / 2**20:>10.2f} {kv_only:>9.2f} "
+              f"{m['how'] + (' (= computed)' if m['how'] == 'measured' else '')}")
+
+
+def save(docs: Path, result: dict) -> None:
+    """docs/prefix_cache.txt: the table as printed."""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_rows(result)
+    docs.mkdir(exist_ok=True)
+    (docs / "prefix_cache.txt").write_text(text.getvalue().lstrip("\n"))
