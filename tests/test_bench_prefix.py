@@ -2,8 +2,8 @@
 
 Asserted: cached outputs equal uncached ones (a difference stops the run), a hit serves every whole block of the
 shared prefix, to the target and to the draft, and prefills only the rest, speculation changes no cached count,
-and the measured bytes of a cached prefix are the computed ones. Timings are printed, never asserted; the figures come from
-`deltaspec bench --only prefix`.
+and the measured bytes of a cached prefix are the computed ones. Timings are printed, never asserted; the figures
+come from `deltaspec bench --only prefix`.
 """
 from __future__ import annotations
 
