@@ -196,8 +196,10 @@ def _limits(args: argparse.Namespace):
 
     if args.state_memory_mib < 0:
         raise ValueError(f"--state-memory-mib is 0 (sized for --max-sessions) or more, not {args.state_memory_mib}")
+    if args.prefix_cache_block < 0:
+        raise ValueError(f"--prefix-cache-block is 0 (no prefix cache) or more tokens, not {args.prefix_cache_block}")
     return Limits(args.max_sessions, args.session_ttl, args.max_prompt_tokens, args.max_sessions_per_caller,
-                  int(args.state_memory_mib * 2**20))
+                  int(args.state_memory_mib * 2**20), args.prefix_cache_block)
 
 
 PLAINTEXT_RULE = ("Plaintext is allowed without a flag only on loopback (127.0.0.1, ::1, localhost: development); "
@@ -342,6 +344,11 @@ def _add_server(p: argparse.ArgumentParser, model: str) -> None:
                         "or a growth it cannot cover is refused RESOURCE_EXHAUSTED, never an out-of-memory; 0 "
                         "(default): room for --max-sessions sessions of max(4096, 2 x --max-prompt-tokens) positions "
                         "each (`deltaspec bench --only sessions` shows MiB per session by context)")
+    p.add_argument("--prefix-cache-block", type=int, default=16,
+                   help="tokens per prefix cache entry: a new session resumes from the longest run of whole blocks "
+                        "it shares with a sequence seen before (committed GDN states, conv windows and K/V, paid "
+                        "from --state-memory-mib and evicted before a session is refused) and prefills only the "
+                        "rest; 0: no prefix cache (docs/prefix-cache.md)")
     env = os.environ.get
     tls = p.add_argument_group("TLS and authentication", PLAINTEXT_RULE + " Each caller sees only its own sessions.")
     tls.add_argument("--tls-cert", default=env("DELTASPEC_TLS_CERT"),

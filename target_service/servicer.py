@@ -66,7 +66,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
 
     def load(self) -> None:
         model, self.tokenizer = self._load()
-        self.model = serving(model, self.limits, self.batching, self.metrics)
+        self.model = serving(model, self.limits, self.batching, self.metrics,
+                             keep_hidden=self.local_draft == "mtp" and self.draft is None)
         self.vocab_size = self.model.config.vocab_size
         self.eos = set(self.model.config.eos_token_id) | set(self.tokenizer.eos_token_ids)
         self.draft_channel = (Redialing(self.draft.security, self.draft.address, self.telemetry.channel)
@@ -77,10 +78,23 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         self.sessions.reserve(caller())
         session = await asyncio.to_thread(TargetSession, self.model, prompt, sampling, self.pipeline_depth,
                                           answers_sent_by_caller=True, chain_ended=self.metrics.chain_ended)
+        _annotate_prefill(len(prompt), session.cached_tokens)
         return pb.CreateSessionResponse(
             session_id=self.sessions.add(session, caller()), head_version=session.version, prompt_ids=prompt,
             vocab_size=self.vocab_size, eos_token_ids=sorted(self.eos), max_draft_tokens=MAX_DRAFT_TOKENS,
-            target_address=self.advertise_address, sparse_probs=True)
+            target_address=self.advertise_address, sparse_probs=True, cached_tokens=session.cached_tokens)
+
+    async def ExtendSession(self, request: pb.ExtendSessionRequest, context) -> pb.ExtendSessionResponse:
+        with self.sessions.use(request.session_id, caller()) as session:
+            if request.append_ids and request.append_text:
+                raise InvalidArgument("set one of append_ids and append_text, not both", "append_ids")
+            field_name = "append_text" if request.append_text else "append_ids"
+            ids = list(request.append_ids) or self.tokenizer.encode(request.append_text)
+            if not ids:
+                raise InvalidArgument("no tokens to append", field_name)
+            self.limits.check_prompt(len(session.tokens) + len(ids), field_name)
+            version = await asyncio.to_thread(session.extend, ids, field_name)
+            return pb.ExtendSessionResponse(head_version=version, length=len(session.tokens), appended_ids=ids)
 
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         with self.sessions.use(request.session_id, caller()) as session:
@@ -156,7 +170,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                 session = TargetSession(self.model, prompt, sampling, self.pipeline_depth,
                                         chain_ended=self.metrics.chain_ended)
                 attach(drafter, session)
-                stats = Stats()
+                _annotate_prefill(len(prompt), session.cached_tokens)
+                stats = Stats(cached_prompt_tokens=session.cached_tokens)
                 session.session_id = self.sessions.add(session, owner)  # type: ignore[attr-defined]
                 try:
                     with self.sessions.use(session.session_id, owner):  # type: ignore[attr-defined]
@@ -264,6 +279,13 @@ def _annotate(session_id: str, rnd: Round | None, new_version: int | None = None
                          if rnd.committed is not None else rnd.verdict.accepted, attr.STAGED_BYTES: rnd.staged_bytes})
     if new_version is not None:
         span.set_attribute(attr.NEW_VERSION, new_version)
+
+
+def _annotate_prefill(prompt_tokens: int, cached_tokens: int) -> None:
+    """How much of the prompt the prefix cache served, on this call's span (a no-op when tracing is off)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes({attr.CACHED_TOKENS: cached_tokens, attr.PREFILLED_TOKENS: prompt_tokens - 1 - cached_tokens})
 
 
 def _staged(rnd: Round) -> pb.StagedRound:

@@ -163,7 +163,7 @@ def test_generated_code_is_built_from_the_protos_and_not_committed(tmp_path):
 
 def test_requests_carry_no_path_or_address():
     """The target dials only the draft it was started with and opens only its own model directory."""
-    allowed = {"session_id", "round_id", "parent_round_id", "prompt_text", "stop_strings"}
+    allowed = {"session_id", "round_id", "parent_round_id", "prompt_text", "append_text", "stop_strings"}
     for method in pb.DESCRIPTOR.services_by_name["TargetService"].methods:
         strings = {f.name for f in method.input_type.fields if f.type == f.TYPE_STRING}
         assert strings <= allowed, (method.name, strings - allowed)

@@ -40,6 +40,7 @@ from deltaspec.shared.decoding.session_table import Limits
 from deltaspec.shared.errors import ResourceExhausted
 from deltaspec.shared.model.batched import BatchRefused, forward_batch
 from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.state import prefix_cache
 from deltaspec.shared.state.pool import attach, server_pool
 from deltaspec.shared.state.rollback import LOG_CAPACITY, ModelState
 from deltaspec.shared.telemetry.metrics import Metrics
@@ -85,13 +86,16 @@ REFUSALS = (BatchRefused, ResourceExhausted)  # raised before a pass stages anyt
 
 
 def serving(model: HybridLM, limits: Limits, batching: BatchConfig | None, metrics: Metrics,
-            log_capacity: int = LOG_CAPACITY) -> HybridLM:
-    """A loaded model as a server runs it: its sessions' state in a pool within the memory budget, and (unless
-    `batching` is None or max_batch 1) their forward passes batched. Both services load through this (the draft's
-    states log `CHAIN_LOG_CAPACITY` tokens: it speculates rounds ahead)."""
+            log_capacity: int = LOG_CAPACITY, keep_hidden: bool = False) -> HybridLM:
+    """A loaded model as a server runs it: its sessions' state in a pool within the memory budget, a prefix cache
+    paid from the same budget (unless `limits.prefix_cache_block` is 0; `keep_hidden` for an MTP drafter), and
+    (unless `batching` is None or max_batch 1) their forward passes batched. Both services load through this (the
+    draft's states log `CHAIN_LOG_CAPACITY` tokens: it speculates rounds ahead)."""
     pool = server_pool(model, limits, log_capacity)
     attach(model, pool)
     metrics.watch_state_pool(pool)
+    if limits.prefix_cache_block:
+        metrics.watch_prefix_cache(prefix_cache.attach(model, limits.prefix_cache_block, keep_hidden))
     if batching is None or batching.max_batch == 1:
         return model
     return BatchedModel(model, batching, metrics.batch)  # type: ignore[return-value]

@@ -92,8 +92,10 @@ class TargetSession:
         self.state = model.new_state(capacity=max(256, 2 * len(prompt_ids)))
         cache: PrefixCache | None = getattr(model, "prefix_cache", None)
         self.cursor = Cursor(cache, self.state) if cache is not None else None  # its place in the prefix cache
-        # last-layer states of the prompt's prefilled positions (for drafters that read the trunk: MTP)
-        self.prefill_hidden = torch.empty(0, model.config.hidden_size, device=model.device, dtype=model.dtype)
+        # last-layer states of the prompt's prefilled positions (for drafters that read the trunk: MTP); None when
+        # a prefix cache that keeps none served some
+        self.prefill_hidden: Tensor | None = torch.empty(0, model.config.hidden_size, device=model.device,
+                                                         dtype=model.dtype)
         if len(prompt_ids) > 1:  # prefill all but the pending token, then commit it as version 0
             self.prefill_hidden = self._prefill(prompt_ids[:-1])
 
@@ -118,7 +120,7 @@ class TargetSession:
             self.changed.notify_all()
             return self.version
 
-    def _prefill(self, ids: list[int]) -> Tensor:
+    def _prefill(self, ids: list[int]) -> Tensor | None:
         """Stage and commit `ids` after the head (from the longest cached prefix on a new session's prompt)."""
         if self.cursor is not None:
             return self.cursor.prefill(self.model, ids)

@@ -170,7 +170,7 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
             stack.callback(remote.close)
         drafter = remote or NoDrafter()
         drafter.start(list(session.tokens))
-        stats = Stats()
+        stats = Stats(cached_prompt_tokens=session.cached_tokens)
         rounds = decode_pipelined if remote and pipeline else decode
         for new in rounds(session, drafter, max_new_tokens, num_draft_tokens, session.eos, stats, telemetry.tracer):
             stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
@@ -204,6 +204,7 @@ def merge_stats(total: Stats, part: Stats) -> None:
     total.drafted += part.drafted
     total.accepted += part.accepted
     total.staged_bytes += part.staged_bytes
+    total.cached_prompt_tokens += part.cached_prompt_tokens
     width = max(len(total.accepted_per_position), len(part.accepted_per_position))
     total.accepted_per_position = [
         (total.accepted_per_position[i] if i < len(total.accepted_per_position) else 0)

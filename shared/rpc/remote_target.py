@@ -130,6 +130,24 @@ class RemoteTargetSession:
                             reply.round.staged_bytes, hidden=torch.empty(0))
         return self._round
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt positions the target took from its prefix cache when it opened the session."""
+        return self._created.cached_tokens
+
+    def extend(self, ids: list[int]) -> int:
+        """Append `ids` to the session's history (a user's next turn); the new head version. A session lost with its
+        replica is opened again on the history first (served by the prefix cache where it holds it)."""
+
+        def rpc() -> int:
+            reply = self.stub.ExtendSession(pb.ExtendSessionRequest(session_id=self.session_id, append_ids=ids),
+                                            **self._opts())
+            self.tokens += ids
+            self.version = reply.head_version
+            return reply.head_version
+
+        return self._call(rpc)
+
     def _open(self) -> None:
         """A new session on the committed history (the prompt text or messages only the first time), then the round
         in flight."""

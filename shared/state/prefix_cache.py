@@ -228,19 +228,21 @@ class Cursor:
     def __post_init__(self) -> None:
         self.tail = [] if self.cache.keep_hidden else None
 
-    def prefill(self, model: Callable[[Tensor, ModelState], tuple[Tensor, Tensor]], ids: list[int]) -> Tensor:
+    def prefill(self, model: Callable[[Tensor, ModelState], tuple[Tensor, Tensor]], ids: list[int]) -> Tensor | None:
         """Stage and commit `ids` after the head: from the longest cached prefix when the head is empty, caching
-        the blocks the prefill completes. Returns the trunk's hidden states of these positions (the cached
-        ones' too when the cache keeps them; else only those computed)."""
+        the blocks the prefill completes. Returns the trunk's hidden states of these positions, or None when
+        some came from a cache that keeps none."""
         cache, state = self.cache, self.state
-        hidden: list[Tensor] = []
+        hidden: list[Tensor] | None = []
         if not state.length:
             chain = cache.lookup(ids)
             if chain:
                 tip = chain[-1]
                 state.load_head(tip.end, tip.window, tip.state, torch.cat([e.kv for e in chain], dim=3))
                 self.ids, self.tip, self.cached_tokens = list(ids[:tip.end]), tip, tip.end
-                if cache.keep_hidden:
+                if not cache.keep_hidden:
+                    hidden = None
+                else:
                     hidden += [e.hidden for e in chain]  # type: ignore[misc]
                 ids = ids[tip.end:]
             with cache.lock:
@@ -254,11 +256,12 @@ class Cursor:
             finally:
                 state.gdn.capture = None
             state.commit(state.staged)
-            hidden.append(h)
+            if hidden is not None:
+                hidden.append(h)
             self._extend(ids, h)
             if capture is not None:
                 self._publish([(base + e, capture.windows[j], capture.states[j]) for j, e in enumerate(ends)])
-        return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+        return None if hidden is None else torch.cat(hidden)
 
     def commit(self, ids: Sequence[int], commit: Callable[[], None], hidden: Tensor | None = None) -> None:
         """Run `commit()`, which keeps the first len(ids) staged tokens (`ids`), caching the blocks they complete:

@@ -20,3 +20,7 @@ DRAFT_TOKENS = "deltaspec.round.draft_tokens"
 ACCEPTED_TOKENS = "deltaspec.round.accepted_tokens"
 STAGED_BYTES = "deltaspec.round.staged_bytes"
 LOOP = "deltaspec.loop"  # where the loop ran: in_process | server | client
+
+# The prefix cache, on CreateSession and Generate spans: prompt positions served from it, and those prefilled.
+CACHED_TOKENS = "deltaspec.prefix_cache.cached_tokens"
+PREFILLED_TOKENS = "deltaspec.prefix_cache.prefilled_tokens"

@@ -16,7 +16,9 @@ proposed and how they ended (dropped ones are draft passes spent for nothing). G
 (how long a pass's first call waited for others) and `deltaspec_batch_pass_seconds`. Session state
 (`deltaspec.shared.state.pool`): `deltaspec_state_memory_budget_bytes`, `deltaspec_state_memory_used_bytes`
 (GDN slots in use and attention K/V), `deltaspec_state_slots`, `deltaspec_state_slots_in_use` and
-`deltaspec_state_memory_refusals_total` (admissions and K/V growths refused for want of memory).
+`deltaspec_state_memory_refusals_total` (admissions and K/V growths refused for want of memory). Prefix cache
+(`deltaspec.shared.state.prefix_cache`): `deltaspec_prefix_cache_{hits,misses,tokens,prefilled_tokens,evictions}_total`,
+`deltaspec_prefix_cache_{entries,bytes,block_tokens}` and `deltaspec_prefix_cache_root_tokens{root}`.
 """
 from __future__ import annotations
 
@@ -116,6 +118,10 @@ class Metrics:
         """A `deltaspec.shared.state.pool.StatePool`'s budget, use and refusals, read at scrape time."""
         self.registry.register(_StatePoolCollector(pool))
 
+    def watch_prefix_cache(self, cache) -> None:
+        """A `deltaspec.shared.state.prefix_cache.PrefixCache`'s counters and size, read at scrape time."""
+        self.registry.register(_PrefixCacheCollector(cache))
+
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """`/metrics` over HTTP on a daemon thread; returns the bound port (0 picks one)."""
         httpd, _ = start_http_server(port, host, registry=self.registry)
@@ -153,6 +159,45 @@ class _StatePoolCollector:
                                       "Admissions and K/V growths refused for want of state memory")
         refused.add_metric([], pool.refusals)
         return [GaugeMetricFamily(name, text, value=value) for name, (text, value) in gauges.items()] + [refused]
+
+    def describe(self):
+        return []
+
+
+class _PrefixCacheCollector:
+    """The prefix cache's counters, and per cached first block (`root`: its key's hex, which
+    `deltaspec.shared.state.prefix_cache.block_key` computes from the ids) the most positions cached below it: what a
+    cache-aware router reads to send a prompt to the replica that holds its prefix. At most `MAX_ROOTS` roots, the
+    deepest first, so a scrape stays small."""
+
+    MAX_ROOTS = 64
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        cache, stats = self.cache, self.cache.stats
+        counters = {"deltaspec_prefix_cache_hits": ("Lookups that found at least one cached block", stats.hits),
+                    "deltaspec_prefix_cache_misses": ("Lookups that found none", stats.lookups - stats.hits),
+                    "deltaspec_prefix_cache_tokens": ("Prompt positions served from the cache", stats.cached_tokens),
+                    "deltaspec_prefix_cache_prefilled_tokens": ("Prompt positions prefilled by sequences that "
+                                                                "looked up", stats.prefilled_tokens),
+                    "deltaspec_prefix_cache_evictions": ("Entries evicted", stats.evictions)}
+        families = []
+        for name, (text, value) in counters.items():
+            family = CounterMetricFamily(name, text)
+            family.add_metric([], value)
+            families.append(family)
+        families += [GaugeMetricFamily("deltaspec_prefix_cache_entries", "Cached blocks", value=len(cache.entries)),
+                     GaugeMetricFamily("deltaspec_prefix_cache_bytes", "Bytes the cached blocks hold (part of the "
+                                       "state memory budget)", value=cache.bytes),
+                     GaugeMetricFamily("deltaspec_prefix_cache_block_tokens", "Tokens per cached block",
+                                       value=cache.block)]
+        roots = GaugeMetricFamily("deltaspec_prefix_cache_root_tokens", "Most positions cached below a first block",
+                                  labels=["root"])
+        for root, tokens in sorted(cache.roots().items(), key=lambda kv: -kv[1])[:self.MAX_ROOTS]:
+            roots.add_metric([root], tokens)
+        return families + [roots]
 
     def describe(self):
         return []

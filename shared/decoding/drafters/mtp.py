@@ -103,6 +103,9 @@ class MTPDrafter:
         """Read hidden states from this `TargetSession`: the prompt's now, each committed round's on `advance`."""
         if not hasattr(session, "prefill_hidden"):
             raise ValueError("MTP drafting runs beside the target: it needs a local TargetSession's hidden states")
+        if session.prefill_hidden is None:
+            raise ValueError("the target's prefix cache served the prompt without the trunk's hidden states MTP "
+                             "drafting reads: attach it with keep_hidden=True")
         self.session = session
         hidden = session.prefill_hidden  # (n-1, D) for prompt x_0..x_{n-2}, paired with x_1..x_{n-1}
         self._add_rows(hidden, session.tokens[1:len(hidden) + 1])
