@@ -194,6 +194,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                 self.metrics.generation(stats.first_token_seconds,
                                         (stats.seconds - stats.first_token_seconds) / (n - 1) if n > 1 else None)
                 loop.call_soon_threadsafe(queue.put_nowait, stats_to_proto(stats, remote.failures if remote else 0))
+                session.finish()  # after the last message: caching the history's last block delays no answer
             except Exception as e:  # noqa: BLE001 - handed to the handler, which raises it
                 loop.call_soon_threadsafe(queue.put_nowait, e)
             finally:

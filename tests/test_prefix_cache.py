@@ -147,6 +147,20 @@ def test_greedy_with_hits_equals_cold_runs_and_hf(pair, hf_greedy, kind):
     assert again.token_ids == hf_greedy(base, N)
 
 
+def test_a_finished_generation_caches_its_whole_history(pair):
+    """A conversation's next turn resends prompt + reply + its own tokens: when the history ends on a block
+    boundary, its last block is cached too (the pending token is committed once the generation is over)."""
+    target_dir, _ = pair
+    cached, cold = fresh(target_dir), fresh(target_dir, block=None)
+    prompt = ids(40, seed=6)
+    history = prompt + generate(cached, prompt, N).token_ids
+    assert len(history) % BLOCK == 0
+    turn = history + ids(5, seed=7)
+    hit = generate(cached, turn, N)
+    assert hit.stats.cached_prompt_tokens == len(history)
+    assert hit.token_ids == generate(cold, turn, N).token_ids
+
+
 def test_sampled_with_hits_equals_cold_runs_seed_for_seed(pair):
     target_dir, draft_dir = pair
     cached, cold = fresh(target_dir), fresh(target_dir, block=None)

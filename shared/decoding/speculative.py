@@ -183,5 +183,6 @@ def generate(
         for _ in decode(session, drafter, max_new_tokens, num_draft_tokens, eos, stats, tracer):
             stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
         stats.seconds = time.perf_counter() - started
+        session.finish()
         record_usage(span, list(prompt_ids), session.generated)
     return Generation(list(prompt_ids), session.generated, stats)

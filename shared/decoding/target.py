@@ -34,7 +34,7 @@ from torch import Tensor
 from deltaspec.shared.decoding.answers import Answers
 from deltaspec.shared.decoding.sampling import SamplingParams, probabilities
 from deltaspec.shared.decoding.verify import Verdict, accept_greedy, accept_rejection
-from deltaspec.shared.errors import FailedPrecondition, InvalidArgument, NotFound
+from deltaspec.shared.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.state.prefix_cache import Cursor, PrefixCache
 
@@ -119,6 +119,21 @@ class TargetSession:
             self.version += 1
             self.changed.notify_all()
             return self.version
+
+    def finish(self) -> None:
+        """The generation is over and nobody will call the session again: with a prefix cache, cache the block its
+        pending token completes (one forward pass of that token, only when it completes one), so that a
+        conversation's next turn, which resends the whole history, finds all of it."""
+        with self.lock:
+            if self.cursor is None or not self.cursor.completes_block(1):
+                return
+            self.state.revert()
+            try:
+                _, hidden = self.model(torch.tensor(self.tokens[-1:]), self.state)
+            except ResourceExhausted:  # no memory for one more position: the block stays uncached
+                return
+            self._commit_head(self.tokens[-1:], lambda: self.state.commit(1), hidden)
+            self.cursor = None
 
     def _prefill(self, ids: list[int]) -> Tensor | None:
         """Stage and commit `ids` after the head (from the longest cached prefix on a new session's prompt)."""

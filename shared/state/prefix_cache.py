@@ -277,6 +277,10 @@ class Cursor:
         self._extend(ids, hidden)
         self._publish(heads)
 
+    def completes_block(self, n: int) -> bool:
+        """Whether committing n more positions would cache a block."""
+        return bool(self._ends(n))
+
     def _ends(self, n: int) -> range:
         """Ends of the blocks to cache among the head's next n positions: those after the tip, unless this
         sequence stopped caching (a block it could not cache, or its tip evicted)."""
