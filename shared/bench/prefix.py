@@ -95,7 +95,8 @@ class Side:
         g = generate(self.target, prompt, new_tokens, drafter, NUM_DRAFT_TOKENS)
         cached = target_cache.stats.cached_tokens - before[0][0] if target_cache else 0
         prefilled = target_cache.stats.prefilled_tokens - before[0][1] if target_cache else len(prompt) - 1
-        return {"ttft": g.stats.first_token_seconds, "prompt": len(prompt), "prefilled": prefilled, "cached": cached,
+        return {"ttft": g.stats.first_token_seconds, "prefill": g.stats.prefill_seconds, "prompt": len(prompt),
+                "prefilled": prefilled, "cached": cached,
                 "draft_cached": draft_cache.stats.cached_tokens - before[1][0] if draft_cache else 0,
                 "tokens": g.token_ids}
 
@@ -213,6 +214,7 @@ def rows(runs: list[list[dict[str, dict]]], requests: range) -> list[dict]:
                     "ttft_off_ms": spread([1000 * off["ttft"] for off in offs]),
                     "ttft_on_ms": spread([1000 * on["ttft"] for on in ons]),
                     "ratio": spread([on["ttft"] / off["ttft"] for off, on in pairs]),
+                    "prefill_ratio": spread([on["prefill"] / off["prefill"] for off, on in pairs]),
                     "same_as_spec_off": all(rep[i][side_name(spec, c)]["tokens"] == rep[i][side_name(False, c)][
                         "tokens"] for rep in runs for i in requests for c in (False, True))})
     return out
@@ -336,7 +338,8 @@ def print_rows(result: dict) -> None:
     print(_equal_counts(result["conversation"]))
     for r in result["conversation"]:
         if r["turn"] == p["turns"]:
-            print(f"last turn, spec {'on' if r['spec'] else 'off'}: TTFT {_cell(r['ratio'], 3)} x the cold prefill's "
+            print(f"last turn, spec {'on' if r['spec'] else 'off'}: prefill (opening the target session) "
+                  f"{_cell(r['prefill_ratio'], 3)} x the cold one's, TTFT {_cell(r['ratio'], 3)} x "
                   f"({r['prefill_on']:.0f} of {r['prompt']:.0f} positions prefilled)")
     print(f"\nMemory per cached prefix (an entry: its block's K/V and the GDN conv windows and states at its end; "
           f"a {p['system_tokens']}-token prefix is {p['system_tokens']} // block entries)")
