@@ -23,6 +23,8 @@ or lately, or for saving many tokens per byte.
 from __future__ import annotations
 
 import hashlib
+import heapq
+import itertools
 import threading
 from array import array
 from collections.abc import Callable, Sequence
@@ -102,6 +104,8 @@ class PrefixCache:
         self.block, self.budget, self.keep_hidden = block, budget, keep_hidden
         self.entries: dict[bytes, Entry] = {}
         self.leaves: set[Entry] = set()
+        self._order: list[tuple[float, int, Entry]] = []  # leaves by priority, with stale items skipped on pop
+        self._pushed = itertools.count()
         self.clock = 0.0
         self.bytes = 0
         self.stats = CacheStats()
@@ -144,13 +148,18 @@ class PrefixCache:
         """Evict entries until `nbytes` are freed or none is left to evict; returns the bytes freed."""
         freed = 0
         with self.lock:
-            while freed < nbytes:
-                victims = [e for e in self.leaves if e is not protect]
-                if not victims:
-                    break
-                victim = min(victims, key=lambda e: e.priority)
-                self.clock = victim.priority
+            spared = None
+            while freed < nbytes and self._order:
+                priority, _, victim = heapq.heappop(self._order)
+                if victim not in self.leaves or priority != victim.priority:
+                    continue  # evicted, no longer a leaf, or touched since (pushed again with its new priority)
+                if victim is protect:
+                    spared = victim
+                    continue
+                self.clock = priority
                 freed += self._remove(victim)
+            if spared is not None:
+                self._push(spared)
         if freed:
             self.on_change()
         return freed
@@ -162,12 +171,21 @@ class PrefixCache:
                 entry.alive = False
             self.entries.clear()
             self.leaves.clear()
+            self._order.clear()
             self.bytes = 0
         self.on_change()
 
     def _touch(self, entry: Entry) -> None:
         entry.hits += 1
         entry.priority = self.clock + entry.hits * self.block / entry.nbytes * 2**20  # tokens saved per MiB
+        if entry in self.leaves:
+            self._push(entry)
+
+    def _push(self, entry: Entry) -> None:
+        heapq.heappush(self._order, (entry.priority, next(self._pushed), entry))
+        if len(self._order) > 4 * len(self.leaves) + 64:  # mostly stale items: rebuild from the leaves
+            self._order = [(e.priority, next(self._pushed), e) for e in self.leaves]
+            heapq.heapify(self._order)
 
     def _remove(self, entry: Entry) -> int:
         del self.entries[entry.key]
@@ -180,6 +198,7 @@ class PrefixCache:
             entry.parent.children -= 1
             if entry.parent.children == 0 and entry.parent.alive:
                 self.leaves.add(entry.parent)
+                self._push(entry.parent)
         return entry.nbytes
 
     def _add(self, parent: Entry | None, tokens: tuple[int, ...], window: Tensor, state: Tensor, kv: Tensor,
@@ -202,6 +221,7 @@ class PrefixCache:
             self._touch(entry)
             self.entries[key] = entry
             self.leaves.add(entry)
+            self._push(entry)
             if parent is not None:
                 parent.children += 1
                 self.leaves.discard(parent)
