@@ -262,7 +262,7 @@ class AsyncClient:
         while True:
             try:
                 async for msg in self._stub.Generate(resume.request(), timeout=resume.timeout(),
-                                                     wait_for_ready=True):
+                                                     wait_for_ready=True, metadata=resume.metadata):
                     resume.seen(msg)
                     yield msg
                 return

@@ -24,6 +24,7 @@ import yaml
 
 from deltaspec.draft_service.servicer import NAME as DRAFT_NAME
 from deltaspec.shared.cli import build_parser
+from deltaspec.shared.rpc.routing import HEADER
 from deltaspec.shared.rpc.security import Grants, TokenStore
 from deltaspec.target_service.servicer import NAME as TARGET_NAME
 
@@ -348,6 +349,25 @@ def test_prometheus_operator_component_scrapes_each_pod_where_it_serves_metrics(
         assert any(rule["from"] == [{"namespaceSelector": {"matchLabels": {"deltaspec.io/metrics-scraper": "true"}}}]
                    and {"protocol": "TCP", "port": port["containerPort"]} in rule["ports"]
                    for rule in policy["spec"]["ingress"])
+
+
+@needs_kubectl
+def test_prefix_routing_component_hashes_the_clients_header_at_the_target_service(rendered, tmp_path):
+    """deploy/k8s/components/prefix-routing added to the overlay: one Istio DestinationRule, in the target Service's
+    namespace, for its in-cluster name, hashes the header the clients send (`deltaspec.shared.rpc.routing.HEADER`)
+    on a port Istio knows for gRPC by its name; nothing else changes (Istio's CRDs are not in the offline schema
+    check)."""
+    overlay, _, plain = rendered
+    docs = with_component(overlay, "prefix-routing", tmp_path)
+    [rule] = [d for d in docs if d["kind"] == "DestinationRule"]
+    assert [d for d in docs if d["kind"] != "DestinationRule"] == plain
+    assert rule["apiVersion"] == "networking.istio.io/v1"
+    service = find(docs, "Service", "deltaspec-target")
+    namespace, domain = service["metadata"]["namespace"], settings(docs)["DELTASPEC_CLUSTER_DOMAIN"]
+    assert rule["metadata"]["namespace"] == namespace
+    assert rule["spec"]["host"] == f"deltaspec-target.{namespace}.svc.{domain}"
+    assert rule["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"]["httpHeaderName"] == HEADER
+    assert all(port["name"] == "grpc" or port["name"].startswith("grpc-") for port in service["spec"]["ports"])
 
 
 def test_the_placeholder_tokens_do_not_start_a_server(rendered, tmp_path):

@@ -11,6 +11,9 @@
   With a draft and `pipeline` (the default) the rounds are pipelined
   (`deltaspec.shared.decoding.pipelined`): the draft proposes round r+1 while the target verifies round r.
 
+Both paths send the prompt's routing key (`deltaspec.shared.rpc.routing`) on `Generate` and `CreateSession`, so a
+balancer that hashes it sends requests sharing a prefix to the replica whose prefix cache holds it.
+
 Every channel is dialled as `security` says (`deltaspec.shared.rpc.security.ClientSecurity`: TLS, mutual TLS,
 the bearer token); the default is plaintext, which it allows only to loopback addresses.
 """
@@ -30,6 +33,7 @@ from deltaspec.shared.decoding.speculative import Generation, Stats, decode
 from deltaspec.shared.rpc.convert import sampling_to_proto, stats_from_proto
 from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
 from deltaspec.shared.rpc.remote_target import RemoteTargetSession
+from deltaspec.shared.rpc.routing import prefix_metadata
 from deltaspec.shared.rpc.security import ClientSecurity
 from deltaspec.shared.telemetry import Telemetry
 from deltaspec.shared.telemetry.spans import generation_span, record_usage
@@ -90,15 +94,17 @@ class StreamTotals:
 class Resume:
     """What reopening a broken `Generate` stream needs, for the sync and asyncio loops alike: the request for
     the tokens still missing (the prompt, text or messages until the server has tokenized it, followed by what
-    arrived), the time left, and the back-off after a break. Draws are keyed by (seed, position), so a resumed
-    generation is the one an unbroken stream would have made, sampled too (a stop string that straddles the
-    break is not seen: the reopened stream searches the new text only)."""
+    arrived), its routing header (the original prompt's, so a reopened stream is routed as the first one was),
+    the time left, and the back-off after a break. Draws are keyed by (seed, position), so a resumed generation
+    is the one an unbroken stream would have made, sampled too (a stop string that straddles the break is not
+    seen: the reopened stream searches the new text only)."""
 
     def __init__(self, prompt_ids: list[int] | None, prompt_text: str, max_new_tokens: int, num_draft_tokens: int,
                  sampling: SamplingParams, deadline: float | None, max_attempts: int,
                  messages: Messages | None = None, stop_strings: list[str] = ()) -> None:
         self.prompt, self.out, self.prompt_text = list(prompt_ids or []), [], prompt_text
         self.messages, self.stop_strings = chat_messages(messages), list(stop_strings)
+        self.metadata = prefix_metadata(prompt_ids, prompt_text, messages)
         self.max_new_tokens, self.num_draft_tokens, self.sampling = max_new_tokens, num_draft_tokens, sampling
         self.deadline, self.max_attempts = deadline, max_attempts
         self.failures, self.received = 0, 0  # breaks in a row that brought no token; tokens before this opening
@@ -137,7 +143,8 @@ def server_stream(stub: target_service_pb2_grpc.TargetServiceStub, prompt_ids: l
                     messages, stop_strings)
     while True:
         try:
-            for msg in stub.Generate(resume.request(), timeout=resume.timeout(), wait_for_ready=True):
+            for msg in stub.Generate(resume.request(), timeout=resume.timeout(), wait_for_ready=True,
+                                     metadata=resume.metadata):
                 resume.seen(msg)
                 yield msg
             return

@@ -11,6 +11,8 @@ names the replica that holds the session (`target_address`) and a `dial` functio
 later call of the session goes to that replica directly, without waiting for it to be ready. If the
 replica is gone (UNAVAILABLE) or no longer holds the session (NOT_FOUND), the session is opened
 again on the committed history through the load-balanced address, on whichever replica answers.
+CreateSession carries the prompt's routing key (`deltaspec.shared.rpc.routing`), the same at every opening, so a
+balancer that hashes it opens the session on the replica whose prefix cache holds the start of the prompt.
 
 A pipelined round (`verify(..., parent=, guess=)`) is one attempt: any refusal or failure only
 loses the pipelining (FailedPrecondition; NotFound when the target does not know the parent round
@@ -35,6 +37,7 @@ from deltaspec.shared.decoding.target import Round
 from deltaspec.shared.decoding.verify import Verdict
 from deltaspec.shared.errors import FailedPrecondition, NotFound
 from deltaspec.shared.rpc.convert import put_probs, sampling_to_proto
+from deltaspec.shared.rpc.routing import prefix_metadata
 from deltaspec.shared.rpc.status import field_of
 
 
@@ -47,6 +50,8 @@ class RemoteTargetSession:
         self.stub, self.sampling, self.prompt_text, self.messages = stub, sampling, prompt_text, list(messages)
         self.entry_stub, self.dial = stub, dial  # the address sessions are opened through; a stub for a replica
         self.pinned: str | None = None  # the replica holding the session, when it advertised one
+        self.routing = prefix_metadata(prompt_ids, prompt_text, [{"role": m.role, "content": m.content}
+                                                                 for m in self.messages[:1]])
         self.deadline, self.call_timeout_s, self.max_attempts = deadline, call_timeout_s, max_attempts
         self.tokens: list[int] = list(prompt_ids or [])  # committed history, prompt first
         self.session_id: str | None = None
@@ -154,7 +159,8 @@ class RemoteTargetSession:
         self.pinned = None
         created = self.entry_stub.CreateSession(pb.CreateSessionRequest(
             prompt_ids=self.tokens, prompt_text="" if self.tokens else self.prompt_text,
-            messages=[] if self.tokens else self.messages, sampling=sampling_to_proto(self.sampling)), **self._opts())
+            messages=[] if self.tokens else self.messages, sampling=sampling_to_proto(self.sampling)), **self._opts(),
+            metadata=self.routing)
         pinned = created.target_address if created.target_address and self.dial is not None else None
         # the stub before the session id: a pipelined verify on another thread must not reach the session
         # through the load-balanced address
