@@ -207,6 +207,10 @@ def test_metrics_agree_with_the_stats(servers, roles):
     assert grew("deltaspec_round_commit_seconds_count") == a.stats.rounds + b.stats.rounds
     assert grew("deltaspec_round_propose_seconds_count") == a.stats.rounds  # the server-side loop's rounds
     assert grew("deltaspec_time_to_first_token_seconds_count") == 1  # Generate only
+    for outcome, count in (("kept", a.stats.speculations_kept), ("missed", a.stats.speculations_missed)):
+        assert grew(f'deltaspec_generate_speculations_total{{outcome="{outcome}"}}') == count  # the server loop's
+    assert a.stats.speculations_kept + a.stats.speculations_missed > 0
+    assert b.stats.speculations_kept + b.stats.speculations_missed > 0  # the client loop's, in its own stats
     assert grew("deltaspec_time_per_output_token_seconds_count") == 1
     assert "deltaspec_sessions" in after and "deltaspec_sessions_expired_total" in after
     assert b.stats.first_token_seconds > 0 and a.as_dict()["stats"]["time_per_output_token_s"] > 0

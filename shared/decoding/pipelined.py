@@ -169,6 +169,11 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                         # cur+1's proposal, when it could be kept (else it is not waited for)
                         planned: _Planned | None = queue[0][0].result() if queue and keep == len(drafts) else None
                         kept = planned is not None and next_token == planned.guess
+                        if queue and room_after > 0 and next_token not in eos:  # a next round was speculated
+                            stats.speculations_kept += kept
+                            stats.speculations_missed += not kept
+                            if metrics is not None:
+                                metrics.speculation_used(kept)
                         drafter.advance(keep, next_token)  # keeps the draft's speculation or drops it
                         if kept:
                             queue = queue[1:]

@@ -39,6 +39,9 @@ class Stats:
     commit_seconds: float = 0.0  # the target's commit and the drafter's advance (its own commit)
     prefill_seconds: float = 0.0  # opening the target session (prompt prefill), in process only
     cached_prompt_tokens: int = 0  # prompt positions the target took from its prefix cache
+    # pipelined loops: rounds whose next round had been speculated, by whether it was kept (else made afresh)
+    speculations_kept: int = 0
+    speculations_missed: int = 0
 
     def add_round(self, drafted: int, accepted: int, staged_bytes: int,
                   phase_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
@@ -60,6 +63,8 @@ class Stats:
         d["acceptance_rate"] = self.accepted / self.drafted if self.drafted else 0.0
         d["mean_accepted_length"] = new_tokens / self.rounds if self.rounds else 0.0
         d["tokens_per_s"] = new_tokens / self.seconds if self.seconds > 0 else 0.0
+        speculated = self.speculations_kept + self.speculations_missed
+        d["speculations_kept_rate"] = self.speculations_kept / speculated if speculated else 0.0
         d["time_per_output_token_s"] = ((self.seconds - self.first_token_seconds) / (new_tokens - 1)
                                         if new_tokens > 1 and self.first_token_seconds > 0 else 0.0)
         return d

@@ -212,6 +212,8 @@ def merge_stats(total: Stats, part: Stats) -> None:
     total.accepted += part.accepted
     total.staged_bytes += part.staged_bytes
     total.cached_prompt_tokens += part.cached_prompt_tokens
+    total.speculations_kept += part.speculations_kept
+    total.speculations_missed += part.speculations_missed
     width = max(len(total.accepted_per_position), len(part.accepted_per_position))
     total.accepted_per_position = [
         (total.accepted_per_position[i] if i < len(total.accepted_per_position) else 0)

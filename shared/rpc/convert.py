@@ -106,9 +106,11 @@ def stats_to_proto(stats: Stats, draft_failures: int = 0) -> sampling_pb2.Genera
     return sampling_pb2.GenerationStats(
         rounds=stats.rounds, drafted=stats.drafted, accepted=stats.accepted, staged_bytes=stats.staged_bytes,
         seconds=stats.seconds, accepted_per_position=stats.accepted_per_position, draft_failures=draft_failures,
-        drafts=stats.drafts, cached_prompt_tokens=stats.cached_prompt_tokens)
+        drafts=stats.drafts, cached_prompt_tokens=stats.cached_prompt_tokens,
+        speculations_kept=stats.speculations_kept, speculations_missed=stats.speculations_missed)
 
 
 def stats_from_proto(msg: sampling_pb2.GenerationStats) -> Stats:
     return Stats(msg.rounds, msg.drafted, msg.accepted, msg.staged_bytes, msg.seconds,
-                 list(msg.accepted_per_position), drafts=msg.drafts, cached_prompt_tokens=msg.cached_prompt_tokens)
+                 list(msg.accepted_per_position), drafts=msg.drafts, cached_prompt_tokens=msg.cached_prompt_tokens,
+                 speculations_kept=msg.speculations_kept, speculations_missed=msg.speculations_missed)

@@ -8,7 +8,9 @@ Speculative-decoding counters are named as vLLM's (`vllm:spec_decode_num_drafts`
 Rounds: `deltaspec_round_{propose,verify,commit}_seconds` histograms, `deltaspec_commits_total`,
 `deltaspec_reverts_total`, `deltaspec_staged_bytes_total`. Pipelined rounds (staged on a pending round):
 `deltaspec_pipelined_rounds_total{outcome}`, kept | dropped | reverted: kept over all is the pipeline's hit
-rate. The draft's `deltaspec_draft_speculations_total{outcome}`, kept | dropped: the speculative rounds it
+rate; `deltaspec_generate_speculations_total{outcome}`, kept | missed: per round of the server-side loop,
+whether the speculated next round was used (the client loop reports the same in its stats). The draft's
+`deltaspec_draft_speculations_total{outcome}`, kept | dropped: the speculative rounds it
 proposed and how they ended (dropped ones are draft passes spent for nothing). Generations (the server-side loop):
 `deltaspec_time_to_first_token_seconds`, `deltaspec_time_per_output_token_seconds`. Sessions:
 `deltaspec_sessions` (live) and `deltaspec_sessions_expired_total`. Batching (`deltaspec.shared.decoding.batcher`):
@@ -59,6 +61,10 @@ class Metrics:
         self.pipelined_rounds = Counter("deltaspec_pipelined_rounds", "Pipelined rounds staged on a pending one, "
                                         "by how they ended: kept, dropped (their parent missed) or reverted",
                                         ["outcome"], registry=r)
+        self.generate_speculations = Counter(
+            "deltaspec_generate_speculations", "Rounds of the server-side loop (Generate) whose next round had been "
+            "speculated, by whether it was kept or made afresh (the client loop reports its own in its stats)",
+            ["outcome"], registry=r)
         self.ttft = Histogram("deltaspec_time_to_first_token_seconds", "Request to first generated token",
                               buckets=TOKEN_BUCKETS, registry=r)
         self.tpot = Histogram("deltaspec_time_per_output_token_seconds", "Mean time per token after the first",
@@ -103,6 +109,10 @@ class Metrics:
     def chain_ended(self, outcome: str) -> None:
         """A pipelined round ended: kept, dropped or reverted (`TargetSession`'s `chain_ended`)."""
         self.pipelined_rounds.labels(outcome).inc()
+
+    def speculation_used(self, kept: bool) -> None:
+        """A pipelined round of the server-side loop ended; its speculated successor was kept or not."""
+        self.generate_speculations.labels("kept" if kept else "missed").inc()
 
     def generation(self, first_token_s: float | None, per_output_token_s: float | None) -> None:
         if first_token_s is not None:
