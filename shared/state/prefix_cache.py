@@ -270,16 +270,21 @@ class Cursor:
         if ids:
             base = state.length
             ends = [end - base for end in self._ends(len(ids))]
-            state.gdn.capture = capture = Capture(state.gdn, ends) if ends else None
+            # a prefill the logs hold gives its heads as a commit does, after the pass (which may then be a compiled
+            # one); a longer one has the pass take them (`Capture`)
+            logged = len(ids) <= state.gdn.log_capacity
+            state.gdn.capture = capture = Capture(state.gdn, ends) if ends and not logged else None
             try:
                 _, h = model(torch.tensor(ids), state)
             finally:
                 state.gdn.capture = None
-            state.commit(state.staged)
             if hidden is not None:
                 hidden.append(h)
-            self._extend(ids, h)
-            if capture is not None:
+            if capture is None:
+                self.commit(ids, lambda: state.commit(state.staged), h)
+            else:
+                state.commit(state.staged)
+                self._extend(ids, h)
                 self._publish([(base + e, capture.windows[j], capture.states[j]) for j, e in enumerate(ends)])
         return None if hidden is None else torch.cat(hidden)
 
