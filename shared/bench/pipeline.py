@@ -17,7 +17,11 @@ says what a round costs in CPU time (the target process's and the draft process'
 draft's forward passes (its own metrics): the overlap only pays while both fit on the machine's cores. And it
 reads off the target's own outputs which rounds the pipelined loop can keep at all (`kept_rounds`), and how many
 of the misses a second speculation, built on the draft's second choice, would have turned into kept rounds.
-Run: `python -m deltaspec.shared.bench.pipeline [--quick] [--heldout N] [--save docs]`.
+Both placements run one after the other (`--placement both`, the default): pinned, and unpinned, the services
+sharing the cores as deployed with default settings. `deltaspec bench` runs it on 6 held-out prompts (text the
+pair never trained on). Each row also gives the loop's own count of rounds whose speculated successor it used.
+Run: `python -m deltaspec.shared.bench.pipeline [--quick] [--heldout N] [--placement both|pinned|unpinned]
+[--save docs]`.
 """
 from __future__ import annotations
 
@@ -105,7 +109,8 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                 proxy.delay_s = delay / 1000
             for loop in LOOPS:
                 totals = {mode: dict.fromkeys(("tokens", "seconds", "rounds", "staged", "target_cpu", "draft_cpu",
-                                               "draft_passes", "kept"), 0.0) for mode in (False, True)}
+                                               "draft_passes", "kept", "spec_kept", "spec_missed"), 0.0)
+                          for mode in (False, True)}
                 gaps: dict[str, list[float]] = {"serial": [], "after_kept": [], "after_miss": []}
                 run(loop, False, prompts[0]), run(loop, True, prompts[0])  # warm: connections, sessions, caches
                 for _ in range(repeats):
@@ -123,6 +128,8 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                             t["seconds"] += gen.stats.seconds
                             t["rounds"] += gen.stats.rounds
                             t["staged"] += gen.stats.staged_bytes
+                            t["spec_kept"] += gen.stats.speculations_kept
+                            t["spec_missed"] += gen.stats.speculations_missed
                 serial, piped = (totals[m]["tokens"] / totals[m]["seconds"] for m in (False, True))
                 rows.append({"delay_ms": delay, "loop": loop, "serial_tokens_per_s": serial,
                              "pipelined_tokens_per_s": piped, "speedup": piped / serial,
@@ -130,12 +137,22 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                              "pipelined_staged_bytes_per_round": totals[True]["staged"] / totals[True]["rounds"],
                              "rounds": (totals[False]["rounds"], totals[True]["rounds"]), "identical_tokens": True,
                              "kept_share": totals[True]["kept"] / totals[True]["rounds"],  # the pipeline's hit rate
+                             # the loop's own count (GenerationStats): rounds whose speculated successor was used
+                             "speculation_used": totals[True]["spec_kept"] / max(
+                                 totals[True]["spec_kept"] + totals[True]["spec_missed"], 1),
                              "num_draft_tokens": num_draft_tokens,
                              "round_ms": {name: statistics.median(v) for name, v in gaps.items() if v},
                              "rounds_timed": {name: len(v) for name, v in gaps.items()},
-                             **_per_round(totals), "pinned": pinned, "kept_rounds": study, "device": device,
+                             **_per_round(totals), "pinned": pinned, "placement": "pinned" if pinned else "unpinned",
+                             "kept_rounds": study, "device": device,
                              "load_average": os.getloadavg()[0]})
     return rows
+
+
+def placements(prompts: list[list[int]], pins: tuple[int, ...] = (1, 0), **options) -> list[dict]:
+    """`compare` once per placement, in one run: each service pinned to cores of its own (standing in for hosts of
+    their own), then sharing the machine's cores as deployed with default settings."""
+    return [row for pin in pins for row in compare(prompts=prompts, pin=pin, **options)]
 
 
 def kept_rounds(plans: list[list[tuple[int, str, bool]]]) -> dict[str, int]:
@@ -202,6 +219,12 @@ def _costs(target: Server, draft: Server) -> dict[str, float]:
 
 
 def print_rows(rows: list[dict]) -> None:
+    """One set of tables per placement (pinned, unpinned), in the order run."""
+    for placement in dict.fromkeys(r.get("placement", "pinned") for r in rows):
+        _print_placement([r for r in rows if r.get("placement", "pinned") == placement])
+
+
+def _print_placement(rows: list[dict]) -> None:
     pinned = rows[0].get("pinned", 0) if rows else 0
     cores = "sharing the cores" if not pinned else "a core each" if pinned == 1 else f"{pinned} cores each"
     if rows and rows[0].get("device", "cpu") != "cpu":
@@ -209,14 +232,15 @@ def print_rows(rows: list[dict]) -> None:
     print(f"\nPipelined vs serial rounds over loopback gRPC, services in their own processes ({cores}), delay each "
           "way on every link (greedy; every output equal to target-only decoding)")
     print(f"{'delay ms':>8} {'loop':>6} {'serial tok/s':>12} {'pipelined':>9} {'x serial':>8} "
-          f"{'staged B/round serial':>21} {'pipelined':>9} {'kept':>5} {'load':>5}")
+          f"{'staged B/round serial':>21} {'pipelined':>9} {'kept':>5} {'used':>5} {'load':>5}")
     for r in rows:
         print(f"{r['delay_ms']:>8g} {r['loop']:>6} {r['serial_tokens_per_s']:>12.1f} "
               f"{r['pipelined_tokens_per_s']:>9.1f} {r['speedup']:>8.2f} {r['serial_staged_bytes_per_round']:>21.0f} "
               f"{r['pipelined_staged_bytes_per_round']:>9.0f} {r.get('kept_share', float('nan')):>5.0%} "
-              f"{r['load_average']:>5.1f}")
+              f"{r.get('speculation_used', float('nan')):>5.0%} {r['load_average']:>5.1f}")
     print("kept: pipelined rounds the target staged on the round before and kept (its "
-          "deltaspec_pipelined_rounds_total{outcome=\"kept\"}), over all pipelined rounds")
+          "deltaspec_pipelined_rounds_total{outcome=\"kept\"}), over all pipelined rounds; used: rounds whose "
+          "speculated next round the loop used, over rounds that had one (GenerationStats.speculations_kept)")
     print("\nWhat a round costs, serial -> pipelined: wall time, CPU time of the target and draft processes (not the "
           "bench's own: client and proxies), the draft's forward passes, and the cores those two processes kept busy")
     print(f"{'delay ms':>8} {'loop':>6} {'wall ms':>13} {'target CPU ms':>13} {'draft CPU ms':>13} "
@@ -259,8 +283,9 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(LOOPS), figsize=(10, 3.8), sharey=True)
+    placement = rows[0].get("placement", "pinned") if rows else "pinned"  # the first placement run (pinned)
     for ax, loop in zip(axes, LOOPS):
-        series = [r for r in rows if r["loop"] == loop]
+        series = [r for r in rows if r["loop"] == loop and r.get("placement", "pinned") == placement]
         x = range(len(series))
         ax.bar([i - 0.2 for i in x], [r["serial_tokens_per_s"] for r in series], 0.4, label="serial")
         bars = ax.bar([i + 0.2 for i in x], [r["pipelined_tokens_per_s"] for r in series], 0.4, label="pipelined")
@@ -270,7 +295,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(f"{'client-driven' if loop == 'client' else 'server-side (Generate)'} loop")
     axes[0].set_ylabel("tokens/s")
     axes[0].legend()
-    fig.suptitle("Pipelined vs serial rounds over loopback gRPC (embedded pair, k = 4, greedy)")
+    fig.suptitle(f"Pipelined vs serial rounds over loopback gRPC (embedded pair, k = 4, greedy, {placement})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -286,18 +311,19 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="both services run with --compile")
     parser.add_argument("--cores-per-service", type=int, default=1,
                         help="cores pinned to each service, the bench's client and proxies on the rest (default 1)")
-    parser.add_argument("--no-pin", action="store_true", help="the services share the cores")
+    parser.add_argument("--placement", choices=("both", "pinned", "unpinned"), default="both",
+                        help="pinned: a core (--cores-per-service) per service; unpinned: they share the cores; "
+                             "both (default): one after the other in this run")
     parser.add_argument("--device", default="cpu", help="where both services run their models (cpu, cuda)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--save", type=Path, help="write pipeline.txt and pipeline.png to this folder (e.g. docs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     prompts = heldout_prompts(args.heldout, 96) if args.heldout else PROMPTS[:2] if args.quick else PROMPTS
-    rows = compare(prompts=prompts,
-                   max_new_tokens=64 if args.quick else args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-                   repeats=1 if args.quick else args.repeats, compile=args.compile,
-                   pin=0 if args.no_pin else args.cores_per_service,
-                   device=args.device)
+    pins = {"both": (args.cores_per_service, 0), "pinned": (args.cores_per_service,), "unpinned": (0,)}
+    rows = placements(prompts, pins[args.placement], max_new_tokens=64 if args.quick else args.max_new_tokens,
+                      num_draft_tokens=args.num_draft_tokens, repeats=1 if args.quick else args.repeats,
+                      compile=args.compile, device=args.device)
     print(json.dumps(rows)) if args.json else print_rows(rows)
     if args.save:
         report.save(args.save, "pipeline", rows, print_rows, plot)

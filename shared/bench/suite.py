@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> dict:
             result["memory_bound"] = memory_bound_ratio(repeats=3 if quick else 7)
             bar.update()
         if "pipeline" in steps:
-            result["pipeline"] = pipeline.compare(prompts=pipeline.PROMPTS[:2] if quick else pipeline.PROMPTS,
-                                                  max_new_tokens=64 if quick else 96, repeats=1 if quick else 2)
+            result["pipeline"] = pipeline.placements(heldout_prompts(2 if quick else 6, 96),
+                                                     max_new_tokens=64 if quick else 96, repeats=1 if quick else 2)
             bar.update()
         if "load" in steps:
             result["load"] = load.load(DEFAULT_TARGET, DEFAULT_DRAFT, quick)
