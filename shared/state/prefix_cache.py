@@ -110,7 +110,6 @@ class PrefixCache:
         self.bytes = 0
         self.stats = CacheStats()
         self.lock = threading.RLock()
-        self.on_change: Callable[[], None] = lambda: None  # told when entries come or go (the router's view)
 
     def lookup(self, ids: Sequence[int]) -> list[Entry]:
         """The longest chain of cached whole blocks that `ids` starts with (a hit when not empty)."""
@@ -160,8 +159,6 @@ class PrefixCache:
                 freed += self._remove(victim)
             if spared is not None:
                 self._push(spared)
-        if freed:
-            self.on_change()
         return freed
 
     def clear(self) -> None:
@@ -173,7 +170,6 @@ class PrefixCache:
             self.leaves.clear()
             self._order.clear()
             self.bytes = 0
-        self.on_change()
 
     def _touch(self, entry: Entry) -> None:
         entry.hits += 1
@@ -227,7 +223,6 @@ class PrefixCache:
                 self.leaves.discard(parent)
             self.bytes += nbytes
             self.stats.published += 1
-        self.on_change()
         return entry
 
 
