@@ -30,9 +30,10 @@ NAME = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
     def __init__(self, load: Callable[[], HybridLM], limits: Limits = Limits(), telemetry: Telemetry | None = None,
-                 batching: BatchConfig | None = BatchConfig(), stop_below: float = 0.0) -> None:
+                 batching: BatchConfig | None = BatchConfig(), stop_below: float = 0.0, branches: int = 0) -> None:
         self._load, self.limits, self.batching = load, limits, batching
         self.stop_below = stop_below  # dynamic draft length (`ModelDrafter`): 0 proposes exactly k
+        self.branches = branches  # next rounds staged per round for likely misses, at most (`DraftSession`)
         self.sessions: SessionTable[DraftSession] = SessionTable(limits)
         self.telemetry = telemetry or Telemetry()
         self.telemetry.metrics.watch_sessions([self.sessions])
@@ -47,7 +48,8 @@ class DraftServicer(draft_service_pb2_grpc.DraftServiceServicer):
         self.sessions.reserve(caller())
         session = await asyncio.to_thread(DraftSession, self.model, list(request.token_ids), sampling, self.stop_below,
                                           answers_sent_by_caller=True,
-                                          speculation_ended=self.telemetry.metrics.speculation_ended)
+                                          speculation_ended=self.telemetry.metrics.speculation_ended,
+                                          branches=self.branches, branch_ended=self.telemetry.metrics.branch_ended)
         session.sparse_probs = request.sparse_probs
         return pb.DraftServiceCreateSessionResponse(session_id=self.sessions.add(session, caller()),
                                                     max_draft_tokens=MAX_DRAFT_TOKENS, stop_below=self.stop_below)
@@ -89,7 +91,7 @@ def _outcome(msg: pb.RoundOutcome) -> Outcome:
 
 
 def service(load: Callable[[], HybridLM], limits: Limits = Limits(), telemetry: Telemetry | None = None,
-            batching: BatchConfig | None = BatchConfig(), stop_below: float = 0.0) -> Service:
-    servicer = DraftServicer(load, limits, telemetry, batching, stop_below)
+            batching: BatchConfig | None = BatchConfig(), stop_below: float = 0.0, branches: int = 0) -> Service:
+    servicer = DraftServicer(load, limits, telemetry, batching, stop_below, branches)
     return Service(NAME, lambda server: draft_service_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
                    servicer.load)

@@ -290,12 +290,14 @@ def cmd_serve_draft(args: argparse.Namespace) -> int:
     from deltaspec.shared.telemetry import DRAFT, Telemetry
 
     model_dir = Path(args.model or DEFAULT_DRAFT)
+    if args.branches < 0:
+        raise ValueError(f"--branches is 0 (none) or more, not {args.branches}")
     listen = _listen(args)
     _torch_threads(args)
     telemetry = Telemetry.from_env(DRAFT)
     svc = service(lambda: load_model(model_dir, device=args.device).compile(args.compile, warm_up=True,
                                                                              log_capacity=CHAIN_LOG_CAPACITY),
-                  _limits(args), telemetry, _batching(args), args.stop_below)
+                  _limits(args), telemetry, _batching(args), args.stop_below, args.branches)
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
 
 
@@ -486,6 +488,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dynamic draft length: a draft model stops proposing after a token it gives less than this "
                         "probability (exact: the decision reads only the draft; 0: always k; 0.3 measured best with "
                         "k up to 16)")
+    p.add_argument("--branches", type=int, default=0,
+                   help="pipelined rounds: in idle time, stage the next round for up to this many likely misses of "
+                        "the open round, so the proposal after such a miss needs no forward pass (default 0: none; the "
+                        "session's acceptance decides how many, round(k x (1 - share of drafts kept)))")
     p.set_defaults(func=cmd_serve_draft)
 
     p = sub.add_parser("models", help="paths of the embedded default target and draft")

@@ -53,8 +53,10 @@ def target_service(directory: Path, limits: Limits = Limits(), draft_address: st
     return target_servicer.service(lambda: (load_model(directory), load_tokenizer(directory)), limits, peer)
 
 
-def draft_service(directory: Path, limits: Limits = Limits(), stop_below: float = 0.0):
-    return draft_servicer.service(lambda: load_model(directory), limits, stop_below=stop_below)
+def draft_service(directory: Path, limits: Limits = Limits(), stop_below: float = 0.0, branches: int = 0,
+                  telemetry=None):
+    return draft_servicer.service(lambda: load_model(directory), limits, telemetry, stop_below=stop_below,
+                                  branches=branches)
 
 
 def start(*services) -> BackgroundServer:

@@ -49,8 +49,9 @@ LOOPS = ("client", "server")
 
 def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, prompts: list[list[int]] | None = None,
             max_new_tokens: int = 96, num_draft_tokens: int = 4, delays_ms: tuple[float, ...] = (0, 1, 5),
-            repeats: int = 1, compile: bool = False, pin: int = 1, device: str = "cpu") -> list[dict]:
-    """One row per (delay, loop): tokens/s serial and pipelined, their ratio, bytes staged per round.
+            repeats: int = 1, compile: bool = False, pin: int = 1, device: str = "cpu", branches: int = 1) -> list[dict]:
+    """One row per (delay, loop): tokens/s serial, pipelined, and pipelined with the draft staging `branches` (a
+    second draft service, `serve-draft --branches`; 0: not run), their ratios, bytes staged per round.
 
     `compile`: both services run `--compile` (their passes as compiled graphs). `pin`: cores for each service
     (0: none, all share), where there are that many for both; the bench's process then runs on the rest.
@@ -68,61 +69,70 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
     rows = []
     with ExitStack() as stack:
         options = ["--device", device, *(["--compile"] if compile else [])]
-        draft_server = Server("serve-draft", "--model", str(draft_dir), *options)
-        stack.callback(draft_server.stop)
-        draft = draft_server.address
-        to_draft = TcpProxy([draft])
-        stack.callback(to_draft.close)
-        targets: dict[int, Server] = {}
-        for depth in (0, 1):
-            server = targets[depth] = Server("serve-target", "--model", str(target_dir), "--draft-addr",
-                                             to_draft.address, "--draft-timeout", "30", "--pipeline-depth", str(depth),
-                                             *options)
+        modes = ("serial", "pipelined", *(("branches",) if branches else ()))
+        # the draft each mode uses: a service staging no branches, and one staging them
+        drafts = {mode: "branches" if mode == "branches" else "plain" for mode in modes}
+        draft_servers = {name: Server("serve-draft", "--model", str(draft_dir), "--branches",
+                                      str(branches if name == "branches" else 0), *options)
+                         for name in dict.fromkeys(drafts.values())}
+        for server in draft_servers.values():
+            stack.callback(server.stop)
+        to_draft = {name: TcpProxy([server.address]) for name, server in draft_servers.items()}
+        targets: dict[str, Server] = {}
+        for mode in modes:
+            server = targets[mode] = Server("serve-target", "--model", str(target_dir), "--draft-addr",
+                                            to_draft[drafts[mode]].address, "--draft-timeout", "30",
+                                            "--pipeline-depth", str(int(mode != "serial")), *options)
             stack.callback(server.stop)
         cores = sorted(os.sched_getaffinity(0))
         pinned = pin if 0 < pin and 2 * pin <= len(cores) else 0
         if pinned:
-            draft_server.pin(set(cores[pinned:2 * pinned]))
+            for server in draft_servers.values():
+                server.pin(set(cores[pinned:2 * pinned]))
             for server in targets.values():
                 server.pin(set(cores[:pinned]))
             if len(cores) > 2 * pinned:  # the client and proxies (this process's threads) off the services' cores
                 pin_threads(os.getpid(), set(cores[2 * pinned:]))
                 stack.callback(pin_threads, os.getpid(), set(cores))
-        client_draft = TcpProxy([draft])
-        client_target = {depth: TcpProxy([server.address]) for depth, server in targets.items()}
-        for proxy in (client_draft, *client_target.values()):
+        client_draft = {name: TcpProxy([server.address]) for name, server in draft_servers.items()}
+        client_target = {mode: TcpProxy([server.address]) for mode, server in targets.items()}
+        proxies = (*to_draft.values(), *client_draft.values(), *client_target.values())
+        for proxy in proxies:
             stack.callback(proxy.close)
 
-        def run(loop: str, pipelined: bool, prompt: list[int], arrivals: list[tuple[float, int]] | None = None):
+        def run(loop: str, mode: str, prompt: list[int], arrivals: list[tuple[float, int]] | None = None):
             """A generation; `arrivals` gets (when, how many) for each round's tokens as the client receives them."""
-            address = client_target[int(pipelined)].address
+            address = client_target[mode].address
             on_tokens = None if arrivals is None else \
                 lambda tokens, _: arrivals.append((time.perf_counter(), len(tokens))) if tokens else None
             if loop == "client":
-                return generate_client_driven(address, client_draft.address, prompt, "", max_new_tokens,
+                return generate_client_driven(address, client_draft[drafts[mode]].address, prompt, "", max_new_tokens,
                                               num_draft_tokens, draft_timeout_s=30.0, on_tokens=on_tokens,
-                                              pipeline=pipelined)[0]
+                                              pipeline=mode != "serial")[0]
             return generate_on_server(address, prompt, "", max_new_tokens, num_draft_tokens, on_tokens=on_tokens)[0]
 
         for delay in delays_ms:
-            for proxy in (to_draft, client_draft, *client_target.values()):
+            for proxy in proxies:
                 proxy.delay_s = delay / 1000
             for loop in LOOPS:
                 totals = {mode: dict.fromkeys(("tokens", "seconds", "rounds", "staged", "target_cpu", "draft_cpu",
-                                               "draft_passes", "kept", "spec_kept", "spec_missed"), 0.0)
-                          for mode in (False, True)}
+                                               "draft_passes", "kept", "spec_kept", "spec_missed", *BRANCH_COUNTS),
+                                              0.0) for mode in modes}
                 gaps: dict[str, list[float]] = {"serial": [], "after_kept": [], "after_miss": []}
-                run(loop, False, prompts[0]), run(loop, True, prompts[0])  # warm: connections, sessions, caches
+                for mode in modes:  # warm: connections, sessions, caches
+                    run(loop, mode, prompts[0])
                 for _ in range(repeats):
                     for prompt, want, plan in zip(prompts, expected, plans):
-                        for pipelined in (False, True):
-                            before = _costs(targets[int(pipelined)], draft_server)
+                        for mode in modes:
+                            draft_server = draft_servers[drafts[mode]]
+                            before = _costs(targets[mode], draft_server)
                             arrivals: list[tuple[float, int]] = []
-                            gen = run(loop, pipelined, prompt, arrivals)
-                            check_greedy(gen.token_ids, want, f"{loop} loop, pipelined={pipelined}, {delay} ms")
-                            _round_gaps(gaps, plan, arrivals, pipelined)
-                            t = totals[pipelined]
-                            for name, value in _costs(targets[int(pipelined)], draft_server).items():
+                            gen = run(loop, mode, prompt, arrivals)
+                            check_greedy(gen.token_ids, want, f"{loop} loop, {mode}, {delay} ms")
+                            if mode != "branches":
+                                _round_gaps(gaps, plan, arrivals, mode == "pipelined")
+                            t = totals[mode]
+                            for name, value in _costs(targets[mode], draft_server).items():
                                 t[name] += value - before[name]
                             t["tokens"] += len(gen.token_ids)
                             t["seconds"] += gen.stats.seconds
@@ -130,23 +140,43 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
                             t["staged"] += gen.stats.staged_bytes
                             t["spec_kept"] += gen.stats.speculations_kept
                             t["spec_missed"] += gen.stats.speculations_missed
-                serial, piped = (totals[m]["tokens"] / totals[m]["seconds"] for m in (False, True))
-                rows.append({"delay_ms": delay, "loop": loop, "serial_tokens_per_s": serial,
-                             "pipelined_tokens_per_s": piped, "speedup": piped / serial,
-                             "serial_staged_bytes_per_round": totals[False]["staged"] / totals[False]["rounds"],
-                             "pipelined_staged_bytes_per_round": totals[True]["staged"] / totals[True]["rounds"],
-                             "rounds": (totals[False]["rounds"], totals[True]["rounds"]), "identical_tokens": True,
-                             "kept_share": totals[True]["kept"] / totals[True]["rounds"],  # the pipeline's hit rate
+                rate = {mode: totals[mode]["tokens"] / totals[mode]["seconds"] for mode in modes}
+                serial, piped = totals["serial"], totals["pipelined"]
+                rows.append({"delay_ms": delay, "loop": loop, "serial_tokens_per_s": rate["serial"],
+                             "pipelined_tokens_per_s": rate["pipelined"], "speedup": rate["pipelined"] / rate["serial"],
+                             "serial_staged_bytes_per_round": serial["staged"] / serial["rounds"],
+                             "pipelined_staged_bytes_per_round": piped["staged"] / piped["rounds"],
+                             "rounds": (serial["rounds"], piped["rounds"]), "identical_tokens": True,
+                             "kept_share": piped["kept"] / piped["rounds"],  # the pipeline's hit rate
                              # the loop's own count (GenerationStats): rounds whose speculated successor was used
-                             "speculation_used": totals[True]["spec_kept"] / max(
-                                 totals[True]["spec_kept"] + totals[True]["spec_missed"], 1),
+                             "speculation_used": piped["spec_kept"] / max(piped["spec_kept"] + piped["spec_missed"], 1),
                              "num_draft_tokens": num_draft_tokens,
                              "round_ms": {name: statistics.median(v) for name, v in gaps.items() if v},
                              "rounds_timed": {name: len(v) for name, v in gaps.items()},
                              **_per_round(totals), "pinned": pinned, "placement": "pinned" if pinned else "unpinned",
                              "kept_rounds": study, "device": device,
+                             **(_branch_row(totals, rate, branches) if branches else {}),
                              "load_average": os.getloadavg()[0]})
     return rows
+
+
+BRANCH_COUNTS = ("branches_used", "branches_unused", "branches_cut", "branch_seconds")
+
+
+def _branch_row(totals: dict[str, dict[str, float]], rate: dict[str, float], branches: int) -> dict:
+    """Pipelined with branches against pipelined without, in the same run: the gain, what the branches did, and the
+    draft's cost (its CPU per round, its time making branches)."""
+    t, plain = totals["branches"], totals["pipelined"]
+    return {"branches": branches, "branches_tokens_per_s": rate["branches"],
+            "branches_speedup": rate["branches"] / rate["serial"],
+            "branches_vs_pipelined": rate["branches"] / rate["pipelined"],
+            "branches_kept_share": t["kept"] / t["rounds"],
+            "branches_speculation_used": t["spec_kept"] / max(t["spec_kept"] + t["spec_missed"], 1),
+            "branch_counts": {name: t[name] for name in BRANCH_COUNTS[:3]},
+            "branch_ms_per_round": 1e3 * t["branch_seconds"] / t["rounds"],
+            "draft_cpu_ms_per_round_branches": 1e3 * t["draft_cpu"] / t["rounds"],
+            "draft_cpu_ms_per_round_pipelined": 1e3 * plain["draft_cpu"] / plain["rounds"],
+            "wall_ms_per_round_branches": 1e3 * t["seconds"] / t["rounds"]}
 
 
 def placements(prompts: list[list[int]], pins: tuple[int, ...] = (1, 0), **options) -> list[dict]:
@@ -202,10 +232,11 @@ def _round_gaps(gaps: dict[str, list[float]], plan: list[tuple[int, str, bool]],
         gaps[name].append(1e3 * (arrivals[i][0] - arrivals[i - 1][0]))
 
 
-def _per_round(totals: dict[bool, dict[str, float]]) -> dict[str, tuple[float, float]]:
+def _per_round(totals: dict[str, dict[str, float]]) -> dict[str, tuple[float, float]]:
     """(serial, pipelined) per round: wall and CPU milliseconds, the draft's passes."""
     def both(name: str, scale: float = 1.0) -> tuple[float, float]:
-        return tuple(scale * totals[m][name] / totals[m]["rounds"] for m in (False, True))  # type: ignore[return-value]
+        return tuple(scale * totals[m][name] / totals[m]["rounds"]  # type: ignore[return-value]
+                     for m in ("serial", "pipelined"))
     return {"wall_ms_per_round": both("seconds", 1e3), "target_cpu_ms_per_round": both("target_cpu", 1e3),
             "draft_cpu_ms_per_round": both("draft_cpu", 1e3), "draft_passes_per_round": both("draft_passes")}
 
@@ -215,7 +246,11 @@ def _costs(target: Server, draft: Server) -> dict[str, float]:
     target kept (staged on a pending round, then made the pending round by its commit)."""
     return {"target_cpu": target.cpu_s(), "draft_cpu": draft.cpu_s(),
             "draft_passes": draft.metric("deltaspec_batch_pass_seconds_count"),
-            "kept": target.metric('deltaspec_pipelined_rounds_total{outcome="kept"}', 0.0)}
+            "kept": target.metric('deltaspec_pipelined_rounds_total{outcome="kept"}', 0.0),
+            **{f"branches_{o}": draft.metric(f'deltaspec_draft_branches_total{{outcome="{o}"}}', 0.0)
+               for o in ("used", "unused", "cut")},
+            "branch_seconds": sum(draft.metric(f'deltaspec_draft_branch_seconds_total{{outcome="{o}"}}', 0.0)
+                                  for o in ("used", "unused", "cut"))}
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -259,8 +294,27 @@ def _print_placement(rows: list[dict]) -> None:
             ms = r["round_ms"]
             serial, kept, miss = (ms.get(name, nan) for name in ("serial", "after_kept", "after_miss"))
             print(f"{r['delay_ms']:>8g} {r['loop']:>6} {serial:>7.1f} {kept:>10.1f} {miss:>10.1f} {miss / serial:>13.2f}")
+    if rows and "branches" in rows[0]:
+        _print_branches(rows)
     if rows and "kept_rounds" in rows[0]:
         _print_kept(rows[0]["kept_rounds"], rows[0]["num_draft_tokens"])
+
+
+def _print_branches(rows: list[dict]) -> None:
+    print(f"\nPipelined with the draft staging branches for likely misses (serve-draft --branches "
+          f"{rows[0]['branches']}), same run: the gain, what the branches did, and what they cost the draft")
+    print(f"{'delay ms':>8} {'loop':>6} {'tok/s':>7} {'x serial':>8} {'x pipelined':>11} {'used':>5} "
+          f"{'branches used/unused/cut':>24} {'branch ms/round':>15} {'draft CPU ms/round':>18}")
+    for r in rows:
+        c = r["branch_counts"]
+        counts = f"{c['branches_used']:.0f}/{c['branches_unused']:.0f}/{c['branches_cut']:.0f}"
+        cpu = f"{r['draft_cpu_ms_per_round_pipelined']:.1f} -> {r['draft_cpu_ms_per_round_branches']:.1f}"
+        print(f"{r['delay_ms']:>8g} {r['loop']:>6} {r['branches_tokens_per_s']:>7.1f} {r['branches_speedup']:>8.2f} "
+              f"{r['branches_vs_pipelined']:>11.2f} {r['branches_speculation_used']:>5.0%} {counts:>24} "
+              f"{r['branch_ms_per_round']:>15.2f} {cpu:>18}")
+    print("used: rounds whose speculated next round the loop used; branches used: plain proposals after a miss "
+          "answered from a branch (no forward pass); branch ms/round: the draft's time making branches; draft CPU: "
+          "the draft process's, pipelined without -> with branches")
 
 
 def _print_kept(c: dict[str, int], k: int) -> None:
@@ -315,6 +369,9 @@ def main() -> None:
                         help="pinned: a core (--cores-per-service) per service; unpinned: they share the cores; "
                              "both (default): one after the other in this run")
     parser.add_argument("--device", default="cpu", help="where both services run their models (cpu, cuda)")
+    parser.add_argument("--branches", type=int, default=1,
+                        help="also run pipelined rounds against a draft staging this many branches for likely "
+                             "misses (serve-draft --branches; default 1, 0: not run)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--save", type=Path, help="write pipeline.txt and pipeline.png to this folder (e.g. docs)")
     args = parser.parse_args()
@@ -323,7 +380,7 @@ def main() -> None:
     pins = {"both": (args.cores_per_service, 0), "pinned": (args.cores_per_service,), "unpinned": (0,)}
     rows = placements(prompts, pins[args.placement], max_new_tokens=64 if args.quick else args.max_new_tokens,
                       num_draft_tokens=args.num_draft_tokens, repeats=1 if args.quick else args.repeats,
-                      compile=args.compile, device=args.device)
+                      compile=args.compile, device=args.device, branches=args.branches)
     print(json.dumps(rows)) if args.json else print_rows(rows)
     if args.save:
         report.save(args.save, "pipeline", rows, print_rows, plot)

@@ -25,6 +25,12 @@ one such request per session, then is refused.
 Speculative work (a speculative request, or one made ahead) starts once the answers already made have
 left the service (`deltaspec.shared.decoding.answers`).
 
+Branches (`branches` > 0): after the speculation made ahead, the session also stages the next round for the
+open round's likeliest misses (`ModelDrafter.stage_branches`), as many as the session's acceptance suggests
+rejections per round, round(k x (1 - share of drafts kept)), at most `branches`. The plain proposal that follows
+a miss one of them foresaw is then answered without a forward pass. Branches are made only while no request waits
+(one arriving cuts the branch in progress short, between two forward passes) and dropped at the outcome.
+
 Once a session has been asked for a speculative round, every proposal, plain or speculative, is
 followed in the background by the speculation on top of it (same k): the caller's next speculative
 request, which comes a network round trip later, then finds it made instead of waiting for k+1
@@ -51,6 +57,7 @@ from deltaspec.shared.model.hybrid import HybridLM
 
 MAX_CHAINED = MAX_SPECULATIONS - 1  # speculative rounds asked for on top of the open round (one more is made ahead)
 OVERTAKE_WAIT_S = 1.0  # how long a speculation with no open round below it waits for the plain proposal it overtook
+ACCEPTANCE_WEIGHT = 0.2  # of each round in the session's running share of drafts kept (which sizes its branches)
 
 
 class _NoOpenRound(FailedPrecondition):
@@ -82,8 +89,11 @@ class DraftSession:
 
     def __init__(self, model: HybridLM, history: list[int], sampling: SamplingParams = SamplingParams(),
                  stop_below: float = 0.0, answers_sent_by_caller: bool = False,
-                 speculation_ended: Callable[[str, int], None] | None = None) -> None:
-        """`speculation_ended(outcome, n)`: told of speculations kept (made the open round) or dropped (a metric)."""
+                 speculation_ended: Callable[[str, int], None] | None = None, branches: int = 0,
+                 branch_ended: Callable[[str, float], None] | None = None) -> None:
+        """`speculation_ended(outcome, n)`: told of speculations kept (made the open round) or dropped (a metric).
+        `branches`: the most staged per round for likely misses; `branch_ended(outcome, seconds)` is told how each
+        ended (used, unused, cut) and the draft's time making it (a metric)."""
         if not history:
             raise InvalidArgument("the token history is empty", "token_ids")
         check_tokens(history, model.config.vocab_size, "token_ids")
@@ -91,6 +101,13 @@ class DraftSession:
         self.drafter = ModelDrafter(model, sampling, stop_below)  # stop_below: dynamic draft length
         if speculation_ended is not None:
             self.drafter.speculation_ended = speculation_ended
+        if branch_ended is not None:
+            self.drafter.branch_ended = branch_ended
+        self.max_branches = branches
+        self.drafter.branching = branches > 0
+        self.acceptance = 0.5  # running share of drafts kept
+        self.queued = 0  # requests waiting for the lock (read without it: a hint that stops branching)
+        self.queue_lock = threading.Lock()
         self.drafter.start(list(history))
         self.length = len(history)  # committed tokens the draft knows of
         self.round: DraftRound | None = None  # the open proposal, or the last finished one (for retries)
@@ -118,7 +135,11 @@ class DraftSession:
             while True:
                 if not speculative:
                     self.waiting = True  # a background speculation in progress stops at its next forward pass
+                with self.queue_lock:
+                    self.queued += 1  # a branch in progress stops at its next forward pass
                 with self.lock:
+                    with self.queue_lock:
+                        self.queued -= 1
                     self.waiting = False
                     try:
                         return self._propose(round_id, k, previous, speculative, parent)
@@ -219,14 +240,25 @@ class DraftSession:
         self.answers.wait()
         with self.lock:
             newest = self.speculations[-1] if self.speculations else self.round
-            if newest is not rnd or rnd.state != "proposed" or self.ahead is not None \
-                    or not self.drafter.can_speculate(k) or self.waiting:
+            if newest is not rnd or rnd.state != "proposed" or self.waiting:
                 return
-            made = self.drafter.speculate(k, lambda: self.waiting)
-            if self.waiting:
-                self.drafter.discard_last()  # a plain proposal is waiting: it would drop this one
-            else:
+            if self.ahead is None and self.drafter.can_speculate(k):
+                made = self.drafter.speculate(k, lambda: self.waiting)
+                if self.waiting:
+                    self.drafter.discard_last()  # a plain proposal is waiting: it would drop this one
+                    return
                 self.ahead = (rnd, k, *made)
+            self._branch()
+
+    def _branch(self) -> None:
+        """Stage the next round for the open round's likeliest misses, as many as its running acceptance suggests
+        rejections per round, while no request waits (under the lock)."""
+        rnd = self.round
+        if not self.max_branches or rnd is None or rnd.state != "proposed" or not rnd.proposal.tokens:
+            return
+        n = min(self.max_branches, round(rnd.k * (1 - self.acceptance)))
+        if n:
+            self.drafter.stage_branches(n, rnd.k, lambda: self.waiting or self.queued > 0)
 
     def commit(self, outcome: Outcome) -> None:
         with self.lock:
@@ -281,6 +313,9 @@ class DraftSession:
                 break
             self._apply(Outcome(self.round.round_id, len(self.round.proposal.tokens), above.guess))  # type: ignore
         rnd = self.round
+        if rnd.proposal.tokens:  # type: ignore[union-attr]
+            kept = outcome.accepted / len(rnd.proposal.tokens)  # type: ignore[union-attr]
+            self.acceptance += ACCEPTANCE_WEIGHT * (kept - self.acceptance)
         opened, _ = self._after(outcome)
         if self.ahead is not None and opened is None:
             self.ahead = None  # made ahead, never asked for, on a round the outcome drops: it ends

@@ -405,6 +405,29 @@ class ModelState:
             layer.v[:, :length] = v
         self.length = length
 
+    def load_from(self, source: ModelState, n: int) -> None:
+        """Make a fresh state's head `source`'s after its first n staged tokens, computed as `source.commit(n)`
+        would compute it, so a sequence continued here equals one continued there bit for bit (a draft's branch:
+        `ModelDrafter.stage_branches`). `source` is unchanged."""
+        if self.length or self.staged:
+            raise ValueError("load_from needs a fresh state")
+        if not 0 < n <= source.staged:
+            raise ValueError(f"load_from after {n} tokens, but {source.staged} are staged")
+        gdn, end = source.gdn, source.length + n
+        if n == source.marked:  # what a commit after `drop_marked` keeps: the snapshot
+            self.gdn.conv.copy_(gdn.marked_window)
+            self.gdn.recurrent.copy_(gdn.marked_state)
+        elif n == source.staged and not source.marked:  # what a full commit swaps in: the pass's own final state
+            self.gdn.conv.copy_(gdn.window)
+            self.gdn.recurrent.copy_(gdn.spare)
+        else:
+            gdn.state_after(n, source.staged, self.gdn.conv, self.gdn.recurrent)
+        self.ensure_positions(end)
+        for mine, theirs in zip(self.attn, source.attn):
+            mine.k[:, :end] = theirs.k[:, :end]
+            mine.v[:, :end] = theirs.v[:, :end]
+        self.length = end
+
     def ensure_positions(self, needed: int) -> None:
         """Grow every attention layer's K/V to `needed` positions before a forward stages anything: a pooled
         state's growth is paid in full by the first layer, or refused (`ResourceExhausted`) with the state unchanged."""

@@ -11,7 +11,9 @@ Rounds: `deltaspec_round_{propose,verify,commit}_seconds` histograms, `deltaspec
 rate; `deltaspec_generate_speculations_total{outcome}`, kept | missed: per round of the server-side loop,
 whether the speculated next round was used (the client loop reports the same in its stats). The draft's
 `deltaspec_draft_speculations_total{outcome}`, kept | dropped: the speculative rounds it
-proposed and how they ended (dropped ones are draft passes spent for nothing). Generations (the server-side loop):
+proposed and how they ended (dropped ones are draft passes spent for nothing);
+`deltaspec_draft_branches_total{outcome}` and `deltaspec_draft_branch_seconds_total{outcome}`, used | unused | cut: the
+next rounds it staged for likely misses (`serve-draft --branches`), and its time making them. Generations (the server-side loop):
 `deltaspec_time_to_first_token_seconds`, `deltaspec_time_per_output_token_seconds`. Sessions:
 `deltaspec_sessions` (live) and `deltaspec_sessions_expired_total`. Batching (`deltaspec.shared.decoding.batcher`):
 `deltaspec_batch_size` (sequences per forward pass), `deltaspec_batch_tokens`, `deltaspec_batch_wait_seconds`
@@ -58,6 +60,12 @@ class Metrics:
         self.draft_speculations = Counter("deltaspec_draft_speculations", "Speculative rounds the draft proposed, "
                                           "by how they ended: kept (they became the open round) or dropped (the "
                                           "round below missed, or a plain proposal came)", ["outcome"], registry=r)
+        self.draft_branches = Counter("deltaspec_draft_branches", "Next rounds the draft staged for a likely miss "
+                                      "of the open round (serve-draft --branches), by how they ended: used (the miss "
+                                      "came; its proposal was answered without a forward pass), unused, or cut "
+                                      "(a request came while it was made)", ["outcome"], registry=r)
+        self.draft_branch_seconds = Counter("deltaspec_draft_branch_seconds", "The draft's time making branches, by "
+                                            "how they ended: the cost beside the gain", ["outcome"], registry=r)
         self.pipelined_rounds = Counter("deltaspec_pipelined_rounds", "Pipelined rounds staged on a pending one, "
                                         "by how they ended: kept, dropped (their parent missed) or reverted",
                                         ["outcome"], registry=r)
@@ -105,6 +113,11 @@ class Metrics:
     def speculation_ended(self, outcome: str, n: int = 1) -> None:
         """Draft speculations ended: kept or dropped (`ModelDrafter`'s `speculation_ended`)."""
         self.draft_speculations.labels(outcome).inc(n)
+
+    def branch_ended(self, outcome: str, seconds: float) -> None:
+        """A draft's branch ended: used, unused or cut (`ModelDrafter`'s `branch_ended`), and its drafting time."""
+        self.draft_branches.labels(outcome).inc()
+        self.draft_branch_seconds.labels(outcome).inc(seconds)
 
     def chain_ended(self, outcome: str) -> None:
         """A pipelined round ended: kept, dropped or reverted (`TargetSession`'s `chain_ended`)."""

@@ -14,15 +14,25 @@ proposes another round on top of the last in the same way, up to `MAX_SPECULATIO
 the first speculation when every draft was accepted and the guess was right (a pointer swap; the
 others stay on top), and drops them otherwise; `discard_last` drops the newest alone. Random draws
 are keyed by the same positions as the serial run's.
+
+Branches (`stage_branches`, a draft service's idle time): the next round's drafts for the open round's likeliest
+misses, each on a state of its own whose head is the open round's after the drafts kept (`ModelState.load_from`,
+the same arithmetic as the commit). A miss is likelier where the draft was unsure: the outcome "first j drafts
+kept, then the draft's runner-up at j" is scored by the draft's own probabilities, p_0 ... p_(j-1) x r_j. When the
+outcome is one of them, `advance` swaps that state in and the next `propose` of the same k returns its drafts
+without a forward pass: the proposal, and every state after it, equal the serial drafter's bit for bit.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from deltaspec.shared.decoding.drafters import Proposal
 from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabilities
+from deltaspec.shared.errors import ResourceExhausted
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.state.prefix_cache import Cursor, PrefixCache
 from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
@@ -35,6 +45,22 @@ STOP_BELOW = 0.3
 
 MAX_SPECULATIONS = 3  # rounds proposed on top of the open one, each on the one before
 
+Odds = tuple[float, int, float]  # at a drafted position: the draft's probability of its token, its runner-up, that one's
+
+
+@dataclass
+class Branch:
+    """The next round's proposal for one outcome of the open round (`accepted` drafts kept, then `token`)."""
+
+    accepted: int
+    token: int
+    k: int
+    fed: int  # tokens of the open round (pending and drafts) its head holds
+    state: ModelState
+    proposal: Proposal
+    odds: list[Odds]
+    seconds: float  # the draft's time making it
+
 
 class ModelDrafter:
     def __init__(self, model: HybridLM, sampling: SamplingParams = SamplingParams(),
@@ -44,14 +70,23 @@ class ModelDrafter:
         self.model, self.sampling, self.stop_below = model, sampling, stop_below
         self.pending: list[int] = []
         self.proposed: list[int] = []
-        self.chain: list[tuple[int, list[int]]] = []  # speculations (guess, proposal), each on the one before
+        # speculations, each on the one before: (guess, drafts, their odds, the guess's odds when known)
+        self.chain: list[tuple[int, list[int], list[Odds], Odds | None]] = []
         self.guessed: tuple[int, int] | None = None  # (position, the most likely token there) once fed
+        self.branching = False  # record each draft's odds (`Odds`), so that `stage_branches` can rank the misses
+        self.odds: list[Odds] = []  # the open round's drafts' (with `branching`)
+        self.branches: list[Branch] = []  # staged for the open round's outcomes
+        self.ready: Branch | None = None  # the branch `advance` swapped in: the next `propose` of its k returns it
+        # told how each branch ended (used, unused or cut short) and the draft's seconds making it (a metric)
+        self.branch_ended: Callable[[str, float], None] = lambda outcome, seconds: None
         self.state: ModelState  # made by `start`: on a server each state takes a pool slot, none before it is needed
         # told how speculations end, (outcome, how many): kept (made the open round) or dropped (a metric)
         self.speculation_ended: Callable[[str, int], None] = lambda outcome, n: None
 
     def start(self, prompt_ids: list[int]) -> None:
         self._drop_chain()
+        self._drop_branches()
+        self.ready, self.odds = None, []
         self.state = self.model.new_state(capacity=max(256, 2 * len(prompt_ids)), log_capacity=CHAIN_LOG_CAPACITY)
         cache: PrefixCache | None = getattr(self.model, "prefix_cache", None)
         self.cursor = Cursor(cache, self.state) if cache is not None else None  # its place in the prefix cache
@@ -70,6 +105,10 @@ class ModelDrafter:
             self.cursor.commit(ids, commit)
 
     def propose(self, k: int) -> Proposal:
+        ready, self.ready = self.ready, None
+        if ready is not None and ready.k == k:  # a branch made for this outcome: its state is in, drafts staged
+            return ready.proposal
+        self._drop_branches()
         self.state.revert()
         self._drop_chain()
         self.proposed = []
@@ -80,13 +119,13 @@ class ModelDrafter:
                 self.model(torch.tensor(self.pending[:-1]), self.state)
                 self.state.commit(self.state.staged)
             self.pending = self.pending[-1:]
-        proposal = self._draw(self.pending, k, self.state.length + len(self.pending))
+        proposal, self.odds = self._draw(self.pending, k, self.state.length + len(self.pending))
         self.proposed = list(proposal.tokens)
         return proposal
 
     def _inputs(self) -> list[int]:
         """Everything the open round and the speculations feed, from the head on."""
-        return self.pending + self.proposed + [t for guess, tokens in self.chain for t in (guess, *tokens)]
+        return self.pending + self.proposed + [t for guess, tokens, *_ in self.chain for t in (guess, *tokens)]
 
     def can_speculate(self, k: int, replacing_last: bool = False) -> bool:
         """Whether one more round of k drafts fits on top (the chain's length, the state's logs); `replacing_last`:
@@ -101,45 +140,97 @@ class ModelDrafter:
         drops it with `discard_last`)."""
         if not self.can_speculate(k):
             raise ValueError(f"no room for another speculation of {k} drafts")
-        unfed = self._inputs()[self.state.staged:]
+        unfed, guess_odds = self._inputs()[self.state.staged:], None
         if unfed:  # else a speculation was dropped: the round is fed already and its guess stands
             logits, _ = self.model(torch.tensor(unfed), self.state)
-            self.guessed = (self.state.length + self.state.staged, int(logits[-1].argmax()))
+            guess = int(logits[-1].argmax())
+            self.guessed = (self.state.length + self.state.staged, guess)
+            guess_odds = _odds(logits[-1].softmax(-1), guess) if self.branching else None
         assert self.guessed is not None and self.guessed[0] == self.state.length + self.state.staged
         guess = self.guessed[1]
         if not self.chain:
             self.state.mark()
-        proposal = self._draw([guess], k, self.state.length + self.state.staged + 1, stop)
-        self.chain.append((guess, list(proposal.tokens)))
+        proposal, odds = self._draw([guess], k, self.state.length + self.state.staged + 1, stop)
+        self.chain.append((guess, list(proposal.tokens), odds, guess_odds))
         return guess, proposal
 
-    def _draw(self, inputs: list[int], k: int, position: int, stop: Callable[[], bool] | None = None) -> Proposal:
-        """Up to k tokens, one forward each, from `inputs`; draws keyed by the first proposal's position.
+    def _draw(self, inputs: list[int], k: int, position: int, stop: Callable[[], bool] | None = None,
+              state: ModelState | None = None) -> tuple[Proposal, list[Odds]]:
+        """Up to k tokens, one forward each, from `inputs` (on `state`, the drafter's by default); draws keyed by
+        the first proposal's position. With `branching`, also each token's `Odds`.
 
         Drafting stops after a token whose draft probability (the draft's top one) is below `stop_below`: the
         decision reads only the draft, so the output stays exactly the target's, greedy or sampled."""
-        tokens, dists = [], []
+        tokens, dists, odds = [], [], []
         greedy, stop_below = self.sampling.greedy, self.stop_below
         generator = None if greedy else self.sampling.generator(position, stream=1)
         for _ in range(k):
             if stop is not None and stop():
                 break
-            logits = self.model(torch.tensor(inputs), self.state)[0][-1]
+            logits = self.model(torch.tensor(inputs), state or self.state)[0][-1]
             if greedy:  # no distribution to return: the argmax, and the top probability only when it is read
                 if stop_below:
                     top, best = logits.softmax(-1).max(-1)
                     token, sure = int(best), float(top) >= stop_below
                 else:
                     token, sure = int(logits.argmax()), True
+                if self.branching:
+                    odds.append(_odds(logits.softmax(-1), token))
             else:
                 q = probabilities(logits, self.sampling)
                 token, sure = draw(q, generator), not stop_below or float(q.max()) >= stop_below
                 dists.append(q)
+                if self.branching:
+                    odds.append(_odds(q, token))
             tokens.append(token)
             if not sure:
                 break
             inputs = [token]
-        return Proposal(tokens, None if greedy or not tokens else torch.stack(dists))
+        return Proposal(tokens, None if greedy or not tokens else torch.stack(dists)), odds
+
+    def likely_misses(self, n: int) -> list[tuple[int, int]]:
+        """The open round's n likeliest misses by the draft's own odds, likeliest first: (drafts kept, next token),
+        the next token the draft's runner-up where the target would reject its draft (or, once a speculation fed
+        the round, differ from its guess)."""
+        scored, kept, points = [], 1.0, list(self.odds)
+        if self.chain and self.chain[0][3] is not None and len(points) == len(self.proposed):
+            points.append(self.chain[0][3])  # every draft kept, then not the guess
+        for j, (p, runner_up, r) in enumerate(points):
+            scored.append((kept * r, j, runner_up))
+            kept *= p
+        return [(j, token) for _, j, token in sorted(scored, key=lambda s: -s[0])[:n]]
+
+    def stage_branches(self, n: int, k: int, stop: Callable[[], bool]) -> int:
+        """Stage the next round's k drafts for the open round's n likeliest misses (those not staged yet), each on a
+        state of its own, until `stop()` (asked before each forward pass) says a caller waits: a branch cut short
+        is dropped. Returns how many are staged. A miss after drafts the state has not fed yet gets none."""
+        for accepted, token in self.likely_misses(n):
+            fed = len(self.pending) + accepted
+            if any((b.accepted, b.token) == (accepted, token) for b in self.branches) or \
+                    not 0 < fed <= self.state.staged:
+                continue
+            if stop():
+                break
+            started = time.perf_counter()
+            try:
+                capacity = self.state.attn[0].k.shape[1] if self.state.attn else 256
+                fork = self.model.new_state(capacity=capacity, log_capacity=CHAIN_LOG_CAPACITY)
+                fork.load_from(self.state, fed)
+                proposal, odds = self._draw([token], k, fork.length + 1, stop, fork)
+            except ResourceExhausted:  # no memory to spare on a full server: no branch
+                break
+            seconds = time.perf_counter() - started
+            if stop() and len(proposal.tokens) < k:  # cut short: not the serial drafter's proposal
+                self.branch_ended("cut", seconds)
+                break
+            self.branches.append(Branch(accepted, token, k, fed, fork, proposal, odds, seconds))
+        return len(self.branches)
+
+    def _drop_branches(self, used: Branch | None = None) -> None:
+        for branch in self.branches:
+            if branch is not used:
+                self.branch_ended("unused", branch.seconds)
+        self.branches = []
 
     def discard_speculation(self) -> None:
         """Drop every speculation (back to the mark after the open round)."""
@@ -158,19 +249,23 @@ class ModelDrafter:
         if len(self.chain) == 1:
             self.discard_speculation()
         elif self.chain:
-            guess, _ = self.chain.pop()
+            guess, *_ = self.chain.pop()
             self.state.truncate(len(self._inputs()))
             self.guessed = (self.state.length + self.state.staged, guess)
             self.speculation_ended("dropped", 1)
 
     def advance(self, accepted: int, next_token: int) -> None:
         """Commit pending + the accepted proposals that were fed; the rest waits in `pending`. A first speculation
-        whose assumption holds becomes the open round (the others stay on top of it)."""
+        whose assumption holds becomes the open round (the others stay on top of it); a branch staged for this
+        outcome becomes the drafter's state, its drafts the next proposal."""
+        self.ready = None
+        branch = next((b for b in self.branches if (b.accepted, b.token) == (accepted, next_token)), None)
+        self._drop_branches(used=branch)
         if self.chain:
-            guess, tokens = self.chain[0]
+            guess, tokens, odds, _ = self.chain[0]
             if accepted == len(self.proposed) and next_token == guess:
                 self._commit(self.pending + self.proposed, self.state.commit_marked)
-                self.pending, self.proposed, self.chain = [guess], tokens, self.chain[1:]
+                self.pending, self.proposed, self.chain, self.odds = [guess], tokens, self.chain[1:], odds
                 if self.chain:  # the next one stays staged on top: mark where it starts (from the logs)
                     self.state.mark(1 + len(tokens))
                 self.speculation_ended("kept", 1)
@@ -179,5 +274,22 @@ class ModelDrafter:
         kept = self.pending + self.proposed[:accepted]
         fed = min(len(kept), self.state.staged)
         self._commit(kept[:fed], lambda: self.state.commit(fed))
+        if branch is not None and fed == len(kept) == branch.fed:  # its head is this one: swap it in
+            self.state, self.ready = branch.state, branch
+            if self.cursor is not None:
+                self.cursor.state = branch.state
+            self.pending, self.proposed, self.odds = [next_token], list(branch.proposal.tokens), branch.odds
+            self.guessed = None
+            self.branch_ended("used", branch.seconds)
+            return
+        if branch is not None:
+            self.branch_ended("unused", branch.seconds)
         self.pending = kept[fed:] + [next_token]
         self.proposed = []
+
+
+def _odds(probs: torch.Tensor, token: int) -> Odds:
+    """The draft's probability of `token`, its likeliest other token and that one's probability."""
+    top, ids = probs.topk(2)
+    other = 1 if int(ids[0]) == token else 0
+    return float(probs[token]), int(ids[other]), float(top[other])
