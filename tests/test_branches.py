@@ -81,7 +81,7 @@ def run_rounds(sampling: SamplingParams, foreseen: float, seed: int) -> tuple[in
         if rng.random() < 0.8:  # the pipelined loop's speculation, then the branches in idle time
             (g1, s1), (g2, s2) = plain.speculate(k), branching.speculate(k)
             assert g1 == g2 and s1.tokens == s2.tokens
-            branching.stage_branches(rng.choice([1, 2, 3]), k, lambda: False)
+            branching.stage_branches(rng.choice([1, 2, 3]), k, lambda accepted, token: False)
         if branching.branches and rng.random() < foreseen:
             branch = rng.choice(branching.branches)
             outcome = (branch.accepted, branch.token)

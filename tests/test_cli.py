@@ -109,3 +109,9 @@ def test_generate_drafts_dynamically_by_default():
     assert draft_settings(None, None, False) == (FIXED_DRAFT_TOKENS, 0.0)
     assert draft_settings(8, 0.0, True) == (8, 0.0)
     assert draft_settings(3, 0.5, False) == (3, 0.5)
+
+
+def test_negative_branches_are_refused():
+    out = run("serve-draft", "--port", "0", "--branches", "-1")
+    assert out.returncode == 2
+    assert "--branches is 0 (none) or more, not -1" in out.stderr and "Traceback" not in out.stderr

@@ -20,8 +20,11 @@ of the misses a second speculation, built on the draft's second choice, would ha
 Both placements run one after the other (`--placement both`, the default): pinned, and unpinned, the services
 sharing the cores as deployed with default settings. `deltaspec bench` runs it on 6 held-out prompts (text the
 pair never trained on). Each row also gives the loop's own count of rounds whose speculated successor it used.
+A third configuration (`--branches N`, 1 by default, 0 skips it) runs pipelined rounds against a second draft service
+that stages branches for likely misses (`serve-draft --branches N`), alternated with the other two: its tokens/s
+over serial and over pipelining without branches, how its branches ended, and the draft's time making them.
 Run: `python -m deltaspec.shared.bench.pipeline [--quick] [--heldout N] [--placement both|pinned|unpinned]
-[--save docs]`.
+[--branches N] [--save docs]`.
 """
 from __future__ import annotations
 

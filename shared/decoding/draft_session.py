@@ -107,6 +107,7 @@ class DraftSession:
         self.drafter.branching = branches > 0
         self.acceptance = 0.5  # running share of drafts kept
         self.queued = 0  # requests waiting for the lock (read without it: a hint that stops branching)
+        self.incoming: Outcome | None = None  # the outcome a waiting plain proposal carries (a hint, as `queued`)
         self.queue_lock = threading.Lock()
         self.drafter.start(list(history))
         self.length = len(history)  # committed tokens the draft knows of
@@ -135,12 +136,13 @@ class DraftSession:
             while True:
                 if not speculative:
                     self.waiting = True  # a background speculation in progress stops at its next forward pass
+                    self.incoming = previous  # ... and a branch in progress, unless it is the one this asks for
                 with self.queue_lock:
                     self.queued += 1  # a branch in progress stops at its next forward pass
                 with self.lock:
                     with self.queue_lock:
                         self.queued -= 1
-                    self.waiting = False
+                    self.waiting, self.incoming = False, None
                     try:
                         return self._propose(round_id, k, previous, speculative, parent)
                     except _NoOpenRound:
@@ -258,7 +260,13 @@ class DraftSession:
             return
         n = min(self.max_branches, round(rnd.k * (1 - self.acceptance)))
         if n:
-            self.drafter.stage_branches(n, rnd.k, lambda: self.waiting or self.queued > 0)
+            self.drafter.stage_branches(n, rnd.k, lambda accepted, token: (self.waiting or self.queued > 0)
+                                        and not self._asks_for(rnd, accepted, token))
+
+    def _asks_for(self, rnd: DraftRound, accepted: int, token: int) -> bool:
+        """Whether the plain proposal waiting comes with this outcome of `rnd`: the branch for it goes on."""
+        incoming = self.incoming
+        return incoming is not None and incoming == Outcome(rnd.round_id, accepted, token)
 
     def commit(self, outcome: Outcome) -> None:
         with self.lock:

@@ -200,27 +200,29 @@ class ModelDrafter:
             kept *= p
         return [(j, token) for _, j, token in sorted(scored, key=lambda s: -s[0])[:n]]
 
-    def stage_branches(self, n: int, k: int, stop: Callable[[], bool]) -> int:
+    def stage_branches(self, n: int, k: int, stop: Callable[[int, int], bool]) -> int:
         """Stage the next round's k drafts for the open round's n likeliest misses (those not staged yet), each on a
-        state of its own, until `stop()` (asked before each forward pass) says a caller waits: a branch cut short
-        is dropped. Returns how many are staged. A miss after drafts the state has not fed yet gets none."""
+        state of its own, until `stop(accepted, token)` (asked before each forward pass of the branch for that
+        outcome) says to: a branch cut short is dropped. Returns how many are staged. A miss after drafts the state
+        has not fed yet gets none."""
         for accepted, token in self.likely_misses(n):
             fed = len(self.pending) + accepted
             if any((b.accepted, b.token) == (accepted, token) for b in self.branches) or \
                     not 0 < fed <= self.state.staged:
                 continue
-            if stop():
+            cut = lambda: stop(accepted, token)  # noqa: E731
+            if cut():
                 break
             started = time.perf_counter()
             try:
                 capacity = self.state.attn[0].k.shape[1] if self.state.attn else 256
                 fork = self.model.new_state(capacity=capacity, log_capacity=CHAIN_LOG_CAPACITY)
                 fork.load_from(self.state, fed)
-                proposal, odds = self._draw([token], k, fork.length + 1, stop, fork)
+                proposal, odds = self._draw([token], k, fork.length + 1, cut, fork)
             except ResourceExhausted:  # no memory to spare on a full server: no branch
                 break
             seconds = time.perf_counter() - started
-            if stop() and len(proposal.tokens) < k:  # cut short: not the serial drafter's proposal
+            if cut() and len(proposal.tokens) < k:  # cut short: not the proposal made without it
                 self.branch_ended("cut", seconds)
                 break
             self.branches.append(Branch(accepted, token, k, fed, fork, proposal, odds, seconds))
