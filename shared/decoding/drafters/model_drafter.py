@@ -20,7 +20,8 @@ misses, each on a state of its own whose head is the open round's after the draf
 the same arithmetic as the commit). A miss is likelier where the draft was unsure: the outcome "first j drafts
 kept, then the draft's runner-up at j" is scored by the draft's own probabilities, p_0 ... p_(j-1) x r_j. When the
 outcome is one of them, `advance` swaps that state in and the next `propose` of the same k returns its drafts
-without a forward pass: the proposal, and every state after it, equal the serial drafter's bit for bit.
+without a forward pass: the proposal, and every state after it, equal bit for bit what this drafter would have
+made after that outcome without the branch.
 """
 from __future__ import annotations
 
