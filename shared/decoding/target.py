@@ -36,7 +36,7 @@ from deltaspec.shared.decoding.sampling import SamplingParams, probabilities
 from deltaspec.shared.decoding.verify import Verdict, accept_greedy, accept_rejection
 from deltaspec.shared.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.state.prefix_cache import Cursor, PrefixCache
+from deltaspec.shared.state.prefix_cache import Cursor, PrefixCache, commit_head
 
 MAX_DRAFT_TOKENS = 16
 MAX_WAITING = 2  # verifies waiting for their chained parent to become the pending round, per session
@@ -132,7 +132,7 @@ class TargetSession:
                 _, hidden = self.model(torch.tensor(self.tokens[-1:]), self.state)
             except ResourceExhausted:  # no memory for one more position: the block stays uncached
                 return
-            self._commit_head(self.tokens[-1:], lambda: self.state.commit(1), hidden)
+            commit_head(self.cursor, self.tokens[-1:], lambda: self.state.commit(1), hidden)
             self.cursor = None
 
     def _prefill(self, ids: list[int]) -> Tensor | None:
@@ -142,13 +142,6 @@ class TargetSession:
         _, hidden = self.model(torch.tensor(ids), self.state)
         self.state.commit(self.state.staged)
         return hidden
-
-    def _commit_head(self, ids: list[int], commit: Callable[[], None], hidden: Tensor) -> None:
-        """`commit()` keeps the staged `ids`; with a prefix cache, the blocks they complete are cached."""
-        if self.cursor is None:
-            commit()
-        else:
-            self.cursor.commit(ids, commit, hidden)
 
     @property
     def pending(self) -> Round | None:
@@ -302,9 +295,9 @@ class TargetSession:
             child = self.chained
             keep_child = child is not None and accepted == len(rnd.drafts) and next_token == child.guess
             if keep_child:
-                self._commit_head([self.tokens[-1], *rnd.drafts], self.state.commit_marked, rnd.hidden)
+                commit_head(self.cursor, [self.tokens[-1], *rnd.drafts], self.state.commit_marked, rnd.hidden)
             else:
-                self._commit_head([self.tokens[-1], *rnd.drafts[:accepted]], lambda: self.state.commit(accepted + 1),
+                commit_head(self.cursor, [self.tokens[-1], *rnd.drafts[:accepted]], lambda: self.state.commit(accepted + 1),
                                   rnd.hidden[:accepted + 1])
                 self._drop_chained()
             rnd.committed_tokens = [*rnd.drafts[:accepted], next_token]

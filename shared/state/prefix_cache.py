@@ -339,6 +339,16 @@ class Cursor:
             self.tip = entry
 
 
+def commit_head(cursor: Cursor | None, ids: Sequence[int], commit: Callable[[], None],
+                hidden: Tensor | None = None) -> None:
+    """`commit()` keeps the staged `ids` of a sequence; with a prefix cache (its `cursor`), the blocks they complete
+    are cached (`Cursor.commit`)."""
+    if cursor is None:
+        commit()
+    else:
+        cursor.commit(ids, commit, hidden)
+
+
 def attach(model: object, block: int, keep_hidden: bool = False, max_bytes: int = 256 * 2**20) -> PrefixCache:
     """Give `model` a prefix cache that its sessions use (`TargetSession`, `ModelDrafter`): paid from the model's
     state pool when it has one (`deltaspec.shared.state.pool.attach` first), else within `max_bytes` of its own."""

@@ -35,7 +35,7 @@ from deltaspec.shared.decoding.drafters import Proposal
 from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabilities
 from deltaspec.shared.errors import ResourceExhausted
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.state.prefix_cache import Cursor, PrefixCache
+from deltaspec.shared.state.prefix_cache import Cursor, PrefixCache, commit_head
 from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
 
 # Dynamic draft length with k up to 16: the best threshold on the embedded pair (`deltaspec bench --only
@@ -97,13 +97,6 @@ class ModelDrafter:
     def cached_tokens(self) -> int:
         """Prompt positions taken from the prefix cache instead of prefilled."""
         return self.cursor.cached_tokens if self.cursor is not None else 0
-
-    def _commit(self, ids: list[int], commit: Callable[[], None]) -> None:
-        """`commit()` keeps the staged `ids`; with a prefix cache, the blocks they complete are cached."""
-        if self.cursor is None:
-            commit()
-        else:
-            self.cursor.commit(ids, commit)
 
     def propose(self, k: int) -> Proposal:
         ready, self.ready = self.ready, None
@@ -267,7 +260,7 @@ class ModelDrafter:
         if self.chain:
             guess, tokens, odds, _ = self.chain[0]
             if accepted == len(self.proposed) and next_token == guess:
-                self._commit(self.pending + self.proposed, self.state.commit_marked)
+                commit_head(self.cursor, self.pending + self.proposed, self.state.commit_marked)
                 self.pending, self.proposed, self.chain, self.odds = [guess], tokens, self.chain[1:], odds
                 if self.chain:  # the next one stays staged on top: mark where it starts (from the logs)
                     self.state.mark(1 + len(tokens))
@@ -276,7 +269,7 @@ class ModelDrafter:
             self.discard_speculation()
         kept = self.pending + self.proposed[:accepted]
         fed = min(len(kept), self.state.staged)
-        self._commit(kept[:fed], lambda: self.state.commit(fed))
+        commit_head(self.cursor, kept[:fed], lambda: self.state.commit(fed))
         if branch is not None and fed == len(kept) == branch.fed:  # its head is this one: swap it in
             self.state, self.ready = branch.state, branch
             if self.cursor is not None:
