@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
@@ -37,6 +38,9 @@ from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.options import CHANNEL_OPTIONS
 from deltaspec.shared.rpc.proxy import TcpProxy
+from deltaspec.shared.rpc.remote_target import RemoteTargetSession
+from deltaspec.v1 import target_service_pb2 as target_pb2
+from deltaspec.v1 import target_service_pb2_grpc as target_pb2_grpc
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, start, target_service  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +118,38 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def reference(pair) -> list[int]:
     return generate(load_model(pair[0]), PROMPT, N).token_ids
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the target went away again"
+
+
+def test_a_target_lost_again_while_the_round_in_flight_is_replayed(pair):
+    """The session is lost, and the new one's replay of the round in flight fails too (the target restarted again):
+    the next attempt opens another session and replays the round there, so the commit lands; in the 20-kill run
+    above this once ended in NOT_FOUND for the round."""
+    with start(target_service(pair[0])) as target:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target.address))
+        session = RemoteTargetSession(stub, PROMPT)
+        clean = RemoteTargetSession(stub, PROMPT)
+        rnd = session.verify("r1", [7, 8])
+        assert clean.verify("r1", [7, 8]).verdict == rnd.verdict
+        stub.CloseSession(target_pb2.CloseSessionRequest(session_id=session.session_id))  # lost with its replica
+        verify, failures = stub.Verify, []
+
+        def verify_once_unavailable(request, **kwargs):
+            if not failures:
+                failures.append(request.session_id)
+                raise _Unavailable()
+            return verify(request, **kwargs)
+
+        stub.Verify = verify_once_unavailable
+        assert session.commit("r1", rnd.verdict.accepted) == clean.commit("r1", rnd.verdict.accepted)
+        assert session.tokens == clean.tokens and failures and session.reopened == 2
 
 
 def test_target_killed_mid_round_and_restarted_20_times(pair, reference):

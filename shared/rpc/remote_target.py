@@ -169,7 +169,11 @@ class RemoteTargetSession:
         self.tokens = self.tokens or list(self._created.prompt_ids)
         self.reopened += 1
         if self._in_flight is not None:
-            self._verify()
+            try:
+                self._verify()
+            except grpc.RpcError:
+                self.session_id = None  # it lacks the round in flight: the next attempt opens another and replays it
+                raise
 
     def _call(self, rpc: Callable):
         for attempt in range(self.max_attempts):
