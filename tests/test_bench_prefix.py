@@ -29,12 +29,14 @@ def test_prefix_rows_exact_and_complete(capsys):
     assert turns[(1, False)]["cached"] == 0 and turns[(p.turns, False)]["cached"] > 0
     assert all(r["cached"] % p.block == 0 and r["cached"] + r["prefill_on"] == r["prompt"] - 1
                for r in result["conversation"])
+    extended = result["extended"]
+    assert [r["turn"] for r in extended] == list(range(1, p.turns + 1)) and all(r["same_replies"] for r in extended)
     measured = [m for m in result["memory"] if m["how"] == "measured"]
     assert [m["model"] for m in measured] == ["embedded target", "embedded draft"]
     assert all(m["entries"] == p.system_tokens // p.block for m in measured)
     print_rows(result)
     table = capsys.readouterr().out
-    assert "conversation" in table and "Memory per cached prefix" in table
+    assert "conversation" in table and "continued each turn by extending it" in table and "Memory per" in table
     with capsys.disabled():
         print(table)
 

@@ -10,6 +10,8 @@ hits included, before timing. Greedy, held-out text (`speedup.heldout_prompts`' 
    the following ones are measured (hit against miss);
 2. prompts under 100 tokens sharing a 64-token prefix, the same way;
 3. an 8-turn conversation, each turn's prompt the whole history (prompts, replies, a new 32-token user turn);
+   and the same conversation kept in one session continued turn by turn (`TargetSession.extend`, what
+   `ExtendSession` runs), against opening a session on the whole history without a cache;
 then memory per entry and per 1,024-token prefix, measured for the embedded pair and computed for the
 Qwen3.5-35B-A3B shape. Cached outputs must equal uncached ones (asserted); the cached positions must not depend
 on speculation (an entry holds committed tokens only), so both counts are printed side by side.
@@ -31,7 +33,9 @@ from deltaspec.shared.bench.generation import spread
 from deltaspec.shared.bench.session_memory import QWEN35_35B_A3B
 from deltaspec.shared.bench.speedup import HELDOUT_LIST
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
-from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.decoding.drafters import NoDrafter
+from deltaspec.shared.decoding.speculative import Stats, decode, generate
+from deltaspec.shared.decoding.target import TargetSession
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.hybrid import HybridLM
@@ -181,21 +185,53 @@ def shared_prefix(sides: list[Side], prefix: list[int], suffixes: list[list[int]
 
 def conversation(sides: list[Side], user_turns: list[list[int]], reply_tokens: int,
                  repeats: int) -> list[list[dict[str, dict]]]:
-    """Per repetition, per turn: each side's run of its own history (prompts and replies) plus the next user turn."""
+    """Per repetition, per turn: each side's run of its own history (prompts and replies) plus the next user turn;
+    and ("extended") the same conversation kept in one session of the uncached target, continued turn by turn."""
     out = []
+    target = next(s.target for s in sides if not s.cache)
     for rep in range(repeats):
         clear(sides)
         history: dict[str, list[int]] = {s.name: [] for s in sides}
-        turns = []
+        turns, session = [], None
         for t, user in enumerate(user_turns):
             runs = {}
             for s in rotated(sides, rep + t):
                 runs[s.name] = s.run(history[s.name] + user, reply_tokens)
                 history[s.name] += user + runs[s.name]["tokens"]
             check_same(runs, f"turn {t + 1}")
+            session, runs["extended"] = continued(session, target, user, reply_tokens)
             turns.append(runs)
         out.append(turns)
     return out
+
+
+def continued(session: TargetSession | None, target: HybridLM, user: list[int],
+              reply_tokens: int) -> tuple[TargetSession, dict]:
+    """One turn of a conversation kept in one session, target only: opened on the first user turn, then continued
+    with each next one by `TargetSession.extend` (what `ExtendSession` runs), which prefills only that turn on the
+    committed head; the turn's prefill (opening or extending) and first-token times, and its reply."""
+    started = time.perf_counter()
+    if session is None:
+        session = TargetSession(target, user)
+    else:
+        session.extend(user)
+    prefill, first = time.perf_counter() - started, None
+    before = len(session.generated)
+    for _ in decode(session, NoDrafter(), before + reply_tokens, 0, set(target.config.eos_token_id), Stats()):
+        first = first or time.perf_counter() - started
+    return session, {"prefill": prefill, "ttft": first, "tokens": session.generated[before:]}
+
+
+def extended_rows(runs: list[list[dict[str, dict]]]) -> list[dict]:
+    """Per turn: the session continued against opening one on the whole history without a cache (speculation off):
+    prefill and TTFT ratios, and whether its replies were the same."""
+    cold = side_name(False, False)
+    return [{"turn": t + 1,
+             "prefill_ms": spread([1000 * rep[t]["extended"]["prefill"] for rep in runs]),
+             "prefill_ratio": spread([rep[t]["extended"]["prefill"] / rep[t][cold]["prefill"] for rep in runs]),
+             "ratio": spread([rep[t]["extended"]["ttft"] / rep[t][cold]["ttft"] for rep in runs]),
+             "same_replies": all(rep[t]["extended"]["tokens"] == rep[t][cold]["tokens"] for rep in runs)}
+            for t in range(len(runs[0]))]
 
 
 def rows(runs: list[list[dict[str, dict]]], requests: range) -> list[dict]:
@@ -289,6 +325,7 @@ def prefix(quick: bool = False, command: str = "deltaspec bench --only prefix", 
     return {"plan": plan.__dict__, "system": rows(system_runs, range(1, len(turns))),
             "system_filling": rows(system_runs, range(1)), "short": rows(short_runs, range(1, len(suffixes))),
             "conversation": [{"turn": t + 1, **r} for t in range(plan.turns) for r in rows(chat_runs, range(t, t + 1))],
+            "extended": extended_rows(chat_runs),
             "memory": memory(sides, system, plan.block), "seconds": time.time() - started,
             "header": header(command, started)}
 
@@ -341,6 +378,13 @@ def print_rows(result: dict) -> None:
             print(f"last turn, spec {'on' if r['spec'] else 'off'}: prefill (opening the target session) "
                   f"{_cell(r['prefill_ratio'], 3)} x the cold one's, TTFT {_cell(r['ratio'], 3)} x "
                   f"({r['prefill_on']:.0f} of {r['prompt']:.0f} positions prefilled)")
+    print(f"\n3b. The same conversation kept in one session of the target, continued each turn by extending it "
+          f"(ExtendSession's engine call: only the turn is prefilled), against opening a session on the whole history "
+          f"without a cache, speculation off, x {reps} runs")
+    print(f"{'turn':>4} {'prefill ms':>19} {'prefill x cold':>20} {'TTFT x cold':>20} {'same replies':>12}")
+    for r in result.get("extended", []):
+        print(f"{r['turn']:>4} {_cell(r['prefill_ms']):>19} {_cell(r['prefill_ratio'], 3):>20} "
+              f"{_cell(r['ratio'], 3):>20} {'yes' if r['same_replies'] else 'NO':>12}")
     print(f"\nMemory per cached prefix (an entry: its block's K/V and the GDN conv windows and states at its end; "
           f"a {p['system_tokens']}-token prefix is {p['system_tokens']} // block entries)")
     print(f"{'model':<22} {'dtype':<9} {'block':>5} {'GDN KiB':>9} {'K/V KiB':>8} {'KiB/entry':>9} {'entries':>7} "
