@@ -167,3 +167,22 @@ def test_both_loops_with_branches_equal_target_only(pair):
              for o in ("used", "unused", "cut")}
     assert sum(ended.values()) > 0, ended
     assert (registry.get_sample_value("deltaspec_draft_branch_seconds_total", {"outcome": "unused"}) or 0.0) >= 0
+
+
+@pytest.mark.parametrize("slots, staged", [(2, 0), (3, 1), (5, 3)])
+def test_branches_never_take_the_last_free_state_slot(slots, staged):
+    """On a server the draft's states come from its pool: a branch takes a slot while it lives, never the last free
+    one (a new session's)."""
+    from deltaspec.shared.state.pool import StatePool, attach, gdn_bytes, kv_bytes_per_position
+
+    model = random_model(CFG, seed=21)
+    per_session = gdn_bytes(model.config, model.dtype, CHAIN_LOG_CAPACITY) + 512 * kv_bytes_per_position(
+        model.config, model.dtype)
+    attach(model, StatePool(model.config, 8 * per_session, slots, log_capacity=CHAIN_LOG_CAPACITY))
+    drafter = ModelDrafter(model)
+    drafter.branching = True
+    drafter.start([3, 1, 4, 1, 5, 9])
+    drafter.propose(4)
+    drafter.speculate(4)
+    assert drafter.stage_branches(5, 4, lambda accepted, token: False) == staged
+    assert model.state_pool.slots - model.state_pool.in_use == slots - 1 - staged

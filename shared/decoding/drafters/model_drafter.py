@@ -205,7 +205,8 @@ class ModelDrafter:
                     not 0 < fed <= self.state.staged:
                 continue
             cut = lambda: stop(accepted, token)  # noqa: E731
-            if cut():
+            pool = getattr(self.model, "state_pool", None)
+            if cut() or pool is not None and pool.slots - pool.in_use < 2:  # the last free slot is a new session's
                 break
             started = time.perf_counter()
             try:
