@@ -128,6 +128,32 @@ class _Unavailable(grpc.RpcError):
         return "the target went away again"
 
 
+class _Cancelled(_Unavailable):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+
+def test_a_call_cancelled_by_a_stopping_target_is_retried(pair):
+    """A target stopped with a Commit in flight cancels it (CANCELLED, as the replica-loss test above sometimes
+    saw): the commit is retried, as after UNAVAILABLE, and lands once."""
+    with start(target_service(pair[0])) as target:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target.address))
+        session, clean = RemoteTargetSession(stub, PROMPT), RemoteTargetSession(stub, PROMPT)
+        rnd = session.verify("r1", [7, 8])
+        clean.verify("r1", [7, 8])
+        commit, cancelled = stub.Commit, []
+
+        def commit_once_cancelled(request, **kwargs):
+            if not cancelled:
+                cancelled.append(request.round_id)
+                raise _Cancelled()
+            return commit(request, **kwargs)
+
+        stub.Commit = commit_once_cancelled
+        assert session.commit("r1", rnd.verdict.accepted) == clean.commit("r1", rnd.verdict.accepted)
+        assert session.tokens == clean.tokens and cancelled == ["r1"]
+
+
 def test_a_target_lost_again_while_the_round_in_flight_is_replayed(pair):
     """The session is lost, and the new one's replay of the round in flight fails too (the target restarted again):
     the next attempt opens another session and replays the round there, so the commit lands; in the 20-kill run

@@ -182,12 +182,13 @@ class RemoteTargetSession:
                     self._open()
                 return rpc()
             except grpc.RpcError as e:
+                # CANCELLED: the server stopped with the call in flight (this class cancels none of its calls)
+                gone = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
                 if e.code() == grpc.StatusCode.NOT_FOUND and field_of(e) == "session_id":
                     self.session_id = None
-                elif (e.code() == grpc.StatusCode.UNAVAILABLE and self.pinned is not None
-                      and attempt < self.max_attempts - 1):
+                elif gone and self.pinned is not None and attempt < self.max_attempts - 1:
                     self.session_id = None  # the replica holding the session is gone or draining
-                elif e.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.max_attempts - 1:
+                elif not gone or attempt == self.max_attempts - 1:
                     raise
                 else:  # a restarted target listens (and answers UNAVAILABLE) before its model is loaded
                     time.sleep(min(0.05 * 2 ** attempt, 1.0))
