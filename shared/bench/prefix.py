@@ -3,8 +3,8 @@ and in prefilled tokens, and what an entry costs in memory.
 
 Four runs are compared on every request, back to back in an order that rotates (a noisy neighbour slows them
 alike): speculation off and on (the draft model, k = 4), each with the cache off and on. Each cached run has
-models of its own with caches of their own (`prefix_cache.attach` on the target and on the draft), so one run
-never finds what another published; the caches are cleared before every repetition. Every path is warmed,
+caches of its own (`prefix_cache.attach` on a twin of the target and of the draft that shares their weights), so
+one run never finds what another published; the caches are cleared before every repetition. Every path is warmed,
 hits included, before timing. Greedy, held-out text (`speedup.heldout_prompts`' files, never trained on):
 1. a 1,024-token system prompt, then 32-token user turns, one per request: the first request fills the cache,
    the following ones are measured (hit against miss);
@@ -19,6 +19,7 @@ on speculation (an entry holds committed tokens only), so both counts are printe
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import os
 import platform
@@ -110,18 +111,23 @@ def side_name(spec: bool, cache: bool) -> str:
 
 
 def make_sides(block: int, target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT) -> list[Side]:
-    """The four runs. The uncached ones share a target and a draft (they keep nothing between requests)."""
+    """The four runs, on one target and one draft: each cached run sees them through a twin of its own (the same
+    weights, shared, with its own prefix cache), so caches stay apart while every run reads the same weights from
+    the same memory (models of their own gave the cached runs colder processor caches than the uncached ones)."""
     target, draft = load_model(target_dir).fuse(), load_model(draft_dir).fuse()
     sides = []
     for spec in (False, True):
-        cached_target = load_model(target_dir).fuse()
-        prefix_cache.attach(cached_target, block)
-        cached_draft = draft
-        if spec:  # the draft resumes from a cache of its own too
-            cached_draft = load_model(draft_dir).fuse()
-            prefix_cache.attach(cached_draft, block)
+        cached_target = with_own_cache(target, block)
+        cached_draft = with_own_cache(draft, block) if spec else draft  # the draft resumes from its own cache too
         sides += [Side(spec, False, target, draft), Side(spec, True, cached_target, cached_draft)]
     return sides
+
+
+def with_own_cache(model: HybridLM, block: int) -> HybridLM:
+    """`model` under another name, its weights shared, with a prefix cache of its own."""
+    twin = copy.copy(model)
+    prefix_cache.attach(twin, block)
+    return twin
 
 
 def heldout_stream() -> list[int]:
