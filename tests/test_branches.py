@@ -2,7 +2,8 @@
 
 A branch's head comes from the open round's logs (`ModelState.load_from`) by the commit's own arithmetic, so a
 drafter that swaps a branch in proposes, round after round, bit for bit what the same drafter proposes without it
-(greedy and sampled, fresh random models, outcomes drawn at random and outcomes a branch foresaw). The draft
+(greedy and sampled, fresh random models, outcomes drawn at random and outcomes a branch foresaw), and a draft
+with a prefix cache publishes the same blocks with the same states. The draft
 session stages them in idle time, sized by its acceptance, and answers the plain proposal after a foreseen miss
 without a forward pass; over loopback gRPC both loops stay exactly target-only with branches on.
 """
@@ -19,6 +20,7 @@ from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.state import prefix_cache
 from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
 from deltaspec.shared.telemetry import Telemetry
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, start, target_service  # noqa: F401
@@ -62,12 +64,12 @@ def test_load_from_is_the_commit_head(mark):
         assert torch.equal(DRAFT(more, fork)[0], DRAFT(more, committed)[0])
 
 
-def run_rounds(sampling: SamplingParams, foreseen: float, seed: int) -> tuple[int, int]:
-    """Pipelined drafting rounds on two drafters, one staging branches; their proposals must agree bit for bit.
-    Outcomes: a branch's with probability `foreseen` when there is one, else drawn at random. Returns (rounds
-    that used a branch, rounds)."""
+def run_rounds(sampling: SamplingParams, foreseen: float, seed: int, models: tuple = (DRAFT, DRAFT)) -> tuple[int, int]:
+    """Pipelined drafting rounds on two drafters (of `models`), the second staging branches; their proposals must
+    agree bit for bit. Outcomes: a branch's with probability `foreseen` when there is one, else drawn at random.
+    Returns (rounds that used a branch, rounds)."""
     rng = random.Random(seed)
-    plain, branching = ModelDrafter(DRAFT, sampling), ModelDrafter(DRAFT, sampling)
+    plain, branching = ModelDrafter(models[0], sampling), ModelDrafter(models[1], sampling)
     branching.branching = True
     history = [rng.randrange(CFG["vocab_size"]) for _ in range(6)]
     for d in (plain, branching):
@@ -99,6 +101,20 @@ def run_rounds(sampling: SamplingParams, foreseen: float, seed: int) -> tuple[in
 def test_a_drafter_with_branches_proposes_what_it_would_without(sampling, seed):
     used, rounds = run_rounds(sampling, foreseen=0.7, seed=seed)
     assert 0 < used < rounds
+
+
+def test_branches_with_a_prefix_cache_publish_what_the_drafter_without_them_does():
+    """A draft model with a prefix cache: the cache follows a branch swapped in (its cursor moves to the branch's
+    state), so the blocks published, and the states they hold, equal those of the drafter without branches."""
+    models = (random_model(CFG, seed=21), random_model(CFG, seed=21))
+    caches = [prefix_cache.attach(m, 4) for m in models]
+    used, rounds = run_rounds(SamplingParams(), foreseen=0.8, seed=2, models=models)
+    assert used > 0
+    entries = [sorted(c.entries.values(), key=lambda e: e.end) for c in caches]
+    assert len(entries[0]) == len(entries[1]) > 5
+    for a, b in zip(*entries):
+        assert (a.end, a.tokens) == (b.end, b.tokens)
+        assert torch.equal(a.window, b.window) and torch.equal(a.state, b.state) and torch.equal(a.kv, b.kv)
 
 
 def test_likely_misses_ranks_by_the_drafts_own_odds():
