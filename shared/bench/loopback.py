@@ -55,12 +55,17 @@ class Server:
     def metric(self, name: str, default: float | None = None) -> float:
         """One sample of the server's /metrics (`deltaspec_batch_size_sum`, `name{label="value"}`); `default` when
         the server has none yet (a labelled counter appears with its first count), else LookupError."""
-        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as reply:
-            samples = (line.rsplit(" ", 1) for line in reply.read().decode().splitlines() if not line.startswith("#"))
-            found = next((float(value) for sample, value in samples if sample == name), default)
+        found = self.samples().get(name, default)
         if found is None:
             raise LookupError(f"no sample {name} in {self.metrics}/metrics")
         return found
+
+    def samples(self) -> dict[str, float]:
+        """Every sample of the server's /metrics, by name with its labels, from one scrape."""
+        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as reply:
+            lines = reply.read().decode().splitlines()
+        return {sample: float(value) for sample, value in (line.rsplit(" ", 1) for line in lines
+                                                           if line and not line.startswith("#"))}
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -163,7 +163,8 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
     return rows
 
 
-BRANCH_COUNTS = ("branches_used", "branches_unused", "branches_cut", "branch_seconds")
+BRANCH_OUTCOMES = ("used", "unused", "cut")  # `deltaspec_draft_branches_total{outcome}`'s
+BRANCH_COUNTS = (*(f"branches_{o}" for o in BRANCH_OUTCOMES), "branch_seconds")
 
 
 def _branch_row(totals: dict[str, dict[str, float]], rate: dict[str, float], branches: int) -> dict:
@@ -247,13 +248,14 @@ def _per_round(totals: dict[str, dict[str, float]]) -> dict[str, tuple[float, fl
 def _costs(target: Server, draft: Server) -> dict[str, float]:
     """CPU seconds the two processes have used so far, the draft's forward passes, and the pipelined rounds the
     target kept (staged on a pending round, then made the pending round by its commit)."""
+    drafts = draft.samples()  # one scrape for all of the draft's
     return {"target_cpu": target.cpu_s(), "draft_cpu": draft.cpu_s(),
-            "draft_passes": draft.metric("deltaspec_batch_pass_seconds_count"),
+            "draft_passes": drafts["deltaspec_batch_pass_seconds_count"],
             "kept": target.metric('deltaspec_pipelined_rounds_total{outcome="kept"}', 0.0),
-            **{f"branches_{o}": draft.metric(f'deltaspec_draft_branches_total{{outcome="{o}"}}', 0.0)
-               for o in ("used", "unused", "cut")},
-            "branch_seconds": sum(draft.metric(f'deltaspec_draft_branch_seconds_total{{outcome="{o}"}}', 0.0)
-                                  for o in ("used", "unused", "cut"))}
+            **{f"branches_{o}": drafts.get(f'deltaspec_draft_branches_total{{outcome="{o}"}}', 0.0)
+               for o in BRANCH_OUTCOMES},
+            "branch_seconds": sum(drafts.get(f'deltaspec_draft_branch_seconds_total{{outcome="{o}"}}', 0.0)
+                                  for o in BRANCH_OUTCOMES)}
 
 
 def print_rows(rows: list[dict]) -> None:
