@@ -278,7 +278,8 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
         raise ValueError(f"--pipeline-depth is 0 or 1, not {args.pipeline_depth}")
     svc = service(lambda: (load_model(model_dir, device=args.device).compile(args.compile, warm_up=True),
                            load_tokenizer(model_dir)), _limits(args),
-                  draft, args.advertise_address, telemetry, args.draft, args.pipeline_depth, _batching(args))
+                  draft, args.advertise_address, telemetry, args.draft, args.pipeline_depth, _batching(args),
+                  args.draft_length)
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
 
 
@@ -472,6 +473,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipelined rounds a session may stage on top of its pending round (0 or 1; 0: serial "
                         "rounds only: Generate's own loop and clients)")
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+    p.add_argument("--draft-length", choices=["fixed", "cost"], default="fixed",
+                   help="Generate's drafts a round: 'cost' picks k per round (0 to the request's num_draft_tokens, "
+                        "at most 8) from this server's pass costs, measured at start-up at each batch size, the batch "
+                        "the round joins and the session's acceptance (docs/drafters.md); rounds are then serial. "
+                        "'fixed': num_draft_tokens every round")
     p.add_argument("--draft-timeout", type=float, default=1.0,
                    help="seconds one draft proposal may take before the round goes on without it")
     p.add_argument("--advertise-address", default=os.environ.get("DELTASPEC_ADVERTISE_ADDRESS", ""),

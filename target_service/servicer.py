@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from opentelemetry import trace
 from deltaspec.v1 import draft_service_pb2_grpc, sampling_pb2, target_service_pb2_grpc
 from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.shared.decoding.batcher import BatchConfig, serving
+from deltaspec.shared.decoding.draft_length import COST_MODEL_K_MAX, CostModelLength, PassCosts
 from deltaspec.shared.decoding.drafters import attach, make_drafter
 from deltaspec.shared.decoding.pipelined import decode_pipelined
 from deltaspec.shared.decoding.sampling import SamplingParams
@@ -54,8 +56,16 @@ class DraftPeer:
 class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
     def __init__(self, load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
                  draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None,
-                 local_draft: str = "none", pipeline_depth: int = 1, batching: BatchConfig | None = BatchConfig()) -> None:
+                 local_draft: str = "none", pipeline_depth: int = 1, batching: BatchConfig | None = BatchConfig(),
+                 draft_length: str = "fixed") -> None:
+        """`draft_length`: 'fixed' (Generate drafts `num_draft_tokens` a round) or 'cost' (k per round, up to
+        `num_draft_tokens`, from this server's pass costs measured at load at each batch size, the batch the
+        round joins and the session's acceptance: `deltaspec.shared.decoding.draft_length`)."""
+        if draft_length not in ("fixed", "cost"):
+            raise ValueError(f"draft_length is 'fixed' or 'cost', not {draft_length!r}")
         self._load, self.limits, self.draft, self.batching = load, limits, draft, batching
+        self.draft_length = draft_length
+        self.pass_costs: PassCosts | None = None  # measured at load with draft_length 'cost'
         self.pipeline_depth = pipeline_depth  # pipelined rounds staged at once per session; Generate pipelines if > 0
         self.local_draft = local_draft  # 'ngram' or 'mtp': drafted in this process when no draft peer is set
         self.advertise_address = advertise_address  # this replica's stable HOST:PORT, returned with each session
@@ -69,9 +79,28 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         self.model = serving(model, self.limits, self.batching, self.metrics,
                              keep_hidden=self.local_draft == "mtp" and self.draft is None)
         self.vocab_size = self.model.config.vocab_size
+        if self.draft_length == "cost":
+            self.pass_costs = self._measure_costs(model)
         self.eos = set(self.model.config.eos_token_id) | set(self.tokenizer.eos_token_ids)
         self.draft_channel = (Redialing(self.draft.security, self.draft.address, self.telemetry.channel)
                               if self.draft else None)  # made again when the client certificate is renewed
+
+    def _measure_costs(self, model: HybridLM) -> PassCosts:
+        """The target's pass times at batch sizes 1, 2, 4, ... up to what one pass may carry (and the pool holds);
+        the draft's step cost is learned per session from its proposals (a remote draft's includes the network)."""
+        largest = min(self.batching.max_batch if self.batching else 1, model.state_pool.slots)
+        batches = sorted({min(2**i, largest) for i in range(largest.bit_length())})
+        costs = PassCosts.measure(model, None, COST_MODEL_K_MAX, repeats=3, batches=tuple(batches))
+        for size, row in costs.batched:
+            print(f"draft length cost model: target pass ms at batch {size}, T = 1..{len(row)}: "
+                  + " ".join(f"{1000 * s:.1f}" for s in row), file=sys.stderr, flush=True)
+        return costs
+
+    def _draft_length(self, asked: int) -> int | CostModelLength:
+        """What Generate's loop drafts a round: `asked`, or a cost model choosing up to it."""
+        if self.pass_costs is None or not asked:
+            return asked
+        return CostModelLength(self.pass_costs, batch_size=getattr(self.model, "batch_size", lambda: 1), k_max=asked)
 
     async def CreateSession(self, request: pb.CreateSessionRequest, context) -> pb.CreateSessionResponse:
         prompt, sampling = self._prompt(request), sampling_from_proto(request.sampling)
@@ -176,10 +205,13 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                 try:
                     with self.sessions.use(session.session_id, owner):  # type: ignore[attr-defined]
                         # not on top of a dynamic draft length: its rounds end where the draft is unsure, so
-                        # speculations rarely hold (measured: pipelined 0.88-0.92x serial at 1 ms of delay)
-                        pipelined = remote and self.pipeline_depth and not remote.drafts_dynamically()
+                        # speculations rarely hold (measured: pipelined 0.88-0.92x serial at 1 ms of delay); nor
+                        # with k from the cost model, which the pipeline cannot guess ahead
+                        k = self._draft_length(request.num_draft_tokens)
+                        pipelined = (remote and self.pipeline_depth and isinstance(k, int)
+                                     and not remote.drafts_dynamically())
                         rounds = decode_pipelined if pipelined else decode
-                        for new in rounds(session, drafter, request.max_new_tokens, request.num_draft_tokens,
+                        for new in rounds(session, drafter, request.max_new_tokens, k,
                                         self.eos, stats, self.telemetry.tracer, self.metrics):
                             stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
                             loop.call_soon_threadsafe(queue.put_nowait, new)
@@ -296,7 +328,9 @@ def _staged(rnd: Round) -> pb.StagedRound:
 
 def service(load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
             draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None,
-            local_draft: str = "none", pipeline_depth: int = 1, batching: BatchConfig | None = BatchConfig()) -> Service:
-    servicer = TargetServicer(load, limits, draft, advertise_address, telemetry, local_draft, pipeline_depth, batching)
+            local_draft: str = "none", pipeline_depth: int = 1, batching: BatchConfig | None = BatchConfig(),
+            draft_length: str = "fixed") -> Service:
+    servicer = TargetServicer(load, limits, draft, advertise_address, telemetry, local_draft, pipeline_depth, batching,
+                              draft_length)
     return Service(NAME, lambda server: target_service_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
                    servicer.load)

@@ -1,12 +1,19 @@
 """Draft length from a cost model: the k it picks, what it learns from verdicts, and exactness whatever it picks."""
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
+from test_rpc_support import PROMPT, draft_service, pair, start  # noqa: F401 - pair: a fixture
 
 from deltaspec.shared.decoding.draft_length import (PROBE_EVERY, CostModelLength, PassCosts, best_k,
                                                      expected_tokens)
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.model.tokenizer import load_tokenizer
+from deltaspec.shared.rpc.client import generate_on_server
+from deltaspec.target_service import servicer
 
 TARGET = random_model(hf_moe_config("qwen3_next"), seed=3).fuse()
 DRAFT = random_model(hf_config(layer_types=["linear_attention", "full_attention"]), seed=4).fuse()
@@ -57,3 +64,46 @@ def test_generation_equals_target_only_whatever_k_it_picks(costs):
 def test_pass_costs_measured_for_every_length():
     costs = PassCosts.measure(TARGET, DRAFT, k_max=3, repeats=2)
     assert costs.k_max == 3 and all(t > 0 for t in costs.target_s) and costs.draft_s > 0
+
+
+def test_a_round_reads_the_costs_of_the_batch_it_joins():
+    costs = PassCosts(CHEAP.target_s, 0.01, batched=((1, CHEAP.target_s), (4, DEAR.target_s)))
+    assert costs.at(1).target_s == CHEAP.target_s
+    assert costs.at(2).target_s == costs.at(4).target_s == costs.at(9).target_s == DEAR.target_s
+    batch = [1]
+    length = CostModelLength(costs, prior=0.9, batch_size=lambda: batch[0])
+    assert length.choose() == 4
+    batch[0] = 3  # a pass of 3 costs what the measured pass of 4 did: a verify no longer pays
+    assert length.choose() == 0
+    assert CostModelLength(costs, prior=0.9, k_max=2).choose() == 2  # the request's cap
+    assert CostModelLength(costs, prior=0.9, k_max=0).choose() == 0
+
+
+def test_learns_the_draft_step_cost_from_its_rounds():
+    length = CostModelLength(PassCosts(CHEAP.target_s, draft_s=0.0), prior=0.9)
+    assert length.choose() == 4
+    for _ in range(10):  # each draft took as long as a target pass: drafting stops paying
+        length.observe(4, 4, propose_s=4 * 1.0)
+    assert length.draft_s == pytest.approx(1.0) and length.choose() == 0
+
+
+def test_pass_costs_measured_at_each_batch():
+    costs = PassCosts.measure(TARGET, None, k_max=2, repeats=1, batches=(1, 3))
+    assert [size for size, _ in costs.batched] == [1, 3] and costs.draft_s == 0.0
+    assert costs.target_s == costs.batched[0][1] and all(len(row) == 3 for _, row in costs.batched)
+
+
+def test_served_with_the_cost_model_every_stream_equals_target_only(pair):
+    prompts = [PROMPT, PROMPT[::-1], PROMPT[1:] * 2]
+    want = [generate(load_model(pair[0]), p, 20).token_ids for p in prompts]
+    with start(draft_service(pair[1])) as draft:
+        peer = servicer.DraftPeer(draft.address)
+        svc = servicer.service(lambda: (load_model(pair[0]), load_tokenizer(pair[0])), draft=peer,
+                               draft_length="cost")
+        with start(svc) as target:
+            with ThreadPoolExecutor(3) as pool:
+                got = list(pool.map(lambda p: generate_on_server(target.address, p, "", 20, 2)[0], prompts))
+    assert [g.token_ids for g in got] == want
+    assert all(g.stats.drafted <= 2 * g.stats.rounds for g in got)  # never more than the request's cap
+    with pytest.raises(ValueError, match="draft_length"):
+        servicer.TargetServicer(lambda: None, draft_length="dynamic")

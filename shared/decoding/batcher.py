@@ -157,6 +157,12 @@ class BatchedModel:
             return call.logits[0], call.hidden[0]
         return torch.cat(call.logits), torch.cat(call.hidden)
 
+    def batch_size(self) -> int:
+        """Sequences the next pass is likely to carry: those active now, at most `max_batch` (what a draft length
+        cost model reads, `deltaspec.shared.decoding.draft_length`)."""
+        with self._cv:
+            return max(1, min(self.batching.max_batch, self._active()))
+
     def close(self) -> None:
         with self._cv:
             self._closed = True

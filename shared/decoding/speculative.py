@@ -135,7 +135,7 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
                                           attr.STAGED_BYTES: rnd.staged_bytes})
             t2 = time.perf_counter()
             if length is not None:
-                length.observe(len(proposal.tokens), rnd.verdict.accepted)
+                length.observe(len(proposal.tokens), rnd.verdict.accepted, t1 - t0)
             keep = drafts_kept(rnd, eos)
             with tracer.start_as_current_span("commit") as phase:
                 version = session.commit(rnd.round_id, keep)
