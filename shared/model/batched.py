@@ -7,7 +7,8 @@ the MLP run once for all of them. What is per sequence stays per sequence:
   padded `(B, T_max)` layout and run through one batched step (all T = 1) or one chunk of the
   chunked form. Padding sits after each sequence's last token with beta = 0 and g = 0, so it
   adds exactly nothing to the state (delta = 0, decay 1) and touches no real output (causal).
-  The staged state, window and logs go back to each sequence's own buffers in one `_foreach_copy_`.
+  The staged state, window and logs go back to each sequence's own buffers in one `_foreach_copy_`; where the
+  Triton kernel runs (CUDA) and the sequences are slots of one `StatePool`, it logs k, delta and g itself.
 - Attention: each sequence writes its K/V at its own positions in its own cache; the caches are
   gathered into one zero-padded batch and one masked attention call serves every sequence.
 The result for each sequence, and what it leaves staged, is what `HybridLM.forward` gives it alone
@@ -22,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from deltaspec.shared.kernels import pick_kernel
+from deltaspec.shared.kernels import VerifyLogs, pick_kernel, triton_kernel
 from deltaspec.shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
 from deltaspec.shared.model import fused
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.layers import Attention, GatedDeltaNet
-from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot, ModelState
+from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot, ModelState, verify_logs
 
 
 class BatchRefused(ValueError):
@@ -43,6 +44,7 @@ class _Group:
     T: int
     rows: slice | Tensor  # rows of the packed tokens in (member, t) order; padding repeats a member's last row
     valid: Tensor | None  # (G, T, 1) 1 for real tokens, 0 for padding; None when nothing is padded
+    logs: VerifyLogs | None = None  # where the Triton kernel logs the members: made at the first GDN layer that runs it
 
 
 @dataclass
@@ -100,6 +102,7 @@ def _gdn_core(m: GatedDeltaNet, f: fused.FusedGDN, g: _Group, mixed: Tensor, b: 
         beta, decay = beta * g.valid, decay * g.valid
     initial = torch.stack([s.initial_state() for s in slots])  # (G, H, Dk, Dv)
     on_cpu = not mixed.is_cuda
+    logs: VerifyLogs | None = None
     if T == 1 and m.kernel_name in ("auto", "recurrent") and on_cpu:
         state = initial * decay.view(G, H, 1, 1).exp()
         delta = (v.view(G, H, 1, Dv) - k.view(G, H, 1, Dk) @ state) * beta.view(G, H, 1, 1)  # (G, H, 1, Dv)
@@ -110,17 +113,25 @@ def _gdn_core(m: GatedDeltaNet, f: fused.FusedGDN, g: _Group, mixed: Tensor, b: 
                                                           decay.transpose(1, 2), beta.transpose(1, 2), initial)
         out = out.transpose(1, 2)  # (G, T, Hv, Dv)
     else:
-        out, delta, final = pick_kernel(m.kernel_name, T, mixed.is_cuda)(q, k, v, decay, beta, initial)
+        triton = triton_kernel(m.kernel_name, T, mixed.is_cuda)
+        if triton is not None:  # it logs k, delta and g itself when the members are slots of one pool
+            if g.logs is None:  # rows, offsets and counts are the same at every layer of the pass
+                g.logs = verify_logs(slots, g.lengths)
+            logs = None if g.logs is None else g.logs._replace(layer=slots[0].i)
+            out, delta, final = triton(q, k, v, decay, beta, initial, logs)
+        else:
+            out, delta, final = pick_kernel(m.kernel_name, T, mixed.is_cuda)(q, k, v, decay, beta, initial)
         delta_hf = delta.transpose(1, 2)
-    _stage(g, slots, xs, full, k.permute(0, 2, 3, 1), delta_hf, decay.transpose(1, 2), final)
+    _stage(g, slots, xs, full, k.permute(0, 2, 3, 1), delta_hf, decay.transpose(1, 2), final, logs is not None)
     return out.reshape(G * T, H, Dv)
 
 
 def _stage(g: _Group, slots: list[GDNSlot], xs: Tensor, full: Tensor, k_log: Tensor, delta_log: Tensor,
-           g_log: Tensor, final: Tensor) -> None:
+           g_log: Tensor, final: Tensor, kernel_logged: bool = False) -> None:
     """Each member's logs, window and state after its tokens, into its own buffers, in one foreach copy.
 
     Layouts as the logs keep them: xs `(G, T, C)`, k_log `(G, H, Dk, T)`, delta_log `(G, H, T, Dv)`, g_log `(G, H, T)`.
+    `kernel_logged`: the kernel wrote k, delta and g into the logs (`verify_logs`); only x is copied.
     """
     width = full.shape[1] - g.T
     dsts: list[Tensor] = []
@@ -130,8 +141,9 @@ def _stage(g: _Group, slots: list[GDNSlot], xs: Tensor, full: Tensor, k_log: Ten
     for slot, n, x, k, delta, decay, window_and_x, state in per_member:
         logs = slot.log_targets(n)
         if logs:
-            dsts += logs
-            srcs += (x, k, delta, decay) if n == g.T else (x[:n], k[..., :n], delta[:, :n], decay[:, :n])
+            new = (x, k, delta, decay) if n == g.T else (x[:n], k[..., :n], delta[:, :n], decay[:, :n])
+            dsts += logs[:1] if kernel_logged else logs
+            srcs += new[:1] if kernel_logged else new
         dsts += (slot.states.layers["window"][slot.i], slot.state_out())
         srcs += (window_and_x[n:n + width], state)
     torch._foreach_copy_(dsts, srcs)

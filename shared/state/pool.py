@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from deltaspec.shared.errors import ResourceExhausted
-from deltaspec.shared.state.rollback import LOG_CAPACITY, GDNStates, ModelState, StateShapes
+from deltaspec.shared.state.rollback import LOG_CAPACITY, GDNStates, LogRows, ModelState, StateShapes
 
 if TYPE_CHECKING:
     from deltaspec.shared.decoding.session_table import Limits
@@ -67,6 +67,7 @@ class Lease:
     def __init__(self, pool: StatePool, index: int, capacity: int) -> None:
         self.pool, self.index, self.capacity = pool, index, capacity
         self.buffers = {name: t[index] for name, t in pool.tensors.items()}
+        self.rows = LogRows(*pool.log_rows, index * pool.tensors["k"].shape[1])
 
     def grow(self, needed: int, preferred: int) -> int:
         """The capacity an attention layer of this sequence grows to (>= needed), paid for every layer."""
@@ -95,6 +96,8 @@ class StatePool:
         with torch.inference_mode(False):  # normal tensors: a slot is zeroed outside inference mode
             self.tensors = {name: torch.empty(self.slots, *shape, device=device, dtype=kind)
                             for name, (shape, kind) in shapes.items()}
+            # every slot's k, delta and g logs as rows of one (slot, layer) axis: one kernel launch logs many slots
+            self.log_rows = tuple(self.tensors[name].flatten(0, 1) for name in ("k", "delta", "g"))
         self._free = list(range(self.slots - 1, -1, -1))  # popped from the end: lowest index first
         self._lock = threading.RLock()  # re-entrant: a finalizer may run inside, on a collection
         self._collected = -COLLECT_INTERVAL_S  # when a full pool last collected garbage

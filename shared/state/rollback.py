@@ -27,17 +27,23 @@ same algebra gives the state after any logged prefix without a snapshot: `mark(n
 after the first n staged tokens and `truncate(n)` drops everything after them, so a draft can stage
 rounds on top of rounds (`CHAIN_LOG_CAPACITY`) and still keep or drop each one exactly.
 
+Where the Triton kernel runs a pass (CUDA), it writes k_t, delta_t and g_t into the logs itself
+(`GDNSlot.verify_logs`; `verify_logs` for a batch of one `StatePool`'s slots, whose logs are rows of
+the same buffers), and staging copies only x_t, the window and the state.
+
 Cost per sequence: one extra state (the spare) plus O(T (conv_dim + H (Dk + Dv))) logged
 numbers per GDN layer and round; no forward pass is ever re-run.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
+from deltaspec.shared.kernels import VerifyLogs
 
 if TYPE_CHECKING:
     from deltaspec.shared.state.pool import Lease
@@ -78,6 +84,17 @@ class CommitPlan(NamedTuple):
     delta: Tensor  # (L H, n, Dv)
 
 
+class LogRows(NamedTuple):
+    """The k, delta and g logs of one or many sequences as rows of one (sequence, layer) axis, and the row of this
+    sequence's first layer: the slots of a `StatePool` share one set, so a kernel logs a batch of them in one launch
+    (`VerifyLogs`); a sequence of its own logs into its own buffers, from row 0."""
+
+    k: Tensor  # (R, H, Dk, C)
+    delta: Tensor  # (R, H, C, Dv)
+    g: Tensor  # (R, H, C)
+    first: int
+
+
 class GDNStates:
     """The GDN state of every linear-attention layer of one sequence, stacked on a leading layer axis."""
 
@@ -98,10 +115,11 @@ class GDNStates:
                 "g": ((n_layers, H, log_capacity), torch.float32)}
 
     def __init__(self, cfg: StateShapes, n_layers: int, device: torch.device | str, dtype: torch.dtype,
-                 slot: dict[str, Tensor] | None = None, log_capacity: int = LOG_CAPACITY) -> None:
+                 slot: dict[str, Tensor] | None = None, log_capacity: int = LOG_CAPACITY,
+                 rows: LogRows | None = None) -> None:
         """`slot`: preallocated buffers, one per name of `buffers` (a `deltaspec.shared.state.pool.StatePool`
         slot), zeroed and used in place of fresh tensors, the mark snapshot's too (its logs' size wins over `log_capacity`);
-        without one `mark` allocates that snapshot."""
+        without one `mark` allocates that snapshot. `rows`: the slot's logs as rows of the pool's (`Lease.rows`)."""
         shapes = self.buffers(cfg, n_layers, dtype, log_capacity)
 
         def buffer(name: str) -> Tensor:
@@ -118,6 +136,8 @@ class GDNStates:
         self.x, self.k, self.delta, self.g = buffer("x"), buffer("k"), buffer("delta"), buffer("g")
         self.log_capacity = self.x.shape[1]
         self.logged = True  # the logs cover every staged token
+        self.rows = LogRows(self.k, self.delta, self.g, 0) if rows is None else rows  # never swapped, as the logs
+        self._members: dict[tuple[int, int], Tensor] = {}
         # views made once, since indexing costs a dispatch per index: per layer (every layer of every step), and
         # what a partial commit reads of a window or writes of a state (`_make_views`); they follow swaps
         self.layers: dict[str, list[Tensor]] = {}
@@ -150,6 +170,15 @@ class GDNStates:
             self._log_views[key] = (self.x[i, start:end], self.k[i, :, :, start:end], self.delta[i, :, start:end],
                                     self.g[i, :, start:end])
         return self._log_views[key]
+
+    def members(self, offset: int, T: int) -> Tensor:
+        """`VerifyLogs.members` of this sequence's pass of T tokens at staging offset `offset`, made once per
+        (offset, T), then read by every layer of every pass like it (a host-to-device copy a layer would cost more)."""
+        members = self._members.get((offset, T))
+        if members is None:
+            members = self._members[offset, T] = torch.tensor([[self.rows.first], [offset], [T]], dtype=torch.int32,
+                                                              device=self.k.device)
+        return members
 
     def _prefix(self, n: int) -> CommitPlan:
         """What committing n staged tokens reads and writes, made once per n (see `CommitPlan`)."""
@@ -320,21 +349,31 @@ class GDNSlot:
         s.logged = False
         return ()
 
+    def verify_logs(self, T: int) -> VerifyLogs | None:
+        """Where a kernel logs k, delta and g of this pass's T tokens itself (`log_targets`'s slots); None (and the
+        staging no longer logged) when they do not fit."""
+        if not self.log_targets(T):
+            return None
+        rows = self.states.rows
+        return VerifyLogs(rows.k, rows.delta, rows.g, self.states.members(self.offset, T), self.i)
+
     def stage(self, x: Tensor, k: Tensor, delta: Tensor, g: Tensor, final_state: Tensor | None,
-              window_and_x: Tensor | None = None) -> None:
+              window_and_x: Tensor | None = None, kernel_logged: bool = False) -> None:
         """Log this pass's T tokens and keep the window and state after them.
 
         `final_state` None: it is already in `state_out()`. `window_and_x`: `[conv_window(); x]`
-        when the caller has it (saves a concatenation).
+        when the caller has it (saves a concatenation). `kernel_logged`: the kernel wrote k, delta and g into the
+        logs (`verify_logs`); only x is copied.
         """
         s = self.states
         logs = self.log_targets(x.shape[0])
         if logs:
             log_x, log_k, log_delta, log_g = logs
             log_x.copy_(x)
-            log_k.copy_(k.permute(1, 2, 0))
-            log_delta.copy_(delta.transpose(0, 1))
-            log_g.copy_(g.t())
+            if not kernel_logged:
+                log_k.copy_(k.permute(1, 2, 0))
+                log_delta.copy_(delta.transpose(0, 1))
+                log_g.copy_(g.t())
         if window_and_x is None:
             window_and_x = torch.cat([self.conv_window(), x.to(s.window.dtype)], dim=0)
         if s.capture is not None:  # before the state after this pass overwrites the one before it
@@ -343,6 +382,19 @@ class GDNSlot:
         s.layers["window"][self.i].copy_(window_and_x[-s.conv.shape[1]:])
         if final_state is not None:
             self.state_out().copy_(final_state)
+
+
+def verify_logs(slots: Sequence[GDNSlot], counts: Sequence[int]) -> VerifyLogs | None:
+    """Where a kernel logs a batch's pass at one layer itself: the first `counts[b]` tokens of `slots[b]` at its own
+    offset, none for a sequence whose staging no longer fits its logs (marked so, as `log_targets` does). None when
+    the sequences' logs are not rows of the same buffers (not slots of one `StatePool`): each copies its own then."""
+    rows = slots[0].states.rows
+    if any(s.states.rows.k is not rows.k for s in slots):
+        return None
+    fits = [n if s.log_targets(n) else 0 for s, n in zip(slots, counts)]
+    members = torch.tensor([[s.states.rows.first for s in slots], [s.offset for s in slots], fits], dtype=torch.int32,
+                           device=rows.k.device)
+    return VerifyLogs(rows.k, rows.delta, rows.g, members, slots[0].i)
 
 
 @dataclass
@@ -385,7 +437,8 @@ class ModelState:
         self.marked = 0  # with `mark`: staged tokens the snapshot covers (a chained round stages after them)
         self.kinds = config.layer_types
         self.gdn = GDNStates(config, self.kinds.count("linear_attention"), device, dtype,
-                             lease.buffers if lease is not None else None, log_capacity)
+                             lease.buffers if lease is not None else None, log_capacity,
+                             lease.rows if lease is not None else None)
         shape = (config.num_key_value_heads, capacity, config.head_dim)
         with torch.inference_mode(False):
             self.attn = [AttnLayerState(torch.zeros(shape, device=device, dtype=dtype),
