@@ -67,9 +67,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if args.target_addr and args.compile:
-        raise ValueError("--compile is for generating in process; the services take it: serve-target --compile, "
-                         "serve-draft --compile")
+    if args.target_addr and (args.compile or args.capture):
+        raise ValueError("--compile and --capture are for generating in process; the services take them: "
+                         "serve-target --compile --capture, serve-draft --compile --capture")
+    _check_capture(args)
     if args.target_addr and args.device != "cpu":
         raise ValueError("--device is for generating in process; the services take it: serve-target --device, "
                          "serve-draft --device")
@@ -95,11 +96,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
     sampling = _sampling(args)
-    target = load_model(target_dir, device=args.device).compile(args.compile, warm_up=True)
+    target = load_model(target_dir, device=args.device).compile(args.compile, warm_up=True).capture(args.capture)
     k, stop_below = draft_settings(args.num_draft_tokens, args.stop_below, draft not in ("none", "mtp", "ngram"))
     drafter = make_drafter(draft, target, sampling, stop_below)
-    if args.compile and isinstance(drafter, ModelDrafter):
-        drafter.model.compile(warm_up=True, log_capacity=CHAIN_LOG_CAPACITY)
+    if isinstance(drafter, ModelDrafter):
+        drafter.model.compile(args.compile, warm_up=True, log_capacity=CHAIN_LOG_CAPACITY).capture(args.capture)
     if args.draft_length == "cost":
         from deltaspec.shared.decoding.draft_length import CostModelLength, PassCosts
 
@@ -276,8 +277,9 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
         raise ValueError("serve-target takes --draft-addr or --draft, not both")
     if args.pipeline_depth not in (0, 1):
         raise ValueError(f"--pipeline-depth is 0 or 1, not {args.pipeline_depth}")
-    svc = service(lambda: (load_model(model_dir, device=args.device).compile(args.compile, warm_up=True),
-                           load_tokenizer(model_dir)), _limits(args),
+    _check_capture(args)
+    svc = service(lambda: (load_model(model_dir, device=args.device).compile(args.compile, warm_up=True)
+                           .capture(args.capture), load_tokenizer(model_dir)), _limits(args),
                   draft, args.advertise_address, telemetry, args.draft, args.pipeline_depth, _batching(args),
                   args.draft_length)
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
@@ -296,8 +298,10 @@ def cmd_serve_draft(args: argparse.Namespace) -> int:
     listen = _listen(args)
     _torch_threads(args)
     telemetry = Telemetry.from_env(DRAFT)
+    _check_capture(args)
     svc = service(lambda: load_model(model_dir, device=args.device).compile(args.compile, warm_up=True,
-                                                                             log_capacity=CHAIN_LOG_CAPACITY),
+                                                                             log_capacity=CHAIN_LOG_CAPACITY)
+                  .capture(args.capture),
                   _limits(args), telemetry, _batching(args), args.stop_below, args.branches)
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
 
@@ -306,6 +310,15 @@ COMPILE_HELP = ("run the model's decode and verify passes as torch.compile (Indu
                 "(`deltaspec bench --only compiled`), compiled at start-up (up to a minute or two per model on a "
                 "CPU the first time, seconds once Inductor's cache under /tmp has them; needs a C++ compiler on a "
                 "CPU)")
+
+CAPTURE_HELP = ("replay decode and verify passes (up to 17 tokens) as CUDA graphs, each recorded on its first pass "
+                "(docs/gpu.md); with --device cuda")
+
+
+def _check_capture(args: argparse.Namespace) -> None:
+    if args.capture and args.device == "cpu":
+        raise ValueError("--capture records CUDA graphs: give --device cuda (on a CPU, --compile is what cuts a "
+                         "pass's overhead)")
 
 
 def _add_server(p: argparse.ArgumentParser, model: str) -> None:
@@ -450,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     _add_sampling(p)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP + " (in process: the target and a draft model)")
+    p.add_argument("--capture", action="store_true", help=CAPTURE_HELP + " (in process: the target and a draft model)")
     p.add_argument("--device", type=_device, default="cpu",
                    help="in process: where both models and their state live (cpu, cuda, cuda:N)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
@@ -473,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipelined rounds a session may stage on top of its pending round (0 or 1; 0: serial "
                         "rounds only: Generate's own loop and clients)")
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+    p.add_argument("--capture", action="store_true", help=CAPTURE_HELP)
     p.add_argument("--draft-length", choices=["fixed", "cost"], default="fixed",
                    help="Generate's drafts a round: 'cost' picks k per round (0 to the request's num_draft_tokens, "
                         "at most 8) from this server's pass costs, measured at start-up at each batch size, the batch "
@@ -490,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve-draft", help="serve the draft model (DraftService) over gRPC")
     _add_server(p, "draft")
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+    p.add_argument("--capture", action="store_true", help=CAPTURE_HELP)
     p.add_argument("--stop-below", type=float, default=0.0,
                    help="dynamic draft length: a draft model stops proposing after a token it gives less than this "
                         "probability (exact: the decision reads only the draft; 0: always k; 0.3 measured best with "

@@ -14,6 +14,9 @@ on CUDA beyond), compared per tensor to a relative 1e-4 of its scale as in test_
 - Compiled passes (`--compile`: Inductor's graphs for the GPU), both ways of compiling: a random model's rounds
   equal the CPU's eager ones; the compiled embedded pair's greedy tokens, target-only and speculative, equal the
   eager GPU's.
+- Captured passes (`--capture`: CUDA graphs, over eager or compiled kernels): a random model's rounds equal the
+  CPU's, recorded and then replayed; the captured embedded pair's greedy tokens, target-only and speculative,
+  equal the eager GPU's.
 - `deltaspec generate --device cuda` from the command line gives the CPU's greedy tokens.
 """
 from __future__ import annotations
@@ -260,3 +263,38 @@ def test_generate_on_the_gpu_from_the_command_line(prompts, greedy):
     result = json.loads(out.stdout.splitlines()[-1])
     assert result["token_ids"] == greedy[0] and result["stats"]["drafted"] > 0
 
+
+
+# ---- captured passes (`--capture`: CUDA graphs) ----
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_captured_rounds_on_cuda_match_cpu(compiled):
+    """Passes recorded as CUDA graphs (over eager or compiled kernels), then replayed: every pass and the head after
+    every way a round ends equal the CPU's eager rounds, the second time through too (replays, not recordings)."""
+    config = hf_config(layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention",
+                                    "linear_attention"])
+    cpu, gpu = random_model(config, seed=7).fuse(), random_model(config, seed=7).to("cuda").fuse()
+    gpu.compile(compiled).capture()
+    want, ref = rounds(cpu)
+    for attempt in range(2):
+        got, state = rounds(gpu)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_near(a, b, f"logits of pass {i}, attempt {attempt}")
+        assert_same_head(state, ref)
+        del state  # the second attempt's state may sit where this one's buffers were: its graphs replay
+    assert gpu.captured.recorded > 0
+
+
+def test_captured_pair_on_cuda_speculates_target_only_tokens(prompts, greedy):
+    """The embedded pair captured on the GPU (`--device cuda --capture`): target-only and speculative greedy tokens
+    equal the eager GPU's (and so the CPU's), with most passes replayed rather than recorded."""
+    target = load_model(DEFAULT_TARGET, device="cuda").capture()
+    draft = load_model(DEFAULT_DRAFT, device="cuda").capture()
+    passes = 0
+    for prompt, want in zip(prompts[:2], greedy):
+        assert generate(target, prompt, N).token_ids == want
+        result = generate(target, prompt, N, ModelDrafter(draft), 4)
+        assert result.token_ids == want and result.stats.accepted > 0
+        passes += 2 * N
+    assert 0 < target.captured.recorded < passes // 4

@@ -115,16 +115,29 @@ def _head(model: HybridLM, x: Tensor) -> tuple[Tensor, Tensor]:
     return model.lm_head(normed).float(), x
 
 
-def _pass(model: HybridLM, x: Tensor, cos: Tensor, signed_sin: Tensor, positions: Tensor, slots: Tensor,
-          gdn: dict[str, Tensor], kv: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """`HybridLM.forward` on the fused path from the embeddings, every state write in the graph (a whole-model graph)."""
+def static_pass(model: HybridLM, x: Tensor, cos: Tensor, signed_sin: Tensor, positions: Tensor, slots: Tensor,
+                gdn: dict[str, Tensor], kv: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """`HybridLM.forward` on the fused path from the embeddings, every state write in the pass: tokens at
+    `positions`, logged at `slots`, on the buffers `gdn_arguments` names and the K/V buffers `kv`. What a whole-model
+    graph compiles, and what `deltaspec.shared.model.captured` records."""
     return _head(model, _layers(model, x, cos, signed_sin, positions, slots, gdn, kv))
+
+
+def gdn_arguments(state: ModelState, per_layer: bool = False) -> dict:
+    """The GDN buffers a static pass on `state` reads and writes, by `_GDN_ARGS` name: the window and state before
+    it (the head's, or the staging's when it stages on top of one) and where the staging goes. Stacked tensors for a
+    whole-model pass (indexed in it), per-layer views (made once) for a pass called layer by layer."""
+    gdn = state.gdn
+    buffers = gdn.layers if per_layer else vars(gdn)
+    on_head = state.staged == 0
+    return {"conv_in": buffers["conv" if on_head else "window"],
+            "state_in": buffers["recurrent" if on_head else "spare"], **{name: buffers[name] for name in _GDN_ARGS[2:]}}
 
 
 class CompiledPasses:
     """The compiled passes of one model, and the bookkeeping around them that `HybridLM.forward` would do.
 
-    Up to `WHOLE_GRAPH_LAYERS` layers the pass is one graph (`_pass`); deeper stacks compile one graph per layer kind
+    Up to `WHOLE_GRAPH_LAYERS` layers the pass is one graph (`static_pass`); deeper stacks compile one graph per layer kind
     (`_gdn_layer`, `_attention_layer`), called layer by layer: compile time no longer grows with depth."""
 
     def __init__(self, device: torch.device, n_layers: int) -> None:
@@ -137,7 +150,7 @@ class CompiledPasses:
             self.gdn_layer, self.attention_layer = (_token_count_dynamic(_compile(fn, options))
                                                     for fn in (_gdn_layer, _attention_layer))
         else:
-            self.fn: Callable[..., tuple[Tensor, Tensor]] = _compile(_pass, options)
+            self.fn: Callable[..., tuple[Tensor, Tensor]] = _compile(static_pass, options)
 
     @staticmethod
     def fits(state: ModelState, T: int) -> bool:
@@ -146,26 +159,25 @@ class CompiledPasses:
         return state.gdn.logged and state.staged + T <= state.gdn.log_capacity and state.gdn.capture is None
 
     def __call__(self, model: HybridLM, x: Tensor, state: ModelState, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        T, start, gdn = x.shape[0], state.length + state.staged, state.gdn
+        T, start = x.shape[0], state.length + state.staged
         state.ensure_positions(start + T)
         positions = torch.arange(start, start + T, device=x.device)
-        slots = positions - state.length
-        if T > 1:  # one graph for every verify length
+        return self.run(model, x, rope, positions, positions - state.length, gdn_arguments(state, self.per_layer),
+                        [(layer.k, layer.v) for layer in state.attn])
+
+    def run(self, model: HybridLM, x: Tensor, rope: tuple[Tensor, Tensor], positions: Tensor, slots: Tensor,
+            gdn: dict, kv: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """The compiled pass over given buffers (`static_pass`'s arguments; `gdn` per layer when `per_layer`)."""
+        if x.shape[0] > 1:  # one graph for every verify length
             for t in (x, *rope, positions, slots):
                 torch._dynamo.mark_dynamic(t, 0, min=2, max=MAX_PASS_TOKENS)
-        kv = [(layer.k, layer.v) for layer in state.attn]
         for k_cache, v_cache in kv:  # and for every K/V capacity
             torch._dynamo.maybe_mark_dynamic(k_cache, 1)
             torch._dynamo.maybe_mark_dynamic(v_cache, 1)
-        # a stacked tensor per name for the whole graph (indexed in it), per-layer views (made once) layer by layer
-        buffers = gdn.layers if self.per_layer else vars(gdn)
-        on_head = state.staged == 0
-        args = {"conv_in": buffers["conv" if on_head else "window"], "state_in": buffers["recurrent" if on_head else "spare"],
-                **{name: buffers[name] for name in _GDN_ARGS[2:]}}
         if self.per_layer:
-            return _head(model, _layers(model, x, *rope, positions, slots, args, kv, self.gdn_layer,
+            return _head(model, _layers(model, x, *rope, positions, slots, gdn, kv, self.gdn_layer,
                                         self.attention_layer))
-        return self.fn(model, x, *rope, positions, slots, args, kv)
+        return self.fn(model, x, *rope, positions, slots, gdn, kv)
 
     @staticmethod
     def warm_up(model: HybridLM, log_capacity: int = LOG_CAPACITY) -> None:

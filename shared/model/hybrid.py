@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deltaspec.shared.model import fused
+from deltaspec.shared.model.captured import MAX_CAPTURED_TOKENS, CapturedPasses
 from deltaspec.shared.model.compiled import CompiledPasses
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
@@ -35,6 +36,7 @@ class HybridLM(nn.Module):
         self.fused: fused.FusedStack | None = None  # set by `fuse()`: forward takes the fused path
         self.rope_table: tuple[Tensor, Tensor, Tensor] | None = None  # cos, sin, signed sin by position (`rope`)
         self.compiled: CompiledPasses | None = None  # set by `compile()`: passes that fit the logs run compiled
+        self.captured: CapturedPasses | None = None  # set by `capture()`: decode and verify passes replay graphs
 
     @property
     def device(self) -> torch.device:
@@ -60,7 +62,7 @@ class HybridLM(nn.Module):
         attention biases (not Qwen3.5's) stay on the layer path.
         """
         if not enable or self.config.attention_bias:
-            self.fused = self.compiled = None
+            self.fused = self.compiled = self.captured = None
         elif self.fused is None:
             self.fused = fused.fuse_stack(self.model)
         return self
@@ -82,6 +84,16 @@ class HybridLM(nn.Module):
             self.compiled = CompiledPasses(self.device, self.config.num_hidden_layers)
         if warm_up and self.compiled is not None:
             self.compiled.warm_up(self, log_capacity)
+        return self
+
+    def capture(self, enable: bool = True, max_tokens: int = MAX_CAPTURED_TOKENS) -> HybridLM:
+        """Replay decode and verify passes of up to `max_tokens` tokens as CUDA graphs
+        (`deltaspec.shared.model.captured`) from now on, or stop. On the fused path, compiled or not; each graph is
+        recorded on its first pass. On the CPU, where there are no graphs, the same static pass runs directly."""
+        if not enable:
+            self.captured = None
+        elif self.captured is None:
+            self.captured = CapturedPasses(self, max_tokens)
         return self
 
     def set_gdn_kernel(self, name: str) -> None:
@@ -108,6 +120,11 @@ class HybridLM(nn.Module):
         """
         if ids.ndim != 1 or ids.numel() == 0:
             raise ValueError("forward takes a non-empty 1-D tensor of token ids")
+        T = ids.numel()
+        if self.captured is not None and self.captured.fits(state, T):
+            logits, x = self.captured(self, ids, state)
+            state.staged += T
+            return logits, x
         start = state.length + state.staged
         x = self.model.embed_tokens(ids.to(self.device))
         cos, sin, signed_sin = self.rope(start, start + ids.numel(), x)
