@@ -113,23 +113,27 @@ def long_generations(target: HybridLM, target_dir: Path, draft: HybridLM, prompt
     return rows
 
 
-def eager_and_compiled(target: HybridLM, draft: HybridLM, prompts: list[list[int]], length: int,
-                       repeats: int = 2) -> dict[str, dict]:
+def fast_paths(target: HybridLM, draft: HybridLM, prompts: list[list[int]], length: int, repeats: int = 2,
+               paths: tuple[str, ...] = ("compiled",)) -> dict:
     """Tokens/s of greedy target-only and dynamic speculative generations (`deltaspec generate`'s default), eager
-    and with both models' passes compiled, on the models' device: every run's tokens equal eager target-only's.
-    Warmed, the four runs of each (prompt, repeat) in a rotating order; median [min-max] per path, and the
-    compiled over eager ratio per sample."""
-    compiled = (copy.deepcopy(target).compile(warm_up=True),
-                copy.deepcopy(draft).compile(warm_up=True, log_capacity=CHAIN_LOG_CAPACITY))
+    and on each of `paths` for both models ("compiled": their passes compiled; "captured": replayed as CUDA graphs),
+    on the models' device: every run's tokens equal eager target-only's. Warmed, the runs of each (prompt, repeat) in
+    a rotating order; median [min-max] per path, and each path over eager per sample."""
+    models = {"eager": (target, draft)}
+    if "compiled" in paths:
+        models["compiled"] = (copy.deepcopy(target).compile(warm_up=True),
+                              copy.deepcopy(draft).compile(warm_up=True, log_capacity=CHAIN_LOG_CAPACITY))
+    if "captured" in paths:
+        models["captured"] = (copy.deepcopy(target).capture(), copy.deepcopy(draft).capture())
     runs: dict[str, Callable[[list[int], int], Generation]] = {}
-    for path, (t, d) in (("eager", (target, draft)), ("compiled", compiled)):
+    for path, (t, d) in models.items():
         runs[f"{path} target_only"] = lambda p, n, t=t: generate(t, p, n)
         runs[f"{path} dynamic"] = lambda p, n, t=t, d=d: generate(t, p, n, ModelDrafter(d, stop_below=STOP_BELOW),
                                                                   MAX_DRAFT_TOKENS)
     for run in runs.values():
         run(prompts[0], 32)
     tps: dict[str, list[float]] = {name: [] for name in runs}
-    ratio: dict[str, list[float]] = {"target_only": [], "dynamic": []}
+    ratio: dict[str, list[float]] = {f"{path} {kind}": [] for path in paths for kind in ("target_only", "dynamic")}
     for i, prompt in enumerate(p for p in prompts for _ in range(repeats)):
         names = list(runs)[i % len(runs):] + list(runs)[: i % len(runs)]
         out = {name: runs[name](prompt, length) for name in names}
@@ -138,20 +142,24 @@ def eager_and_compiled(target: HybridLM, draft: HybridLM, prompts: list[list[int
             if g.token_ids != want:
                 raise AssertionError(f"{name}: tokens differ from eager target-only on prompt {i // repeats}")
             tps[name].append(len(g.token_ids) / g.stats.seconds)
-        for kind in ratio:
-            ratio[kind].append(tps[f"compiled {kind}"][-1] / tps[f"eager {kind}"][-1])
-    return {"length": length, "device": str(target.device), "tokens_per_s": {n: spread(v) for n, v in tps.items()},
-            "compiled_over_eager": {n: spread(v) for n, v in ratio.items()}}
+        for name in ratio:
+            ratio[name].append(tps[name][-1] / tps[f"eager {name.split()[1]}"][-1])
+    return {"length": length, "device": str(target.device), "paths": list(paths),
+            "tokens_per_s": {n: spread(v) for n, v in tps.items()},
+            "over_eager": {n: spread(v) for n, v in ratio.items()}}
 
 
-def print_compiled(r: dict) -> None:
-    print(f"\nEager and compiled passes on {r['device']} ({r['length']} tokens, greedy, dynamic = "
+def print_fast_paths(r: dict) -> None:
+    print(f"\nEager, {' and '.join(r['paths'])} passes on {r['device']} ({r['length']} tokens, greedy, dynamic = "
           f"{SPECULATIVE['dynamic']}; median [min-max] tok/s; identical tokens)")
     for kind in ("target_only", "dynamic"):
-        e, c, q = (r["tokens_per_s"][f"eager {kind}"], r["tokens_per_s"][f"compiled {kind}"],
-                   r["compiled_over_eager"][kind])
-        print(f"{kind:>11}: eager {e['median']:.1f} [{e['min']:.1f}-{e['max']:.1f}], compiled {c['median']:.1f} "
-              f"[{c['min']:.1f}-{c['max']:.1f}], compiled/eager {q['median']:.2f} [{q['min']:.2f}-{q['max']:.2f}]")
+        e = r["tokens_per_s"][f"eager {kind}"]
+        line = f"{kind:>11}: eager {e['median']:.1f} [{e['min']:.1f}-{e['max']:.1f}]"
+        for path in r["paths"]:
+            c, q = r["tokens_per_s"][f"{path} {kind}"], r["over_eager"][f"{path} {kind}"]
+            line += (f", {path} {c['median']:.1f} [{c['min']:.1f}-{c['max']:.1f}], {path}/eager {q['median']:.2f} "
+                     f"[{q['min']:.2f}-{q['max']:.2f}]")
+        print(line)
 
 
 def _round_figures(t: dict[str, float]) -> dict:

@@ -8,9 +8,10 @@ For a small random target of each family (32 experts, top-4, a shared expert, 4 
 - the acceptance at which speculation breaks even at each k: tokens a round yields at per-token acceptance a,
   (1 - a^(k+1)) / (1 - a), against the round's cost in decode steps, verify(k+1) / decode + k x draft step / decode
   (a dense 2-layer draft, measured at the same batch);
-- rounds with a real draft model and accept counts drawn at a = 0.7 (round cost is measured here, not acceptance),
-  at k = 4 and at the k the cost model picks from this run's pass costs (`deltaspec.shared.decoding.draft_length`;
-  0 is decoding alone), against target-only decoding, batched 1, 4 and 8;
+- rounds with a real draft model and accept counts drawn at a = 0.7 (round cost is measured here, not acceptance:
+  `deltaspec.shared.bench.rounds`, which the GPU section shares), at k = 4 and at the k the cost model picks from
+  this run's pass costs (`deltaspec.shared.decoding.draft_length`; 0 is decoding alone), against target-only
+  decoding, batched 1, 4 and 8;
 - our target-only against HF `generate()` on the same checkpoint, one sequence.
 Passes are timed alternately (every T in turn, repeated), medians with their spread.
 """
@@ -23,18 +24,17 @@ from pathlib import Path
 
 import torch
 
+from deltaspec.shared.bench.rounds import (PREFIX, Stopwatch, draft_model, drawn_rounds, pass_times, sessions,
+                                           target_only, tokens_per_s)
 from deltaspec.shared.decoding.draft_length import PassCosts, best_k
 from deltaspec.shared.decoding.speculative import generate
-from deltaspec.shared.model.batched import forward_batch
-from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
+from deltaspec.shared.model.checkpoint import hf_moe_config, random_model, save_checkpoint
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.model.layers import SparseMoE
 from deltaspec.shared.model.loader import load_model
 
 FAMILIES = {"Qwen3.5-MoE": "qwen3_5_moe_text", "Qwen3-Next": "qwen3_next"}
 KS = tuple(range(1, 9))
 BATCHES = (1, 4, 8)
-PREFIX = 32  # tokens each session holds before the timed passes
 ALPHA = 0.7
 
 
@@ -46,54 +46,22 @@ def moe_config(model_type: str) -> dict:
                          eos_token_id=None)  # no end of sequence: both sides generate every token asked for
 
 
-def draft_model() -> HybridLM:
-    return random_model(hf_config(layer_types=["linear_attention", "full_attention"]), seed=1).fuse()
-
-
-def _sessions(model: HybridLM, batch: int, gen: torch.Generator) -> list:
-    states = []
-    for _ in range(batch):
-        state = model.new_state(capacity=1024)
-        model(torch.randint(0, model.config.vocab_size, (PREFIX,), generator=gen), state)
-        state.commit(PREFIX)
-        states.append(state)
-    return states
-
-
-def _pass(model: HybridLM, states: list, T: int, gen: torch.Generator) -> float:
-    items = [(torch.randint(0, model.config.vocab_size, (T,), generator=gen), st) for st in states]
-    start = time.perf_counter()
-    forward_batch(model, items)
-    elapsed = time.perf_counter() - start
-    for st in states:
-        st.revert()
-    return elapsed
-
-
 def pass_costs(model: HybridLM, draft: HybridLM, repeats: int) -> list[dict]:
     """Per batch: decode and verify(k+1) ms and distinct experts per sparse layer, the draft's step ms."""
-    gen = torch.Generator().manual_seed(0)
-    sparse = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoE)]
+    gen, watch = torch.Generator().manual_seed(0), Stopwatch("cpu")
     rows = []
     for batch in BATCHES:
-        states, drafts = _sessions(model, batch, gen), _sessions(draft, batch, gen)
         lengths = (1, *(k + 1 for k in KS))
-        times: dict[int, list[float]] = {T: [] for T in lengths}
-        touched: dict[int, list[float]] = {T: [] for T in lengths}
-        draft_times = []
-        for _ in range(repeats + 1):  # the first round warms every path up and is dropped
-            for T in lengths:
-                times[T].append(_pass(model, states, T, gen))
-                touched[T].append(statistics.mean(m.touched for m in sparse))
-            draft_times.append(_pass(draft, drafts, 1, gen))
-        decode = statistics.median(times[1][1:])
-        draft_ms = 1000 * statistics.median(draft_times[1:])
+        times = pass_times(model, draft, sessions(model, batch, gen), sessions(draft, batch, gen), lengths, repeats,
+                           gen, watch)
+        decode = times.median(1)
+        draft_ms = 1000 * statistics.median(times.draft_seconds)
         for T in lengths:
-            ms = [1000 * t for t in times[T][1:]]
+            ms = [1000 * t for t in times.seconds[T]]
             rows.append({"batch": batch, "tokens": T, "ms": statistics.median(ms), "ms_min": min(ms),
-                         "ms_max": max(ms), "vs_decode": statistics.median(times[T][1:]) / decode,
-                         "experts": statistics.mean(touched[T][1:]), "draft_step_ms": draft_ms,
-                         "break_even": None if T == 1 else break_even(T - 1, statistics.median(times[T][1:]) / decode,
+                         "ms_max": max(ms), "vs_decode": times.median(T) / decode,
+                         "experts": statistics.mean(times.experts[T]), "draft_step_ms": draft_ms,
+                         "break_even": None if T == 1 else break_even(T - 1, times.median(T) / decode,
                                                                       draft_ms / (1000 * decode))})
     return rows
 
@@ -111,34 +79,14 @@ def break_even(k: int, verify_vs_decode: float, draft_vs_decode: float) -> float
     return hi
 
 
-def drawn_rounds(model: HybridLM, draft: HybridLM, batch: int, k: int, new_tokens: int, seed: int) -> float:
-    """Tokens/s of rounds with a real draft and accept counts drawn at `ALPHA`, over `batch` sessions."""
-    gen = torch.Generator().manual_seed(seed)
-    states, drafts = _sessions(model, batch, gen), _sessions(draft, batch, gen)
-    produced, start = 0, time.perf_counter()
-    while produced < new_tokens * batch:
-        for _ in range(k):  # the draft stages its k proposals, one batched step each
-            forward_batch(draft, [(torch.randint(0, 257, (1,), generator=gen), ds) for ds in drafts])
-        forward_batch(model, [(torch.randint(0, 257, (k + 1,), generator=gen), st) for st in states])
-        for st, ds in zip(states, drafts):
-            accepted = 0
-            while accepted < k and torch.rand((), generator=gen) < ALPHA:
-                accepted += 1
-            st.commit(accepted + 1)
-            ds.commit(accepted)
-            produced += accepted + 1
-    return produced / (time.perf_counter() - start)
-
-
-def target_only(model: HybridLM, batch: int, new_tokens: int, seed: int) -> float:
-    gen = torch.Generator().manual_seed(seed)
-    states = _sessions(model, batch, gen)
-    start = time.perf_counter()
-    for _ in range(new_tokens):
-        forward_batch(model, [(torch.randint(0, 257, (1,), generator=gen), st) for st in states])
-        for st in states:
-            st.commit(1)
-    return new_tokens * batch / (time.perf_counter() - start)
+def _tok_s(model: HybridLM, draft: HybridLM, batch: int, k: int, new_tokens: int, seed: int) -> float:
+    """Tokens/s of fresh sessions: rounds at accepts drawn at `ALPHA` (k > 0) or target-only decoding (k = 0)."""
+    gen, watch = torch.Generator().manual_seed(seed), Stopwatch("cpu")
+    states = sessions(model, batch, gen)
+    if not k:
+        return tokens_per_s(target_only(model, states, new_tokens, gen, watch))
+    return tokens_per_s(drawn_rounds(model, draft, states, sessions(draft, batch, gen), k, ALPHA, new_tokens, gen,
+                                     watch))
 
 
 def speculation_rows(model: HybridLM, draft: HybridLM, passes: list[dict], repeats: int,
@@ -152,9 +100,8 @@ def speculation_rows(model: HybridLM, draft: HybridLM, passes: list[dict], repea
         for policy, k in (("fixed", 4), ("cost model", best_k(costs, ALPHA))):
             spec, plain = [], []
             for r in range(repeats + 1):
-                spec.append(drawn_rounds(model, draft, batch, k, new_tokens, seed=r) if k else
-                            target_only(model, batch, new_tokens, seed=100 + r))
-                plain.append(target_only(model, batch, new_tokens, seed=r))
+                spec.append(_tok_s(model, draft, batch, k, new_tokens, seed=r if k else 100 + r))
+                plain.append(_tok_s(model, draft, batch, 0, new_tokens, seed=r))
             ratios = [s / p for s, p in zip(spec[1:], plain[1:])]
             rows.append({"batch": batch, "policy": policy, "k": k, "alpha": ALPHA,
                          "spec_tok_s": statistics.median(spec[1:]), "target_only_tok_s": statistics.median(plain[1:]),
@@ -167,7 +114,7 @@ def versus_hf(directory: Path, model: HybridLM, repeats: int, new_tokens: int) -
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    prompt = torch.randint(0, 257, (PREFIX,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompt = torch.randint(0, model.config.vocab_size, (PREFIX,), generator=torch.Generator().manual_seed(3)).tolist()
     ours, theirs = [], []
     for _ in range(repeats + 1):
         start = time.perf_counter()

@@ -4,7 +4,7 @@ A session's GDN state (committed state, spare, mark snapshot, conv windows, roun
 size at any context; its attention K/V grows by a fixed amount per token. The figures come from
 the configs (`deltaspec.shared.state.pool.gdn_bytes`, `kv_bytes_per_position`: what a `StatePool` charges),
 for the embedded target and draft and for configs shaped as Qwen3.5-0.8B, Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B
-(no weights needed: experts change the weights, not a session's state), and are
+(`deltaspec.shared.bench.shapes`; no weights needed: experts change the weights, not a session's state), and are
 checked against the bytes a real pooled session holds. A draft's round logs hold `CHAIN_LOG_CAPACITY`
 tokens (it speculates two rounds ahead), a target's `LOG_CAPACITY`.
 """
@@ -14,34 +14,14 @@ from pathlib import Path
 
 import torch
 
+from deltaspec.shared.bench.shapes import QWEN3_NEXT_80B_A3B, QWEN35_08B, QWEN35_35B_A3B
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.state.pool import MIN_CONTEXT, StatePool, gdn_bytes, kv_bytes_per_position
 from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, LOG_CAPACITY
 
 CONTEXTS = (256, 1024, 4096, 16384, 32768, 131072)
 GIB = 2**30
-# Qwen/Qwen3.5-0.8B's text config (HF config.json): 24 layers, every fourth attention, bf16
-QWEN35_08B = hf_config(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
-                       num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
-                       linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
-                       layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6)
-
-# Qwen/Qwen3.5-35B-A3B's text config: 40 layers, every fourth attention, 256 experts top-8 (HF's defaults for
-# qwen3_5_moe_text are this model's)
-QWEN35_35B_A3B = hf_moe_config("qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_attention_heads=16,
-                               num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-                               linear_key_head_dim=128, linear_value_head_dim=128, num_experts=256,
-                               num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-                               layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10)
-# Qwen/Qwen3-Next-80B-A3B's config: 48 layers, every fourth attention, 512 experts top-10
-QWEN3_NEXT_80B_A3B = hf_moe_config("qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
-                                   num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-                                   linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-                                   linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
-                                   moe_intermediate_size=512, shared_expert_intermediate_size=512,
-                                   layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12)
 
 
 def models() -> dict[str, tuple[ModelConfig, torch.dtype, int]]:

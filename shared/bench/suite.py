@@ -13,8 +13,10 @@ targets of both families (verify cost against the distinct experts read, break-e
 accepts, against HF generate(): `deltaspec.shared.bench.moe`); the prefix cache (time to first token and prefilled
 tokens with it on and off, speculation on and off, and memory per cached prefix: `deltaspec.shared.bench.prefix`);
 compiled passes (steps fused vs compiled, and the long generations again with both models compiled); and, only
-where CUDA is present, the GPU: the verify/decode ratio, the load table with both servers on CUDA, and eager against
-compiled generations (`generation.eager_and_compiled`). `--only` runs some sections. Plots go to docs/; a full
+where CUDA is present, the GPU: Qwen3.5 shapes at their real sizes with random bf16 weights (passes against the
+floor the copy bandwidth sets, HF generate() on the same weights, up to 256 sessions at once with and without
+speculation: `deltaspec.shared.bench.gpu`), the load table with both servers on CUDA, and eager against captured and compiled
+generations (`generation.fast_paths`). `--only` runs some sections. Plots go to docs/; a full
 run's tables also go to docs/bench.txt (all sections) and docs/load.txt (the load section, whenever it runs in
 full; docs/prefix_cache.txt likewise).
 """
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deltaspec.shared.bench import (generation, load, moe, pipeline, prefix, report, session_memory,
+from deltaspec.shared.bench import (generation, gpu, load, moe, pipeline, prefix, report, session_memory,
                                     steps as step_costs, wire)
 from deltaspec.shared.bench.rollback import compare
 from deltaspec.shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
@@ -132,12 +134,12 @@ def run(args: argparse.Namespace) -> dict:
                 copy.deepcopy(target).compile(warm_up=True), DEFAULT_TARGET,
                 copy.deepcopy(draft).compile(warm_up=True, log_capacity=CHAIN_LOG_CAPACITY),
                 long_prompts, lengths, repeats, bar.update)
-        if "gpu" in steps:
-            result["gpu"] = {"memory_bound": memory_bound_ratio(device="cuda"),
-                             "load": load.load(DEFAULT_TARGET, DEFAULT_DRAFT, quick, device="cuda"),
-                             "compiled": generation.eager_and_compiled(
-                                 load_model(DEFAULT_TARGET, device="cuda"), load_model(DEFAULT_DRAFT, device="cuda"),
-                                 long_prompts[:2], 256, 1 if quick else 2)}
+        if "gpu" in steps:  # the real shapes first, their memory freed before the servers start
+            result["gpu"] = gpu.gpu("cuda", plan=gpu.QUICK if quick else gpu.FULL)
+            result["gpu"]["load"] = load.load(DEFAULT_TARGET, DEFAULT_DRAFT, quick, device="cuda")
+            result["gpu"]["compiled"] = generation.fast_paths(
+                load_model(DEFAULT_TARGET, device="cuda"), load_model(DEFAULT_DRAFT, device="cuda"), long_prompts[:2],
+                256, 1 if quick else 2, paths=("captured", "compiled"))
             bar.update()
     return result
 
@@ -189,10 +191,10 @@ def print_tables(result: dict) -> None:
     if "prefix" in result:
         prefix.print_rows(result["prefix"])
     if "gpu" in result:
-        print(f"GPU: verify/decode ratio {result['gpu']['memory_bound']['ratio']:.2f}")
-        print("GPU: load (both servers --device cuda)", end="")
+        gpu.print_rows(result["gpu"])
+        print("\nGPU: load (both servers --device cuda)", end="")
         load.print_rows(result["gpu"]["load"])
-        generation.print_compiled(result["gpu"]["compiled"])
+        generation.print_fast_paths(result["gpu"]["compiled"])
 
 
 def plot(result: dict) -> None:
