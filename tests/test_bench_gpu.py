@@ -16,7 +16,7 @@ from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_m
 TINY = hf_config(layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False)
 DRAFT = hf_config(layer_types=["linear_attention", "full_attention"])
 PLAN = replace(gpu.QUICK, batches=(1, 3), repeats=2, context=40, tokens=8, min_tokens=4, hf_tokens=6, copy_mib=4,
-               budget_s=120)
+               budget_s=120, divergence_prompts=2, divergence_tokens=10, divergence_shape="tiny")
 BF16 = 2
 
 
@@ -87,6 +87,9 @@ def test_section_reports_every_row(section, capsys):
         assert shape["hf"]["same_tokens"]  # float32: HF's model on our tensors decodes what ours does
         assert shape["hf"]["ours_tok_s"] > 0 and shape["hf"]["hf_tok_s"] > 0
         assert shape["hf"]["captured_same_tokens"] and shape["hf"]["captured_tok_s"] > 0
+    d = shape["divergence"]  # float32 on a CPU: a verify and a decode pass agree, so no prompt differs
+    assert (d["prompts"], d["tokens"], d["differ"], d["first_divergence"]) == (2, 10, 0, [])
+    assert d["drafted"] > 0 and 0 <= d["rejected"] <= d["drafted"]
     measured = shape["batches"]["rows"]
     assert [m["batch"] for m in measured] == [1, 3]
     for m in measured:
@@ -101,6 +104,7 @@ def test_section_reports_every_row(section, capsys):
     gpu.print_rows(section)
     out = capsys.readouterr().out
     assert "GPU summary: tiny decode" in out and "cost model" in out and "HF generate()" in out
+    assert "0 of 2 prompts x 10 tokens differ" in out
 
 
 def test_a_spent_budget_skips_the_shapes_and_says_so():

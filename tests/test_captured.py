@@ -87,3 +87,19 @@ def test_what_capture_refuses():
     with pytest.raises(ValueError, match="max_tokens"):
         random_model(hf_config(), seed=1).fuse().capture(max_tokens=0)
     assert random_model(hf_config(), seed=1).fuse().capture().fuse(False).captured is None
+
+
+def test_pooled_sessions_one_after_another(models):
+    """Sessions in a state pool's slots, one after another as a server runs them (the pool's forward hook reserving
+    each pass's positions first): every generation equals the eager one, and a later session's passes reuse what an
+    earlier one's recorded wherever its buffers sit where that one's did (the pool's GDN slots never move)."""
+    from deltaspec.shared.state.pool import StatePool, attach
+
+    eager, _ = models
+    pooled = copy.deepcopy(eager).capture()
+    attach(pooled, StatePool(pooled.config, 64 * 2**20, max_slots=2))
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        prompt = torch.randint(0, eager.config.vocab_size, (7,), generator=gen).tolist()
+        assert generate(pooled, prompt, 12).token_ids == generate(eager, prompt, 12).token_ids
+    assert 0 < pooled.captured.recorded < 3 * 12

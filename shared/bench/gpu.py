@@ -38,6 +38,7 @@ from deltaspec.shared.bench.rounds import (PREFIX, Stopwatch, draft_model, drawn
                                            sessions, target_only, tokens_per_s)
 from deltaspec.shared.bench.shapes import DRAFT_08B_2L, QWEN35_08B, QWEN35_9B, QWEN35_27B, QWEN35_35B_A3B
 from deltaspec.shared.decoding.draft_length import PassCosts, best_k
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.hybrid import HybridLM
@@ -67,12 +68,15 @@ class Plan:
     hf_tokens: int  # new tokens of each generation against HF
     copy_mib: int  # size of the copied buffer that measures bandwidth
     budget_s: float  # no new shape or batch starts after this
+    divergence_prompts: int  # greedy speculation against target-only in the shape's dtype, on the shape named
+    divergence_tokens: int
+    divergence_shape: str = "Qwen3.5-0.8B"
 
 
 QUICK = Plan(batches=(1, 16, 64, 256), repeats=3, batch_repeats=1, cost_k_max=4, context=512, tokens=96,
-             min_tokens=8, hf_tokens=24, copy_mib=1024, budget_s=150)
+             min_tokens=8, hf_tokens=24, copy_mib=1024, budget_s=150, divergence_prompts=16, divergence_tokens=128)
 FULL = Plan(batches=(1, 4, 16, 64, 128, 256), repeats=7, batch_repeats=2, cost_k_max=8, context=2048, tokens=256,
-            min_tokens=16, hf_tokens=64, copy_mib=2048, budget_s=180)
+            min_tokens=16, hf_tokens=64, copy_mib=2048, budget_s=180, divergence_prompts=64, divergence_tokens=256)
 
 
 def release() -> None:
@@ -274,6 +278,26 @@ def versus_hf(model: HybridLM, plan: Plan, watch: Stopwatch) -> dict:
             "same_tokens": got == want, "captured_same_tokens": replayed == got}
 
 
+def divergence(model: HybridLM, plan: Plan) -> dict:
+    """How often greedy speculation leaves target-only output in the model's dtype (a verify pass of k+1 tokens and a
+    decode pass of one can round a near-tie differently): random prompts, target-only against speculation at k = 4
+    with the target as its own draft, so every draft is what a decode pass picked and every rejection is a token on
+    which the two passes disagreed. Passes captured where the model allows. Random weights: how often their top two
+    logits nearly tie is not what a trained model's do."""
+    run = copy.copy(model).capture(not model.config.num_experts)
+    gen = torch.Generator().manual_seed(11)
+    n, first, drafted, rejected = plan.divergence_tokens, [], 0, 0
+    for _ in range(plan.divergence_prompts):
+        prompt = torch.randint(0, model.config.vocab_size, (PREFIX,), generator=gen).tolist()
+        want = generate(run, prompt, n).token_ids
+        got = generate(run, prompt, n, ModelDrafter(run), 4)
+        drafted, rejected = drafted + got.stats.drafted, rejected + got.stats.drafted - got.stats.accepted
+        if got.token_ids != want:
+            first.append(next(i for i, (a, b) in enumerate(zip(got.token_ids, want)) if a != b))
+    return {"prompts": plan.divergence_prompts, "tokens": n, "dtype": str(model.dtype).removeprefix("torch."),
+            "differ": len(first), "first_divergence": sorted(first), "drafted": drafted, "rejected": rejected}
+
+
 def session_capacity(plan: Plan, tokens: int) -> int:
     """Positions a session reaches over one batch's runs: target-only, the fixed ks and the cost model's two, each
     `tokens` and a round more."""
@@ -368,11 +392,14 @@ def fits(config: dict, dtype: torch.dtype, device: torch.device) -> str | None:
     return None
 
 
-def at_batch_1(config: dict, draft: HybridLM, plan: Plan, bandwidth: float, watch: Stopwatch) -> dict:
+def at_batch_1(name: str, config: dict, draft: HybridLM, plan: Plan, bandwidth: float, watch: Stopwatch) -> dict:
     model = random_model_on(config, draft.device, draft.dtype)
-    return {"config": describe(model), "passes": batch1_passes(model, draft, plan, bandwidth, watch),
-            "gdn_round": [gdn_round_bytes(model.config, model.dtype, k) for k in KS],
-            "hf": attempt("HF generate()", lambda: versus_hf(model, plan, watch))}
+    out = {"config": describe(model), "passes": batch1_passes(model, draft, plan, bandwidth, watch),
+           "gdn_round": [gdn_round_bytes(model.config, model.dtype, k) for k in KS],
+           "hf": attempt("HF generate()", lambda: versus_hf(model, plan, watch))}
+    if name == plan.divergence_shape:
+        out["divergence"] = attempt("divergence", lambda: divergence(model, plan))
+    return out
 
 
 def gpu(device: str | torch.device = "cuda", shapes: list[tuple[str, dict]] | None = None, plan: Plan = QUICK,
@@ -403,7 +430,7 @@ def measure_shapes(configs: dict[str, dict], draft: HybridLM, plan: Plan, bandwi
     for name, config in configs.items():
         row: dict = {"shape": name, "skipped": fits(config, dtype, device) or (spent if budget.left() <= 0 else None)}
         if row["skipped"] is None:
-            row.update(attempt(name, lambda: at_batch_1(config, draft, plan, bandwidth, watch)))
+            row.update(attempt(name, lambda: at_batch_1(name, config, draft, plan, bandwidth, watch)))
         rows.append(row)
     for row in rows:
         if row["skipped"] or "error" in row:
@@ -491,6 +518,8 @@ def print_rows(result: dict) -> None:
                   f"{hf['ours_tok_s']:.1f} tok/s{graphs}, HF {hf['hf_tok_s']:.1f} tok/s: ours eager "
                   f"{hf['ours_vs_hf']:.2f}x ({hf['ours_vs_hf_min']:.2f}-{hf['ours_vs_hf_max']:.2f}); same tokens: "
                   f"{hf['same_tokens']}")
+        if "divergence" in shape:
+            print_divergence(shape["divergence"])
         print_batches(shape.get("batches", {}))
     print("\nGoals (issue 31's are at 9B; printed, not asserted)")
     for g in result["goals"]:
@@ -502,6 +531,16 @@ def print_rows(result: dict) -> None:
                       if "captured_ms" in rows[0] else "")
             print(f"GPU summary: {shape['shape']} decode {rows[0]['x_floor']:.2f}x floor, verify(5)/decode(1) "
                   f"{rows[4]['vs_decode']:.2f}{graphs}")
+
+
+def print_divergence(d: dict) -> None:
+    if "error" in d:
+        print(f"greedy speculation against target-only: {d['error']}")
+        return
+    first = f"; first different token at {d['first_divergence']}" if d["differ"] else ""
+    print(f"greedy speculation (k = 4, the target as its own draft) against target-only, {d['dtype']}, random weights: "
+          f"{d['differ']} of {d['prompts']} prompts x {d['tokens']} tokens differ{first}; {d['rejected']} of "
+          f"{d['drafted']} drafts rejected (each a token a verify pass and a decode pass picked differently)")
 
 
 def print_batches(b: dict) -> None:

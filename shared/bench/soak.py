@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltaspec.shared.bench.loopback import PROMPTS, check_greedy, percentile, start_pair, stop_all, target_only_outputs
+from deltaspec.shared.bench.loopback import (PROMPTS, Server, check_greedy, percentile, start_pair, stop_all,
+                                             target_only_outputs)
 
 KINDS = [("server", False), ("client", False), ("server", True), ("client", True)]  # (loop, sampled)
 
@@ -46,6 +47,18 @@ class Totals:
         with self.lock:
             times, self.round_s = self.round_s, []
             return len(times), sorted(times)
+
+
+def open_sessions(servers: dict[str, Server], settle_s: float = 5.0) -> dict[str, int]:
+    """Sessions each server still holds once every generation is over: none should be. A target closes the draft
+    session of a `Generate` just after its last answer left (so the answer waits for no close), so the counts are
+    read until they are all 0 or `settle_s` has passed."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        left = {name: s.sessions() for name, s in servers.items()}
+        if not any(left.values()) or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
 
 
 def run(target_dir: Path, draft_dir: Path, sessions: int = 64, seconds: float = 300.0, report_s: float = 30.0,
@@ -129,7 +142,7 @@ def run(target_dir: Path, draft_dir: Path, sessions: int = 64, seconds: float = 
                 report()
                 next_report += report_s
         report()
-        left = {name: s.sessions() for name, s in servers.items()}  # every generation is over: none should be open
+        left = open_sessions(servers)
     finally:
         stop_all(servers)
     drift = {name: reports[-1][f"{name}_rss_mib"] / reports[0][f"{name}_rss_mib"] - 1 for name in servers}
