@@ -536,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a shared 2-core machine)")
     p.add_argument("--only", type=lambda text: tuple(x.strip() for x in text.split(",") if x.strip()),
                    help="comma-separated sections to run: steps, acceptance, generations, grpc, tracing, rollback, "
-                        "memory, pipeline, load, sessions, moe, compiled, gpu (default: all; docs/bench.txt and "
+                        "memory, pipeline, load, sessions, moe, cost_model, prefix, compiled, gpu (default: all; docs/bench.txt and "
                         "bench.png are written by full runs only)")
     p.set_defaults(func=cmd_bench)
 

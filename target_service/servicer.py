@@ -21,7 +21,7 @@ from opentelemetry import trace
 from deltaspec.v1 import draft_service_pb2_grpc, sampling_pb2, target_service_pb2_grpc
 from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.shared.decoding.batcher import BatchConfig, serving
-from deltaspec.shared.decoding.draft_length import COST_MODEL_K_MAX, CostModelLength, PassCosts
+from deltaspec.shared.decoding.draft_length import COST_MODEL_K_MAX, CostModelLength, PassCosts, Tally
 from deltaspec.shared.decoding.drafters import attach, make_drafter
 from deltaspec.shared.decoding.pipelined import decode_pipelined
 from deltaspec.shared.decoding.sampling import SamplingParams
@@ -66,6 +66,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         self._load, self.limits, self.draft, self.batching = load, limits, draft, batching
         self.draft_length = draft_length
         self.pass_costs: PassCosts | None = None  # measured at load with draft_length 'cost'
+        self.tally = Tally()  # what the sessions' rounds have shown: where a new session's cost model starts
         self.pipeline_depth = pipeline_depth  # pipelined rounds staged at once per session; Generate pipelines if > 0
         self.local_draft = local_draft  # 'ngram' or 'mtp': drafted in this process when no draft peer is set
         self.advertise_address = advertise_address  # this replica's stable HOST:PORT, returned with each session
@@ -100,7 +101,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         """What Generate's loop drafts a round: `asked`, or a cost model choosing up to it."""
         if self.pass_costs is None or not asked:
             return asked
-        return CostModelLength(self.pass_costs, batch_size=getattr(self.model, "batch_size", lambda: 1), k_max=asked)
+        return CostModelLength(self.pass_costs, batch_size=getattr(self.model, "batch_size", lambda: 1), k_max=asked,
+                               tally=self.tally)
 
     async def CreateSession(self, request: pb.CreateSessionRequest, context) -> pb.CreateSessionResponse:
         prompt, sampling = self._prompt(request), sampling_from_proto(request.sampling)
@@ -191,7 +193,9 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         started = time.perf_counter()
 
         def run() -> None:  # in a worker thread: the loop, one queue item per round, then the stats
-            remote = self._remote_drafter(sampling, deadline, request.num_draft_tokens)
+            k = self._draft_length(request.num_draft_tokens)
+            remote = self._remote_drafter(sampling, deadline, request.num_draft_tokens,
+                                          open_early=isinstance(k, int) or k.expects_drafts())
             try:
                 local = self.local_draft if request.num_draft_tokens else "none"
                 drafter = remote or make_drafter(local, self.model, sampling)
@@ -207,7 +211,6 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                         # not on top of a dynamic draft length: its rounds end where the draft is unsure, so
                         # speculations rarely hold (measured: pipelined 0.88-0.92x serial at 1 ms of delay); nor
                         # with k from the cost model, which the pipeline cannot guess ahead
-                        k = self._draft_length(request.num_draft_tokens)
                         pipelined = (remote and self.pipeline_depth and isinstance(k, int)
                                      and not remote.drafts_dynamically())
                         rounds = decode_pipelined if pipelined else decode
@@ -253,11 +256,13 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         finally:
             cancelled.set()
 
-    def _remote_drafter(self, sampling: SamplingParams, deadline: float | None, k: int) -> RemoteDrafter | None:
+    def _remote_drafter(self, sampling: SamplingParams, deadline: float | None, k: int,
+                        open_early: bool = True) -> RemoteDrafter | None:
         if self.draft_channel is None or k == 0:
             return None
         return RemoteDrafter(draft_service_pb2_grpc.DraftServiceStub(self.draft_channel.channel()), sampling,
-                             self.vocab_size, self.draft.timeout_s, deadline)  # type: ignore[union-attr]
+                             self.vocab_size, self.draft.timeout_s, deadline,  # type: ignore[union-attr]
+                             open_early=open_early)
 
     def _prompt(self, request: pb.CreateSessionRequest | pb.GenerateRequest) -> list[int]:
         """The prompt's ids from whichever of prompt_ids, prompt_text and messages is set (exactly one)."""

@@ -1,12 +1,13 @@
 """Draft length from a cost model: the k it picks, what it learns from verdicts, and exactness whatever it picks."""
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from test_rpc_support import PROMPT, draft_service, pair, start  # noqa: F401 - pair: a fixture
 
-from deltaspec.shared.decoding.draft_length import (PROBE_EVERY, CostModelLength, PassCosts, best_k,
-                                                     expected_tokens)
+from deltaspec.shared.decoding.draft_length import (MAX_PROBE_EVERY, PROBE_EVERY, PROBE_SHARE, CostModelLength,
+                                                     DraftCost, PassCosts, Tally, best_k, expected_tokens)
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model
@@ -39,14 +40,32 @@ def test_learns_the_sessions_acceptance_and_probes_at_zero():
     assert length.choose() == 4
     for _ in range(20):  # every round rejects its first draft (a round of k = 0 teaches nothing)
         length.observe(length.choose(), 0)
-    assert length.acceptance < 0.5
-    picks = [length.choose() for _ in range(2 * PROBE_EVERY)]
-    # at k = 0, one draft every PROBE_EVERY rounds, to see whether acceptance came back
-    probes = [i for i, k in enumerate(picks) if k]
-    assert set(picks) == {0, 1} and len(probes) == 2 and probes[1] - probes[0] == PROBE_EVERY
-    for _ in range(60):  # it did: every probe accepted
-        length.observe(1, 1)
+    assert length.acceptance < 0.5 and length.choose() == 0
+    for _ in range(200):  # at k = 0, one-draft probes, all accepted: acceptance comes back
+        length.observe(1, 1) if length.choose() else None
     assert length.acceptance > 0.7 and length.choose() > 1
+
+
+def test_probes_grow_rarer_while_rejected_and_dear():
+    costs = PassCosts(target_s=(1.0, 1.05, 1.1, 1.15, 1.2), draft_s=0.01)
+    length = CostModelLength(costs, prior=0.02, prior_rounds=50)  # a draft that does not match
+
+    def next_probe() -> int:
+        """Rounds until the next probe, the probe included."""
+        n = 1
+        while length.choose() == 0:
+            n += 1
+        return n
+
+    assert next_probe() == PROBE_EVERY
+    length.observe(1, 0, propose_s=0.01)  # rejected, cheap: the wait doubles
+    assert next_probe() == 2 * PROBE_EVERY
+    length.observe(1, 0, propose_s=1.5)  # rejected and dear (1.55 decode steps more than one): at most 1 % probing
+    assert next_probe() == math.ceil(1.55 / PROBE_SHARE)
+    length.observe(1, 0, propose_s=10.0)
+    assert next_probe() == MAX_PROBE_EVERY
+    length.observe(1, 1, propose_s=0.01)  # accepted: back to the shortest wait
+    assert next_probe() == PROBE_EVERY
 
 
 @pytest.mark.parametrize("costs", [CHEAP, DEAR], ids=["cheap-verify", "dear-verify"])
@@ -79,12 +98,35 @@ def test_a_round_reads_the_costs_of_the_batch_it_joins():
     assert CostModelLength(costs, prior=0.9, k_max=0).choose() == 0
 
 
-def test_learns_the_draft_step_cost_from_its_rounds():
+def test_learns_what_drafting_costs_from_its_rounds():
     length = CostModelLength(PassCosts(CHEAP.target_s, draft_s=0.0), prior=0.9)
     assert length.choose() == 4
-    for _ in range(10):  # each draft took as long as a target pass: drafting stops paying
-        length.observe(4, 4, propose_s=4 * 1.0)
-    assert length.draft_s == pytest.approx(1.0) and length.choose() == 0
+    for _ in range(10):  # each draft took as long as a target pass (the first round, waiting for the prompt, is
+        length.observe(4, 4, propose_s=4 * 1.0)  # not counted): drafting stops paying
+    assert length.draft.fit() == pytest.approx((0.0, 1.0)) and length.choose() == 0
+    cost = DraftCost()
+    for k, seconds in ((2, 0.012), (4, 0.014), (2, 0.012), (4, 0.014)):
+        cost.add(1, k, seconds)
+    assert DraftCost(0.002).fit() == (0.0, 0.002)  # nothing seen: the guess
+    cost.add(4, 4, 0.04)  # at a batch of 4 the draft answers later, queueing the others' drafts: not counted
+    assert cost.fit() == pytest.approx((0.010, 0.001))  # a round trip of 10 ms, then 1 ms a draft
+    # a round trip that a longer round amortises: k = 4 where the same cost spread per draft would pick less
+    fixed = PassCosts(CHEAP.target_s, 0.001, draft_fixed_s=0.3)
+    assert best_k(fixed, 0.8) == 4 and best_k(PassCosts(CHEAP.target_s, 0.301), 0.8) < 4
+
+
+def test_a_new_session_starts_from_what_the_servers_sessions_showed():
+    tally = Tally()
+    assert CostModelLength(CHEAP, tally=tally).acceptance == 0.5  # nothing shown yet: the prior
+    first = CostModelLength(CHEAP, tally=tally)
+    for _ in range(30):
+        first.observe(4, 0, propose_s=0.04)  # a draft that never matches
+    later = CostModelLength(CHEAP, tally=tally)
+    assert later.acceptance < 0.05 and later.choose() == 0 and later.draft is first.draft
+    while first.choose() == 0:  # a probe, rejected: a later session waits longer before its own first probe
+        pass
+    first.observe(1, 0, propose_s=0.04)
+    assert CostModelLength(CHEAP, tally=tally).wait == tally.wait > PROBE_EVERY
 
 
 def test_pass_costs_measured_at_each_batch():

@@ -39,6 +39,7 @@ MIN_GENERATIONS = 4
 THREAD_LEVELS, THREAD_SETTINGS = (1, 8), (1, 2)
 FIELDS = ("loop", "k", "concurrency", "torch_threads", "generations", "tokens", "seconds", "tokens_per_s",
           "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "acceptance", "drafted_rounds",
+          "drafts_per_round",
           "target_rss_before_mib", "target_rss_after_mib", "draft_rss_before_mib", "draft_rss_after_mib",
           "cpu_busy", "target_cpu_ms_per_token", "target_batch", "draft_batch")
 
@@ -113,6 +114,7 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list
             "tpot_p99_ms": 1e3 * percentile(tpot, 0.99), "ttft_p50_ms": 1e3 * percentile(ttft, 0.5),
             "ttft_p99_ms": 1e3 * percentile(ttft, 0.99), "acceptance": accepted / drafted if drafted else 0.0,
             "drafted_rounds": drafts / rounds if rounds else 0.0,
+            "drafts_per_round": drafted / rounds if rounds else 0.0,
             **{f"{name}_rss_before_mib": v for name, v in rss_before.items()},
             **{f"{name}_rss_after_mib": s.rss_mib() for name, s in servers.items()},
             "cpu_busy": sum(cpu.values()) / (seconds * len(os.sched_getaffinity(0))),

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deltaspec.shared.bench import (generation, gpu, load, moe, pipeline, prefix, report, session_memory,
-                                    steps as step_costs, wire)
+from deltaspec.shared.bench import (cost_model, generation, gpu, load, moe, pipeline, prefix, report,
+                                    session_memory, steps as step_costs, wire)
 from deltaspec.shared.bench.rollback import compare
 from deltaspec.shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
 from deltaspec.shared.decoding.drafters import make_drafter
@@ -47,7 +47,7 @@ from deltaspec.shared.telemetry.overhead import tracing_overhead
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
 SECTIONS = ("steps", "acceptance", "generations", "grpc", "wire", "tracing", "rollback", "memory", "pipeline", "load",
-            "sessions", "moe", "prefix", "compiled", "gpu")
+            "sessions", "moe", "cost_model", "prefix", "compiled", "gpu")
 
 
 def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
@@ -122,6 +122,9 @@ def run(args: argparse.Namespace) -> dict:
         if "moe" in steps:
             result["moe"] = moe.moe(quick)
             bar.update()
+        if "cost_model" in steps:
+            result["cost_model"] = cost_model.cost_model(quick)
+            bar.update()
         if "prefix" in steps:
             command = " ".join(["deltaspec bench", *(["--quick"] if quick else []),
                                 *([f"--only {','.join(args.only)}"] if args.only else [])])
@@ -188,6 +191,8 @@ def print_tables(result: dict) -> None:
         session_memory.print_rows(result["sessions"])
     if "moe" in result:
         moe.print_rows(result["moe"])
+    if "cost_model" in result:
+        cost_model.print_rows(result["cost_model"])
     if "prefix" in result:
         prefix.print_rows(result["prefix"])
     if "gpu" in result:
@@ -259,6 +264,8 @@ def main(args: argparse.Namespace) -> int:
         report.save(DOCS, "load", result["load"], load.print_rows, load.plot)
     if not args.quick and "moe" in result:
         report.save(DOCS, "moe", result["moe"], moe.print_rows, moe.plot)
+    if not args.quick and "cost_model" in result:
+        report.save(DOCS, "cost_model", result["cost_model"], cost_model.print_rows)
     if not args.quick and "prefix" in result:
         prefix.save(DOCS, result["prefix"])
     if "sessions" in result:  # computed, not timed: the same in quick runs

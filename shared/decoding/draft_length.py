@@ -6,7 +6,10 @@ target's own token). Decoding alone (k = 0) yields one token per pass of one. `C
 most tokens per second from pass costs measured on this machine (`PassCosts.measure`, at start-up) and the
 acceptance the session has shown, down to 0 where no k pays: a MoE target whose verify reads many more experts than
 a decode step, a batch large enough that the target is compute bound, a draft that has stopped matching. At k = 0 it
-still proposes one draft every `PROBE_EVERY` rounds, so a session whose text turns predictable gets speculation back.
+still proposes one draft after `PROBE_EVERY` rounds, so a session whose text turns predictable gets speculation back.
+Each probe rejected doubles the wait for the next, and a probe that cost more than a decode step by much (a remote
+draft reopening its session) spaces the next ones so that probing takes at most `PROBE_SHARE` of the rounds' time,
+up to `MAX_PROBE_EVERY` rounds: a draft that never matches costs ever fewer probes.
 
 In a server the same pass costs more per sequence or less as more sessions share it, so the target's passes are
 measured at several batch sizes (`PassCosts.batched`) and each round reads the row of the batch it will join
@@ -15,7 +18,9 @@ includes its network round trip), learned as rounds go.
 """
 from __future__ import annotations
 
+import math
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,9 +29,11 @@ import torch
 
 from deltaspec.shared.model.batched import forward_batch
 
-PROBE_EVERY = 16  # rounds at k = 0 between one-draft probes of the acceptance
+PROBE_EVERY = 16  # rounds at k = 0 before a one-draft probe of the acceptance (after an accepted probe)
+MAX_PROBE_EVERY = 256  # the longest wait, after rejected or dear probes
+PROBE_SHARE = 0.01  # at most this share of the rounds' time goes to probes' extra cost
 COST_MODEL_K_MAX = 8  # the most drafts a server's cost model measures (and so picks) a round
-DRAFT_COST_WEIGHT = 0.2  # weight of the latest round in the running draft step cost
+DRAFT_COST_WEIGHT = 0.2  # weight of the latest round in the running drafting time at its k
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,7 @@ class PassCosts:
     target_s: tuple[float, ...]
     draft_s: float
     batched: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    draft_fixed_s: float = 0.0  # what a round that drafts costs besides its steps (a remote draft's round trip)
 
     @property
     def k_max(self) -> int:
@@ -47,7 +55,7 @@ class PassCosts:
         large (a pass never costs less with more sequences), else the largest measured."""
         target_s = next((row for size, row in self.batched if size >= batch),
                         self.batched[-1][1] if self.batched else self.target_s)
-        return PassCosts(target_s, self.draft_s)
+        return PassCosts(target_s, self.draft_s, draft_fixed_s=self.draft_fixed_s)
 
     @classmethod
     def measure(cls, target, draft, k_max: int, repeats: int = 5, batches: tuple[int, ...] = ()) -> PassCosts:
@@ -89,25 +97,90 @@ def expected_tokens(acceptance: float, k: int) -> float:
 def best_k(costs: PassCosts, acceptance: float) -> int:
     """The k in 0..k_max with the most tokens per second."""
     def rate(k: int) -> float:
-        return expected_tokens(acceptance, k) / (costs.target_s[k] + k * costs.draft_s)
+        return expected_tokens(acceptance, k) / (costs.target_s[k] + k * costs.draft_s + (k > 0) * costs.draft_fixed_s)
     return max(range(costs.k_max + 1), key=rate)
+
+
+class DraftCost:
+    """A round's drafting time as fixed + k x step: a line through the running mean time of the rounds at each k
+    proposed (a remote draft's round trip is the fixed part; one k seen: all of it per step; none yet: `step_s`, the
+    optimist's guess, until rounds show otherwise). Only the rounds of the smallest batch seen count: with more
+    sessions a draft's answer also waits for the others' (a shared draft queues them), time in which the target runs
+    the others' passes, so it is no cost to the target's throughput. Thread-safe."""
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.means: dict[tuple[int, int], float] = {}  # (batch, k) -> running mean seconds
+        self.prior_step_s = step_s
+        self.lock = threading.Lock()
+
+    def add(self, batch: int, k: int, seconds: float) -> None:
+        with self.lock:
+            mean = self.means.get((batch, k))
+            self.means[batch, k] = seconds if mean is None else mean + DRAFT_COST_WEIGHT * (seconds - mean)
+
+    def fit(self) -> tuple[float, float]:
+        """(fixed, step) seconds."""
+        with self.lock:
+            smallest = min((b for b, _ in self.means), default=0)
+            points = [(k, t) for (b, k), t in self.means.items() if b == smallest]
+        if not points:
+            return 0.0, self.prior_step_s
+        if len(points) == 1:
+            k, t = points[0]
+            return 0.0, t / k
+        mean_k = statistics.fmean(k for k, _ in points)
+        mean_t = statistics.fmean(t for _, t in points)
+        step = (sum((k - mean_k) * (t - mean_t) for k, t in points) / sum((k - mean_k) ** 2 for k, _ in points))
+        step = max(step, 0.0)
+        fixed = mean_t - step * mean_k
+        return (fixed, step) if fixed >= 0 else (0.0, mean_t / mean_k)
+
+
+class Tally:
+    """What a server's sessions have shown: per-token acceptance, recent rounds weighing most, and what drafting
+    costs (`DraftCost`: the draft and the network are the server's, not a session's). A new session's
+    `CostModelLength` starts from it rather than from a guess, whose mistakes its first rounds would pay (rounds that
+    do not pay, or a draft left unused). Thread-safe."""
+
+    def __init__(self, keep: float = 0.99) -> None:
+        self.keep = keep  # weight of the past at each round
+        self.accepted = self.rejected = 0.0
+        self.draft = DraftCost()
+        self.wait = PROBE_EVERY  # where a new session's probe schedule starts: the last probe's outcome
+        self.lock = threading.Lock()
+
+    def acceptance(self) -> float | None:
+        with self.lock:
+            seen = self.accepted + self.rejected
+            return self.accepted / seen if seen >= 1 else None
+
+    def add(self, accepted: int, rejected: bool) -> None:
+        with self.lock:
+            self.accepted = self.keep * self.accepted + accepted
+            self.rejected = self.keep * self.rejected + rejected
 
 
 class CostModelLength:
     """Chooses k per round (`choose`) and learns the session's acceptance and draft step cost from each round
     (`observe`): accepted drafts over accepted drafts plus rounds ended by a rejection (the geometric model's
-    estimate), from a prior of `prior` worth `prior_rounds` rounds. `batch_size()`: sequences the next target pass
-    will carry (a server's batcher); `k_max`: the most drafts a round may take (at most what `costs` measured)."""
+    estimate), from a prior worth `prior_rounds` rounds: what `tally` (a server's sessions) has shown, else `prior`.
+    `batch_size()`: sequences the next target pass will carry (a server's batcher); `k_max`: the most drafts a round
+    may take (at most what `costs` measured)."""
 
-    def __init__(self, costs: PassCosts, prior: float = 0.5, prior_rounds: float = 2.0,
-                 batch_size: Callable[[], int] = lambda: 1, k_max: int | None = None) -> None:
-        self.costs, self.batch_size = costs, batch_size
+    def __init__(self, costs: PassCosts, prior: float = 0.5, prior_rounds: float = 4.0,
+                 batch_size: Callable[[], int] = lambda: 1, k_max: int | None = None,
+                 tally: Tally | None = None) -> None:
+        self.costs, self.batch_size, self.tally = costs, batch_size, tally
         self.k_max = costs.k_max if k_max is None else max(0, min(k_max, costs.k_max))
+        shown = tally.acceptance() if tally is not None else None
+        prior = prior if shown is None else shown
         self.accepted = prior * prior_rounds
         self.rejected = (1 - prior) * prior_rounds
-        self.draft_s = costs.draft_s
-        self.timed = False  # draft_s is still the prior (no round proposed anything yet)
+        self.draft = tally.draft if tally is not None else DraftCost(costs.draft_s)
+        self.proposals = 0  # rounds that proposed drafts
         self.idle = 0  # rounds at k = 0 since the last probe
+        self.wait = tally.wait if tally is not None else PROBE_EVERY  # rounds at k = 0 before the next probe
+        self.probing = False  # the last k chosen was a probe
 
     @property
     def acceptance(self) -> float:
@@ -116,22 +189,43 @@ class CostModelLength:
     def choose(self) -> int:
         if not self.k_max:
             return 0
-        target_s = self.costs.at(self.batch_size()).target_s[:self.k_max + 1]
-        k = best_k(PassCosts(target_s, self.draft_s), self.acceptance)
+        k = self._best()
+        self.probing = False
         if k > 0:
             self.idle = 0
             return k
         self.idle += 1
-        if self.idle >= PROBE_EVERY:
-            self.idle = 0
+        if self.idle >= self.wait:
+            self.idle, self.probing = 0, True
             return 1
         return 0
+
+    def expects_drafts(self) -> bool:
+        """Whether a round would draft now, probes aside (a remote draft's session is then worth opening early)."""
+        return self.k_max > 0 and self._best() > 0
+
+    def _best(self) -> int:
+        fixed, step = self.draft.fit()
+        return best_k(PassCosts(self.costs.at(self.batch_size()).target_s[:self.k_max + 1], step,
+                                draft_fixed_s=fixed), self.acceptance)
 
     def observe(self, proposed: int, accepted: int, propose_s: float | None = None) -> None:
         """A round's verdict: `accepted` of `proposed` drafts, which took `propose_s` seconds to get."""
         self.accepted += accepted
         self.rejected += accepted < proposed
-        if proposed and propose_s is not None:
-            step = propose_s / proposed
-            self.draft_s = step if not self.timed else self.draft_s + DRAFT_COST_WEIGHT * (step - self.draft_s)
-            self.timed = True
+        if not proposed:
+            return
+        self.proposals += 1
+        if self.probing:  # what it cost spaces the next probe
+            decode_s, verify_s = self.costs.at(self.batch_size()).target_s[:2]
+            extra = verify_s - decode_s + (propose_s or 0.0)  # over the decode step the round would have been
+            wait = max(PROBE_EVERY if accepted else 2 * self.wait, math.ceil(extra / (PROBE_SHARE * decode_s)))
+            self.wait = min(wait, MAX_PROBE_EVERY)
+            if self.tally is not None:
+                self.tally.wait = self.wait
+        # what drafting costs, but not from a probe (a remote draft reopens its session for it, closed while rounds
+        # went without drafts) nor from the first proposal (it waits for the draft to take the prompt)
+        if propose_s is not None and self.proposals > 1 and not self.probing:
+            self.draft.add(self.batch_size(), proposed, propose_s)
+        if self.tally is not None:
+            self.tally.add(accepted, accepted < proposed)

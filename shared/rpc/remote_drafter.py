@@ -72,8 +72,12 @@ class _Speculation:
 
 class RemoteDrafter:
     def __init__(self, stub: draft_service_pb2_grpc.DraftServiceStub, sampling: SamplingParams, vocab_size: int,
-                 timeout_s: float = 1.0, deadline: float | None = None, max_backoff_rounds: int = 32) -> None:
+                 timeout_s: float = 1.0, deadline: float | None = None, max_backoff_rounds: int = 32,
+                 open_early: bool = True) -> None:
+        """`open_early`: ask for the peer's session at `start` (its round trip overlaps the target's prefill); else
+        at the first proposal, for a loop that may draft nothing for a while (a cost model's k = 0)."""
         self.stub, self.sampling, self.vocab_size = stub, sampling, vocab_size
+        self.open_early = open_early
         self.timeout_s, self.deadline, self.max_backoff_rounds = timeout_s, deadline, max_backoff_rounds
         self.failures = 0  # rounds in which the peer failed
         self.lock = threading.RLock()  # replies are folded in on gRPC's threads
@@ -94,7 +98,7 @@ class RemoteDrafter:
         self.abandoned: list[_Speculation] = []  # in flight, no longer wanted: answered before the next Propose
         self.skip = self.consecutive_failures = 0
         timeout = self._timeout()  # the session is asked for at once: its round trip overlaps the target's prefill
-        if self.history and timeout > 0:
+        if self.history and timeout > 0 and self.open_early:
             self.opening = self.stub.CreateSession.future(self._create_request(), timeout=timeout)
 
     def propose(self, k: int) -> Proposal:
