@@ -6,14 +6,22 @@ import pytest
 import torch
 from test_rpc_support import PROMPT, draft_service, pair, start  # noqa: F401 - pair: a fixture
 
+from deltaspec.v1 import draft_service_pb2_grpc
+from deltaspec.draft_service.servicer import NAME, DraftServicer
 from deltaspec.shared.decoding.draft_length import (MAX_PROBE_EVERY, PROBE_EVERY, PROBE_SHARE, CostModelLength,
                                                      DraftCost, PassCosts, Tally, best_k, expected_tokens)
+from deltaspec.shared.decoding.drafters import attach
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.decoding.target import TargetSession
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
 from deltaspec.shared.rpc.client import generate_on_server
+from deltaspec.shared.rpc.options import channel
+from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
+from deltaspec.shared.rpc.server import Service
 from deltaspec.target_service import servicer
 
 TARGET = random_model(hf_moe_config("qwen3_next"), seed=3).fuse()
@@ -149,3 +157,29 @@ def test_served_with_the_cost_model_every_stream_equals_target_only(pair):
     assert all(g.stats.drafted <= 2 * g.stats.rounds for g in got)  # never more than the request's cap
     with pytest.raises(ValueError, match="draft_length"):
         servicer.TargetServicer(lambda: None, draft_length="dynamic")
+
+
+def test_a_remote_draft_opened_late_proposes_what_one_opened_early_does(pair):
+    """`open_early=False` (a loop whose cost model expects no drafts yet): `start` opens nothing on the draft service;
+    the first proposal opens the session, from every token committed so far, and proposes what an early one does."""
+    draft = DraftServicer(lambda: load_model(pair[1]))
+    service = Service(NAME, lambda s: draft_service_pb2_grpc.add_DraftServiceServicer_to_server(draft, s), draft.load)
+    target = load_model(pair[0])
+    with start(service) as server:
+        proposals = []
+        for early in (True, False):
+            remote = RemoteDrafter(draft_service_pb2_grpc.DraftServiceStub(channel(server.address)),
+                                   SamplingParams(), target.config.vocab_size, open_early=early)
+            session = TargetSession(target, PROMPT)
+            remote.start(list(PROMPT))
+            attach(remote, session)
+            if not early:
+                assert len(draft.sessions) == 0
+            for i, k in enumerate((0, 0, 3, 0, 2)):  # rounds without drafts first: the session opens at the third
+                proposal = remote.propose(k)
+                proposals.append(proposal.tokens)
+                rnd = session.verify(f"r{i}", proposal.tokens, session.version)
+                session.commit(rnd.round_id, rnd.verdict.accepted)
+                remote.advance(rnd.verdict.accepted, session.generated[-1])
+            remote.close()
+    assert proposals[:5] == proposals[5:] and proposals[2]
