@@ -104,9 +104,9 @@ def best_k(costs: PassCosts, acceptance: float) -> int:
 class DraftCost:
     """A round's drafting time as fixed + k x step: a line through the running mean time of the rounds at each k
     proposed (a remote draft's round trip is the fixed part; one k seen: all of it per step; none yet: `step_s`, the
-    optimist's guess, until rounds show otherwise). Only the rounds of the smallest batch seen count: with more
-    sessions a draft's answer also waits for the others' (a shared draft queues them), time in which the target runs
-    the others' passes, so it is no cost to the target's throughput. Thread-safe."""
+    optimist's guess, until rounds show otherwise). At a batch of n sessions only the rounds of the smallest batch
+    seen up to n count: with more sessions a draft's answer also waits for the others' (a shared draft queues them),
+    time in which the target runs the others' passes, so it is no cost to the target's throughput. Thread-safe."""
 
     def __init__(self, step_s: float = 0.0) -> None:
         self.means: dict[tuple[int, int], float] = {}  # (batch, k) -> running mean seconds
@@ -118,10 +118,10 @@ class DraftCost:
             mean = self.means.get((batch, k))
             self.means[batch, k] = seconds if mean is None else mean + DRAFT_COST_WEIGHT * (seconds - mean)
 
-    def fit(self) -> tuple[float, float]:
-        """(fixed, step) seconds."""
+    def fit(self, batch: int = 1) -> tuple[float, float]:
+        """(fixed, step) seconds for a round in a batch of `batch`."""
         with self.lock:
-            smallest = min((b for b, _ in self.means), default=0)
+            smallest = min((b for b, _ in self.means if b <= batch), default=0)
             points = [(k, t) for (b, k), t in self.means.items() if b == smallest]
         if not points:
             return 0.0, self.prior_step_s
@@ -205,9 +205,10 @@ class CostModelLength:
         return self.k_max > 0 and self._best() > 0
 
     def _best(self) -> int:
-        fixed, step = self.draft.fit()
-        return best_k(PassCosts(self.costs.at(self.batch_size()).target_s[:self.k_max + 1], step,
-                                draft_fixed_s=fixed), self.acceptance)
+        batch = self.batch_size()
+        fixed, step = self.draft.fit(batch)
+        return best_k(PassCosts(self.costs.at(batch).target_s[:self.k_max + 1], step, draft_fixed_s=fixed),
+                      self.acceptance)
 
     def observe(self, proposed: int, accepted: int, propose_s: float | None = None) -> None:
         """A round's verdict: `accepted` of `proposed` drafts, which took `propose_s` seconds to get."""
