@@ -118,9 +118,12 @@ def test_learns_what_drafting_costs_from_its_rounds():
     assert DraftCost(0.002).fit() == (0.0, 0.002)  # nothing seen: the guess
     cost.add(4, 4, 0.04)  # at a batch of 4 the draft answers later, queueing the others' drafts: not counted
     assert cost.fit(1) == cost.fit(8) == pytest.approx((0.010, 0.001))  # a round trip of 10 ms, then 1 ms a draft
-    queued = DraftCost()
+    now = [0.0]
+    queued = DraftCost(clock=lambda: now[0])
     queued.add(4, 4, 0.04)
     assert queued.fit(4) == pytest.approx((0.0, 0.01)) and queued.fit(1) == (0.0, 0.0)  # not seen alone: the guess
+    now[0] = 11.0  # not measured again for longer than its ttl (10 s): forgotten, drafting is tried again
+    assert queued.fit(4) == (0.0, 0.0)
     # a round trip that a longer round amortises: k = 4 where the same cost spread per draft would pick less
     fixed = PassCosts(CHEAP.target_s, 0.001, draft_fixed_s=0.3)
     assert best_k(fixed, 0.8) == 4 and best_k(PassCosts(CHEAP.target_s, 0.301), 0.8) < 4

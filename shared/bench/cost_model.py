@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
+from deltaspec.shared.bench import report
 from deltaspec.shared.bench.load import measure
 from deltaspec.shared.bench.loopback import PROMPTS, Server, stop_all, target_only_outputs
 from deltaspec.shared.bench.moe import moe_config
@@ -82,15 +84,19 @@ def served(target_dir: Path, draft_dir: Path, prompts: list[list[int]], levels: 
 
 
 def cost_model(quick: bool = False) -> dict:
+    started = time.time()
     tokenizer = load_tokenizer(DEFAULT_TARGET)
     prompts = [tokenizer.encode(p) for p in PROMPTS[:4]]
     levels, repeats = (QUICK_LEVELS, QUICK_REPEATS) if quick else (LEVELS, REPEATS)
     tokens = 32 if quick else 64
     with tempfile.TemporaryDirectory() as root:
         moe_target, random_draft = moe_pair(Path(root))
-        return {"k": K, "max_new_tokens": tokens, "warm_generations": WARM_GENERATIONS, "pairs": {
-            "embedded pair (trained draft)": served(DEFAULT_TARGET, DEFAULT_DRAFT, prompts, levels, repeats, tokens),
-            "MoE target, random draft": served(moe_target, random_draft, prompts, levels, repeats, tokens)}}
+        pairs = {"embedded pair (trained draft)": served(DEFAULT_TARGET, DEFAULT_DRAFT, prompts, levels, repeats,
+                                                         tokens),
+                 "MoE target, random draft": served(moe_target, random_draft, prompts, levels, repeats, tokens)}
+    command = "deltaspec bench --only cost_model" + (" --quick" if quick else "")
+    return {"header": report.header(command, started), "k": K, "max_new_tokens": tokens,
+            "warm_generations": WARM_GENERATIONS, "pairs": pairs}
 
 
 def _spread(values: list[float], digits: int = 2) -> str:
@@ -98,7 +104,8 @@ def _spread(values: list[float], digits: int = 2) -> str:
 
 
 def print_rows(result: dict) -> None:
-    print(f"\nk per round from the cost model, served (server loop, greedy, {result['max_new_tokens']} tokens a "
+    print(f"\n{result['header']}")
+    print(f"k per round from the cost model, served (server loop, greedy, {result['max_new_tokens']} tokens a "
           f"generation, outputs equal to target-only; the cost-model server warmed by {result['warm_generations']} "
           f"generations; aggregate tok/s, median [min-max])")
     for pair, rows in result["pairs"].items():

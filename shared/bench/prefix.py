@@ -22,14 +22,13 @@ import contextlib
 import copy
 import io
 import os
-import platform
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from deltaspec.shared.bench import report
 from deltaspec.shared.bench.generation import spread
 from deltaspec.shared.bench.session_memory import QWEN35_35B_A3B
 from deltaspec.shared.bench.speedup import HELDOUT_LIST
@@ -49,7 +48,6 @@ from deltaspec.shared.state.rollback import GDNStates
 BLOCK = 16  # tokens per cache entry
 NUM_DRAFT_TOKENS = 4
 SUFFIXES = (16, 21, 26, 31, 35)  # short prompts' own tokens after the shared prefix, in turn (64 + 35 < 100)
-REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -301,18 +299,6 @@ def memory(sides: list[Side], system: list[int], block: int) -> list[dict]:
     return out
 
 
-def header(command: str, started: float) -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip() or "unknown"
-    when = f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(started))}-{time.strftime('%H:%M')}"
-    return (f"{command}, {when}, {cpu} ({os.cpu_count()} cores), torch {torch.__version__}, "
-            f"{torch.get_num_threads()} torch thread(s), commit {commit}")
-
-
 def prefix(quick: bool = False, command: str = "deltaspec bench --only prefix", plan: Plan | None = None,
            target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT) -> dict:
     started = time.time()
@@ -333,7 +319,7 @@ def prefix(quick: bool = False, command: str = "deltaspec bench --only prefix", 
             "conversation": [{"turn": t + 1, **r} for t in range(plan.turns) for r in rows(chat_runs, range(t, t + 1))],
             "extended": extended_rows(chat_runs),
             "memory": memory(sides, system, plan.block), "seconds": time.time() - started,
-            "header": header(command, started)}
+            "header": report.header(command, started)}
 
 
 def _cell(s: dict, digits: int = 1) -> str:

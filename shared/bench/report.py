@@ -1,11 +1,19 @@
-"""A bench section's record in docs/: its table as printed and its plot."""
+"""A bench section's record in docs/: its table as printed, its plot, and the line saying where and when it ran."""
 from __future__ import annotations
 
 import contextlib
 import io
+import os
+import platform
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def save(docs: Path, name: str, result: Any, print_rows: Callable[[Any], None],
@@ -18,3 +26,16 @@ def save(docs: Path, name: str, result: Any, print_rows: Callable[[Any], None],
     (docs / f"{name}.txt").write_text(text.getvalue().lstrip("\n"))
     if plot is not None:
         plot(result, docs / f"{name}.png")
+
+
+def header(command: str, started: float) -> str:
+    """The command, when it ran (from `started`, a `time.time()`, to now), the machine, torch and the commit."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=False).stdout.strip() or "unknown"
+    when = f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(started))}-{time.strftime('%H:%M')}"
+    return (f"{command}, {when}, {cpu} ({os.cpu_count()} cores), torch {torch.__version__}, "
+            f"{torch.get_num_threads()} torch thread(s), commit {commit}")

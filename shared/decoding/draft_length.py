@@ -34,6 +34,7 @@ MAX_PROBE_EVERY = 256  # the longest wait, after rejected or dear probes
 PROBE_SHARE = 0.01  # at most this share of the rounds' time goes to probes' extra cost
 COST_MODEL_K_MAX = 8  # the most drafts a server's cost model measures (and so picks) a round
 DRAFT_COST_WEIGHT = 0.2  # weight of the latest round in the running drafting time at its k
+DRAFT_COST_TTL_S = 10.0  # a drafting time not measured again for this long is forgotten
 
 
 @dataclass(frozen=True)
@@ -106,23 +107,27 @@ class DraftCost:
     proposed (a remote draft's round trip is the fixed part; one k seen: all of it per step; none yet: `step_s`, the
     optimist's guess, until rounds show otherwise). At a batch of n sessions only the rounds of the smallest batch
     seen up to n count: with more sessions a draft's answer also waits for the others' (a shared draft queues them),
-    time in which the target runs the others' passes, so it is no cost to the target's throughput. Thread-safe."""
+    time in which the target runs the others' passes, so it is no cost to the target's throughput. A mean not
+    refreshed for `ttl_s` is forgotten: a passing slowdown that made drafting look too dear to try (so no round
+    timed it again) is tried again. Thread-safe."""
 
-    def __init__(self, step_s: float = 0.0) -> None:
-        self.means: dict[tuple[int, int], float] = {}  # (batch, k) -> running mean seconds
-        self.prior_step_s = step_s
+    def __init__(self, step_s: float = 0.0, ttl_s: float = DRAFT_COST_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.means: dict[tuple[int, int], tuple[float, float]] = {}  # (batch, k) -> (running mean seconds, when)
+        self.prior_step_s, self.ttl_s, self.clock = step_s, ttl_s, clock
         self.lock = threading.Lock()
 
     def add(self, batch: int, k: int, seconds: float) -> None:
         with self.lock:
-            mean = self.means.get((batch, k))
-            self.means[batch, k] = seconds if mean is None else mean + DRAFT_COST_WEIGHT * (seconds - mean)
+            mean, _ = self.means.get((batch, k), (seconds, 0.0))
+            self.means[batch, k] = (mean + DRAFT_COST_WEIGHT * (seconds - mean), self.clock())
 
     def fit(self, batch: int = 1) -> tuple[float, float]:
         """(fixed, step) seconds for a round in a batch of `batch`."""
         with self.lock:
-            smallest = min((b for b, _ in self.means if b <= batch), default=0)
-            points = [(k, t) for (b, k), t in self.means.items() if b == smallest]
+            fresh = {key: t for key, (t, when) in self.means.items() if self.clock() - when <= self.ttl_s}
+            smallest = min((b for b, _ in fresh if b <= batch), default=0)
+            points = [(k, t) for (b, k), t in fresh.items() if b == smallest]
         if not points:
             return 0.0, self.prior_step_s
         if len(points) == 1:
