@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from opentelemetry import trace
@@ -21,7 +21,7 @@ from opentelemetry import trace
 from deltaspec.v1 import draft_service_pb2_grpc, sampling_pb2, target_service_pb2_grpc
 from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.shared.decoding.batcher import BatchConfig, serving
-from deltaspec.shared.decoding.draft_length import COST_MODEL_K_MAX, CostModelLength, PassCosts, Tally
+from deltaspec.shared.decoding.draft_length import COST_MODEL_K_MAX, CostModelLength, PassCosts, Tally, drafting_cost
 from deltaspec.shared.decoding.drafters import attach, make_drafter
 from deltaspec.shared.decoding.pipelined import decode_pipelined
 from deltaspec.shared.decoding.sampling import SamplingParams
@@ -80,22 +80,32 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         self.model = serving(model, self.limits, self.batching, self.metrics,
                              keep_hidden=self.local_draft == "mtp" and self.draft is None)
         self.vocab_size = self.model.config.vocab_size
-        if self.draft_length == "cost":
-            self.pass_costs = self._measure_costs(model)
         self.eos = set(self.model.config.eos_token_id) | set(self.tokenizer.eos_token_ids)
         self.draft_channel = (Redialing(self.draft.security, self.draft.address, self.telemetry.channel)
                               if self.draft else None)  # made again when the client certificate is renewed
+        if self.draft_length == "cost":
+            self.pass_costs = self._measure_costs(model)
 
     def _measure_costs(self, model: HybridLM) -> PassCosts:
-        """The target's pass times at batch sizes 1, 2, 4, ... up to what one pass may carry (and the pool holds);
-        the draft's step cost is learned per session from its proposals (a remote draft's includes the network)."""
+        """The target's pass times at batch sizes 1, 2, 4, ... up to what one pass may carry (and the pool holds),
+        and what drafting a round costs (a remote draft's includes the network round trip), timed on scratch
+        sessions."""
         largest = min(self.batching.max_batch if self.batching else 1, model.state_pool.slots)
         batches = sorted({min(2**i, largest) for i in range(largest.bit_length())})
         costs = PassCosts.measure(model, None, COST_MODEL_K_MAX, repeats=3, batches=tuple(batches))
         for size, row in costs.batched:
             print(f"draft length cost model: target pass ms at batch {size}, T = 1..{len(row)}: "
                   + " ".join(f"{1000 * s:.1f}" for s in row), file=sys.stderr, flush=True)
-        return costs
+        drafter = (self._remote_drafter(SamplingParams(), None, COST_MODEL_K_MAX) if self.draft_channel
+                   else make_drafter(self.local_draft, self.model, SamplingParams()))
+        line = drafting_cost(self.model, drafter) if self.draft_channel or self.local_draft != "none" else (0.0, 0.0)
+        if line is None:
+            print("draft length cost model: the draft did not answer at start-up: drafting taken as free",
+                  file=sys.stderr, flush=True)
+            line = (0.0, 0.0)
+        print(f"draft length cost model: drafting a round {1000 * line[0]:.2f} ms + {1000 * line[1]:.2f} ms a draft",
+              file=sys.stderr, flush=True)
+        return replace(costs, draft_fixed_s=line[0], draft_s=line[1])
 
     def _draft_length(self, asked: int) -> int | CostModelLength:
         """What Generate's loop drafts a round: `asked`, or a cost model choosing up to it."""

@@ -9,7 +9,8 @@ from test_rpc_support import PROMPT, draft_service, pair, start  # noqa: F401 - 
 from deltaspec.v1 import draft_service_pb2_grpc
 from deltaspec.draft_service.servicer import NAME, DraftServicer
 from deltaspec.shared.decoding.draft_length import (MAX_PROBE_EVERY, PROBE_EVERY, PROBE_SHARE, CostModelLength,
-                                                     DraftCost, PassCosts, Tally, best_k, expected_tokens)
+                                                     PassCosts, Tally, best_k, draft_line, drafting_cost,
+                                                     expected_tokens)
 from deltaspec.shared.decoding.drafters import attach
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.sampling import SamplingParams
@@ -106,27 +107,20 @@ def test_a_round_reads_the_costs_of_the_batch_it_joins():
     assert CostModelLength(costs, prior=0.9, k_max=0).choose() == 0
 
 
-def test_learns_what_drafting_costs_from_its_rounds():
-    length = CostModelLength(PassCosts(CHEAP.target_s, draft_s=0.0), prior=0.9)
-    assert length.choose() == 4
-    for _ in range(10):  # each draft took as long as a target pass (the first round, waiting for the prompt, is
-        length.observe(4, 4, propose_s=4 * 1.0)  # not counted): drafting stops paying
-    assert length.draft.fit() == pytest.approx((0.0, 1.0)) and length.choose() == 0
-    cost = DraftCost()
-    for k, seconds in ((2, 0.012), (4, 0.014), (2, 0.012), (4, 0.014)):
-        cost.add(1, k, seconds)
-    assert DraftCost(0.002).fit() == (0.0, 0.002)  # nothing seen: the guess
-    cost.add(4, 4, 0.04)  # at a batch of 4 the draft answers later, queueing the others' drafts: not counted
-    assert cost.fit(1) == cost.fit(8) == pytest.approx((0.010, 0.001))  # a round trip of 10 ms, then 1 ms a draft
-    now = [0.0]
-    queued = DraftCost(clock=lambda: now[0])
-    queued.add(4, 4, 0.04)
-    assert queued.fit(4) == pytest.approx((0.0, 0.01)) and queued.fit(1) == (0.0, 0.0)  # not seen alone: the guess
-    now[0] = 11.0  # not measured again for longer than its ttl (10 s): forgotten, drafting is tried again
-    assert queued.fit(4) == (0.0, 0.0)
+def test_drafting_cost_as_a_round_trip_plus_steps():
+    assert draft_line({2: [0.012, 0.013, 0.012], 4: [0.014], 8: [0.018]}) == pytest.approx((0.010, 0.001))
+    assert draft_line({4: [0.04]}) == pytest.approx((0.0, 0.01)) and draft_line({}) == (0.0, 0.0)
     # a round trip that a longer round amortises: k = 4 where the same cost spread per draft would pick less
     fixed = PassCosts(CHEAP.target_s, 0.001, draft_fixed_s=0.3)
     assert best_k(fixed, 0.8) == 4 and best_k(PassCosts(CHEAP.target_s, 0.301), 0.8) < 4
+    assert PassCosts(CHEAP.target_s, 0.001, ((1, DEAR.target_s),), 0.3).at(1).draft_fixed_s == 0.3
+    dear = CostModelLength(PassCosts(CHEAP.target_s, 1.0), prior=0.9)  # each draft as dear as a target pass
+    assert dear.choose() == 0
+
+
+def test_drafting_cost_timed_on_a_scratch_session():
+    fixed, step = drafting_cost(TARGET, ModelDrafter(DRAFT), ks=(1, 3), repeats=2)
+    assert fixed >= 0 and step > 0
 
 
 def test_a_new_session_starts_from_what_the_servers_sessions_showed():
@@ -136,7 +130,7 @@ def test_a_new_session_starts_from_what_the_servers_sessions_showed():
     for _ in range(30):
         first.observe(4, 0, propose_s=0.04)  # a draft that never matches
     later = CostModelLength(CHEAP, tally=tally)
-    assert later.acceptance < 0.05 and later.choose() == 0 and later.draft is first.draft
+    assert later.acceptance < 0.05 and later.choose() == 0
     while first.choose() == 0:  # a probe, rejected: a later session waits longer before its own first probe
         pass
     first.observe(1, 0, propose_s=0.04)

@@ -13,8 +13,8 @@ up to `MAX_PROBE_EVERY` rounds: a draft that never matches costs ever fewer prob
 
 In a server the same pass costs more per sequence or less as more sessions share it, so the target's passes are
 measured at several batch sizes (`PassCosts.batched`) and each round reads the row of the batch it will join
-(`CostModelLength`'s `batch_size`); a draft's step cost is what the session's own proposals took (a remote draft's
-includes its network round trip), learned as rounds go.
+(`CostModelLength`'s `batch_size`); what drafting costs is measured too, per step and, for a remote draft, per round
+(its network round trip).
 """
 from __future__ import annotations
 
@@ -33,8 +33,6 @@ PROBE_EVERY = 16  # rounds at k = 0 before a one-draft probe of the acceptance (
 MAX_PROBE_EVERY = 256  # the longest wait, after rejected or dear probes
 PROBE_SHARE = 0.01  # at most this share of the rounds' time goes to probes' extra cost
 COST_MODEL_K_MAX = 8  # the most drafts a server's cost model measures (and so picks) a round
-DRAFT_COST_WEIGHT = 0.2  # weight of the latest round in the running drafting time at its k
-DRAFT_COST_TTL_S = 10.0  # a drafting time not measured again for this long is forgotten
 
 
 @dataclass(frozen=True)
@@ -102,55 +100,58 @@ def best_k(costs: PassCosts, acceptance: float) -> int:
     return max(range(costs.k_max + 1), key=rate)
 
 
-class DraftCost:
-    """A round's drafting time as fixed + k x step: a line through the running mean time of the rounds at each k
-    proposed (a remote draft's round trip is the fixed part; one k seen: all of it per step; none yet: `step_s`, the
-    optimist's guess, until rounds show otherwise). At a batch of n sessions only the rounds of the smallest batch
-    seen up to n count: with more sessions a draft's answer also waits for the others' (a shared draft queues them),
-    time in which the target runs the others' passes, so it is no cost to the target's throughput. A mean not
-    refreshed for `ttl_s` is forgotten: a passing slowdown that made drafting look too dear to try (so no round
-    timed it again) is tried again. Thread-safe."""
+def drafting_cost(target, drafter, ks: tuple[int, ...] = (1, 2, 4, 8),
+                  repeats: int = 3) -> tuple[float, float] | None:
+    """(fixed, step) seconds of a round's drafting (`draft_line`), timed on a scratch session as the loop runs it:
+    `drafter.propose(k)` at each k in turn, each round verified and committed on `target` (a `HybridLM`, or what
+    stands in for one), after a first round that warms up. A drafter whose proposals come back empty (a remote draft
+    that did not answer) gives None."""
+    from deltaspec.shared.decoding.drafters import attach
+    from deltaspec.shared.decoding.target import TargetSession
 
-    def __init__(self, step_s: float = 0.0, ttl_s: float = DRAFT_COST_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.means: dict[tuple[int, int], tuple[float, float]] = {}  # (batch, k) -> (running mean seconds, when)
-        self.prior_step_s, self.ttl_s, self.clock = step_s, ttl_s, clock
-        self.lock = threading.Lock()
+    prompt = [i % target.config.vocab_size for i in range(1, 17)]
+    session = TargetSession(target, prompt)
+    drafter.start(list(prompt))
+    attach(drafter, session)
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    try:
+        for i, k in enumerate([ks[0]] + [k for _ in range(repeats) for k in ks]):
+            began = time.perf_counter()
+            proposal = drafter.propose(k)
+            if i:
+                times[k].append(time.perf_counter() - began)
+            if not proposal.tokens:
+                return None
+            rnd = session.verify(f"r{i}", proposal.tokens, session.version)
+            session.commit(rnd.round_id, rnd.verdict.accepted)
+            drafter.advance(rnd.verdict.accepted, session.generated[-1])
+    finally:
+        if hasattr(drafter, "close"):
+            drafter.close()
+    return draft_line(times)
 
-    def add(self, batch: int, k: int, seconds: float) -> None:
-        with self.lock:
-            mean, _ = self.means.get((batch, k), (seconds, 0.0))
-            self.means[batch, k] = (mean + DRAFT_COST_WEIGHT * (seconds - mean), self.clock())
 
-    def fit(self, batch: int = 1) -> tuple[float, float]:
-        """(fixed, step) seconds for a round in a batch of `batch`."""
-        with self.lock:
-            fresh = {key: t for key, (t, when) in self.means.items() if self.clock() - when <= self.ttl_s}
-            smallest = min((b for b, _ in fresh if b <= batch), default=0)
-            points = [(k, t) for (b, k), t in fresh.items() if b == smallest]
-        if not points:
-            return 0.0, self.prior_step_s
-        if len(points) == 1:
-            k, t = points[0]
-            return 0.0, t / k
-        mean_k = statistics.fmean(k for k, _ in points)
-        mean_t = statistics.fmean(t for _, t in points)
-        step = (sum((k - mean_k) * (t - mean_t) for k, t in points) / sum((k - mean_k) ** 2 for k, _ in points))
-        step = max(step, 0.0)
-        fixed = mean_t - step * mean_k
-        return (fixed, step) if fixed >= 0 else (0.0, mean_t / mean_k)
+def draft_line(times: dict[int, list[float]]) -> tuple[float, float]:
+    """(fixed, step): a round's drafting time as fixed + k x step, the least-squares line through the median time of
+    the rounds at each k (a remote draft's round trip is the fixed part; one k: all of it per step)."""
+    points = [(k, statistics.median(ts)) for k, ts in times.items() if ts]
+    if len(points) < 2:
+        return (0.0, points[0][1] / points[0][0]) if points else (0.0, 0.0)
+    mean_k = statistics.fmean(k for k, _ in points)
+    mean_t = statistics.fmean(t for _, t in points)
+    step = max(0.0, sum((k - mean_k) * (t - mean_t) for k, t in points) / sum((k - mean_k) ** 2 for k, _ in points))
+    fixed = mean_t - step * mean_k
+    return (fixed, step) if fixed >= 0 else (0.0, mean_t / mean_k)
 
 
 class Tally:
-    """What a server's sessions have shown: per-token acceptance, recent rounds weighing most, and what drafting
-    costs (`DraftCost`: the draft and the network are the server's, not a session's). A new session's
-    `CostModelLength` starts from it rather than from a guess, whose mistakes its first rounds would pay (rounds that
-    do not pay, or a draft left unused). Thread-safe."""
+    """What a server's sessions have shown: per-token acceptance, recent rounds weighing most, and where the probe
+    schedule stands. A new session's `CostModelLength` starts from it rather than from a guess, whose mistakes its
+    first rounds would pay (rounds that do not pay, or a draft left unused). Thread-safe."""
 
     def __init__(self, keep: float = 0.99) -> None:
         self.keep = keep  # weight of the past at each round
         self.accepted = self.rejected = 0.0
-        self.draft = DraftCost()
         self.wait = PROBE_EVERY  # where a new session's probe schedule starts: the last probe's outcome
         self.lock = threading.Lock()
 
@@ -166,9 +167,12 @@ class Tally:
 
 
 class CostModelLength:
-    """Chooses k per round (`choose`) and learns the session's acceptance and draft step cost from each round
-    (`observe`): accepted drafts over accepted drafts plus rounds ended by a rejection (the geometric model's
-    estimate), from a prior worth `prior_rounds` rounds: what `tally` (a server's sessions) has shown, else `prior`.
+    """Chooses k per round (`choose`) and learns the session's acceptance from each round (`observe`): accepted
+    drafts over accepted drafts plus rounds ended by a rejection (the geometric model's estimate), from a prior worth
+    `prior_rounds` rounds: what `tally` (a server's sessions) has shown, else `prior`. What drafting costs is
+    measured, as the target's passes are (`PassCosts`: per step, and per round for a remote draft's round trip), not
+    learned from the rounds: at several sessions a draft's answer also waits for the others' drafts, time in which
+    the target runs the others' passes, and an estimate that made drafting look too dear would never be timed again.
     `batch_size()`: sequences the next target pass will carry (a server's batcher); `k_max`: the most drafts a round
     may take (at most what `costs` measured)."""
 
@@ -181,8 +185,6 @@ class CostModelLength:
         prior = prior if shown is None else shown
         self.accepted = prior * prior_rounds
         self.rejected = (1 - prior) * prior_rounds
-        self.draft = tally.draft if tally is not None else DraftCost(costs.draft_s)
-        self.proposals = 0  # rounds that proposed drafts
         self.idle = 0  # rounds at k = 0 since the last probe
         self.wait = tally.wait if tally is not None else PROBE_EVERY  # rounds at k = 0 before the next probe
         self.probing = False  # the last k chosen was a probe
@@ -210,9 +212,8 @@ class CostModelLength:
         return self.k_max > 0 and self._best() > 0
 
     def _best(self) -> int:
-        batch = self.batch_size()
-        fixed, step = self.draft.fit(batch)
-        return best_k(PassCosts(self.costs.at(batch).target_s[:self.k_max + 1], step, draft_fixed_s=fixed),
+        costs = self.costs.at(self.batch_size())
+        return best_k(PassCosts(costs.target_s[:self.k_max + 1], costs.draft_s, draft_fixed_s=costs.draft_fixed_s),
                       self.acceptance)
 
     def observe(self, proposed: int, accepted: int, propose_s: float | None = None) -> None:
@@ -221,7 +222,6 @@ class CostModelLength:
         self.rejected += accepted < proposed
         if not proposed:
             return
-        self.proposals += 1
         if self.probing:  # what it cost spaces the next probe
             decode_s, verify_s = self.costs.at(self.batch_size()).target_s[:2]
             extra = verify_s - decode_s + (propose_s or 0.0)  # over the decode step the round would have been
@@ -229,9 +229,5 @@ class CostModelLength:
             self.wait = min(wait, MAX_PROBE_EVERY)
             if self.tally is not None:
                 self.tally.wait = self.wait
-        # what drafting costs, but not from a probe (a remote draft reopens its session for it, closed while rounds
-        # went without drafts) nor from the first proposal (it waits for the draft to take the prompt)
-        if propose_s is not None and self.proposals > 1 and not self.probing:
-            self.draft.add(self.batch_size(), proposed, propose_s)
         if self.tally is not None:
             self.tally.add(accepted, accepted < proposed)
