@@ -14,8 +14,7 @@ import torch
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model
-from test_compiled import TARGET, assert_same_staging
-from test_fused import assert_same_head, close
+from test_compiled import TARGET, run_plan
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +32,7 @@ def test_every_pass_and_commit_matches_the_fused_path(models):
     plan = [(20, None, 20), (1, None, 1), (1, 1, 2), (5, None, 2), (1, None, 0), (9, None, 9), (3, 2, 4),
             (2, 3, None), (1, 1, 1), (6, None, 6), (4, 1, 3), (9, None, 9), (9, None, 9), (2, None, 2)]
     covered = []
-    for T, more, keep in plan:
-        for n in (T, more):
-            if n:
-                ids = torch.randint(0, eager.config.vocab_size, (n,), generator=gen)
-                covered.append(captured.captured.fits(state, n))
-                want, got = eager(ids, ref), captured(ids, state)
-                assert close(got[0], want[0]) and close(got[1], want[1]), f"forward of {n} tokens"
-                assert_same_staging(state, ref)
-        if keep is None:
-            ref.revert(), state.revert()
-        else:
-            ref.commit(keep), state.commit(keep)
-        assert_same_head(state, ref)
+    run_plan(plan, (eager, ref), (captured, state), gen, lambda n: covered.append(captured.captured.fits(state, n)))
     assert covered[0] is False and covered[-2] is False and covered.count(False) == 2
     # one recorded pass per token count and buffer set: the commits alternate two sets, a pass on top of a staging
     # reads another, the grown K/V is new

@@ -53,16 +53,25 @@ def assert_same_staging(state, ref) -> None:
 def test_every_pass_and_commit_matches_the_fused_path(models, which):
     eager, compiled = models[which]
     gen = torch.Generator().manual_seed(5)
-    vocab = eager.config.vocab_size
     ref, state = eager.new_state(capacity=8), compiled.new_state(capacity=8)  # small: the K/V buffers grow
     # (tokens, then a pass on top or None, what to keep): 40 tokens do not fit the logs (eager); the rest runs compiled
     plan = [(40, None, 40), (1, None, 1), (1, 1, 2), (5, None, 2), (1, None, 0), (9, None, 9), (3, 2, 4),
             (2, 3, None), (1, 1, 1), (6, None, 6), (4, 1, 3)]
+    run_plan(plan, (eager, ref), (compiled, state), gen)
+    assert compiled.compiled is not None
+
+
+def run_plan(plan: list[tuple[int, int | None, int | None]], reference: tuple, fast: tuple, gen: torch.Generator,
+             before_pass=lambda n: None) -> None:
+    """Each (tokens, then a pass on top or None, what to keep, None: revert) on both (model, state) pairs: every
+    forward's logits and hidden states, every staging and every head the same. `before_pass(n)` sees each pass first."""
+    (eager, ref), (model, state) = reference, fast
     for T, more, keep in plan:
         for n in (T, more):
             if n:
-                ids = torch.randint(0, vocab, (n,), generator=gen)
-                want, got = eager(ids, ref), compiled(ids, state)
+                ids = torch.randint(0, eager.config.vocab_size, (n,), generator=gen)
+                before_pass(n)
+                want, got = eager(ids, ref), model(ids, state)
                 assert close(got[0], want[0]) and close(got[1], want[1]), f"forward of {n} tokens"
                 assert_same_staging(state, ref)
         if keep is None:
@@ -70,7 +79,6 @@ def test_every_pass_and_commit_matches_the_fused_path(models, which):
         else:
             ref.commit(keep), state.commit(keep)
         assert_same_head(state, ref)
-    assert compiled.compiled is not None
 
 
 def test_a_pipelined_round_matches(models):

@@ -67,3 +67,16 @@ def pick_kernel(name: str, num_tokens: int, on_cuda: bool) -> Kernel:
     if name not in kernels:
         raise ValueError(f"unknown gated delta rule kernel {name!r} (expected one of {KERNEL_NAMES})")
     return kernels[name]
+
+
+def gated_delta_rule(name: str, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
+                     logs: Callable[[], VerifyLogs | None]) -> tuple[Tensor, Tensor, Tensor, bool]:
+    """One sequence's pass `(T, H, D)` through the kernel `pick_kernel` picks for `name`: out and delta `(T, H, Dv)`,
+    the final state `(H, Dk, Dv)`, and whether the kernel logged k, delta and g itself (the Triton kernel does, where
+    `logs()` says)."""
+    T = q.shape[0]
+    args = (q[None], k[None], v[None], g[None], beta[None], initial_state[None])
+    triton = triton_kernel(name, T, q.is_cuda)
+    where = logs() if triton is not None else None
+    out, delta, final = triton(*args, where) if triton is not None else pick_kernel(name, T, q.is_cuda)(*args)
+    return out[0], delta[0], final[0], where is not None

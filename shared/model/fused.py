@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deltaspec.shared.kernels import pick_kernel, triton_kernel
+from deltaspec.shared.kernels import gated_delta_rule
 from deltaspec.shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
 from deltaspec.shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, RMSNorm, SparseMoE
 from deltaspec.shared.model.moe import apply_experts, route
@@ -199,14 +199,9 @@ def _gdn(m: GatedDeltaNet, f: FusedGDN, h: Tensor, residual: Tensor, st: GDNSlot
         out, delta = out.transpose(0, 1), delta.transpose(0, 1)  # (T, Hv, Dv)
         st.stage(mixed, k, delta, g, final, full)
     else:
-        args = (q[None], k[None], v[None], g[None], beta[None], st.initial_state()[None])
-        triton = triton_kernel(m.kernel_name, T, h.is_cuda)
-        if triton is not None:  # it logs k, delta and g itself, where the commit reads them
-            out, delta, final = triton(*args, st.verify_logs(T))
-        else:
-            out, delta, final = pick_kernel(m.kernel_name, T, h.is_cuda)(*args)
-        out = out[0]
-        st.stage(mixed, k, delta[0], g, final[0], full, kernel_logged=triton is not None)
+        out, delta, final, logged = gated_delta_rule(m.kernel_name, q, k, v, g, beta, st.initial_state(),
+                                                     lambda: st.verify_logs(T))
+        st.stage(mixed, k, delta, g, final, full, kernel_logged=logged)
     return gdn_output(m, f, out, z, residual)
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deltaspec.shared.kernels import pick_kernel, triton_kernel
+from deltaspec.shared.kernels import gated_delta_rule
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.moe import Experts, apply_experts, route
 from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot
@@ -111,15 +111,11 @@ class GatedDeltaNet(nn.Module):
         v = v.float().view(T, self.n_v, self.d_v)
         beta = self.in_proj_b(x).float().sigmoid()  # (T, Hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        args = (q[None], k[None], v[None], g[None], beta[None], st.initial_state()[None])
-        triton = triton_kernel(self.kernel_name, T, x.is_cuda)
-        if triton is not None:  # it logs k, delta and g itself, where the commit reads them
-            out, delta, final = triton(*args, st.verify_logs(T))
-        else:
-            out, delta, final = pick_kernel(self.kernel_name, T, x.is_cuda)(*args)
-        st.stage(mixed, k, delta[0], g, final[0], kernel_logged=triton is not None)
+        out, delta, final, logged = gated_delta_rule(self.kernel_name, q, k, v, g, beta, st.initial_state(),
+                                                     lambda: st.verify_logs(T))
+        st.stage(mixed, k, delta, g, final, kernel_logged=logged)
         z = self.in_proj_z(x).view(T, self.n_v, self.d_v)
-        out = self.norm(out[0].to(x.dtype), z)  # (T, Hv, Dv)
+        out = self.norm(out.to(x.dtype), z)  # (T, Hv, Dv)
         return self.out_proj(out.reshape(T, -1))
 
 
