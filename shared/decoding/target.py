@@ -60,6 +60,8 @@ class Round:
 
 
 def check_tokens(tokens: list[int] | tuple[int, ...], vocab_size: int, field_name: str) -> None:
+    if tokens and 0 <= min(tokens) and max(tokens) < vocab_size:  # the common case, without a Python loop
+        return
     for i, t in enumerate(tokens):
         if not 0 <= t < vocab_size:
             raise InvalidArgument(f"{field_name}[{i}] = {t} is outside the vocabulary [0, {vocab_size})", field_name)
