@@ -8,6 +8,7 @@ import torch
 
 from deltaspec.shared.bench import gpu
 from deltaspec.shared.bench.generation import fast_paths, print_fast_paths
+from deltaspec.shared.bench.moe import break_even
 from deltaspec.shared.bench.rounds import random_model_on
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model
 
@@ -80,6 +81,12 @@ def test_section_reports_every_row(section, capsys):
         assert r["ms_min"] <= r["ms"] <= r["ms_max"]
         assert r["captured_x_floor"] == pytest.approx(r["captured_ms"] / r["floor_ms"])  # the static pass, on a CPU
     assert rows[0]["vs_decode"] == rows[0]["captured_vs_decode"] == 1
+    draft_vs_decode = shape["passes"]["draft_step_ms"] / rows[0]["captured_ms"]
+    for r in rows[1:]:  # the acceptance at which a round pays: from the captured passes, and from the floors
+        k = r["tokens"] - 1
+        assert r["break_even"] == break_even(k, r["captured_vs_decode"], draft_vs_decode)
+        assert r["floor_break_even"] == break_even(k, r["floor_ms"] / rows[0]["floor_ms"], 0.0)
+        assert 0 < r["floor_break_even"] < 1
     assert [g["k"] for g in shape["gdn_round"]] == list(gpu.KS)
     if importlib.util.find_spec("transformers") is None:
         assert "transformers is not importable" in shape["hf"]["error"]

@@ -34,6 +34,7 @@ from datetime import datetime, timezone
 
 import torch
 
+from deltaspec.shared.bench.moe import break_even
 from deltaspec.shared.bench.rounds import (PREFIX, Stopwatch, draft_model, drawn_rounds, pass_times, random_model_on,
                                            sessions, target_only, tokens_per_s)
 from deltaspec.shared.bench.shapes import DRAFT_08B_2L, QWEN35_08B, QWEN35_9B, QWEN35_27B, QWEN35_35B_A3B
@@ -222,7 +223,14 @@ def batch1_passes(model: HybridLM, draft: HybridLM, plan: Plan, bandwidth: float
             ms = statistics.median(1000 * s for s in graphs.seconds[row["tokens"]])
             row.update(captured_ms=ms, captured_x_floor=ms / row["floor_ms"],
                        captured_vs_decode=graphs.median(row["tokens"]) / graphs.median(1))
-    return {"context": plan.context, "rows": rows, "draft_step_ms": 1000 * statistics.median(times.draft_seconds)}
+    draft_ms = 1000 * statistics.median(times.draft_seconds)
+    decode = rows[0]
+    for row in rows[1:]:  # the acceptance at which a round of k drafts pays: measured (the fastest path), and at
+        k = row["tokens"] - 1  # the floor with a free draft (what no kernel beats at these bytes)
+        path = "captured_" if "captured_ms" in row else ""
+        row["break_even"] = break_even(k, row[f"{path}vs_decode"], draft_ms / decode[f"{path}ms"])
+        row["floor_break_even"] = break_even(k, row["floor_ms"] / decode["floor_ms"], 0.0)
+    return {"context": plan.context, "rows": rows, "draft_step_ms": draft_ms}
 
 
 def hf_twin(model: HybridLM, transformers) -> torch.nn.Module:
@@ -493,16 +501,21 @@ def print_rows(result: dict) -> None:
         print(f"batch 1 after {p['context']} positions (medians of {plan['repeats']}, min-max); bytes moved: weights, "
               f"GDN state and logs, K/V; experts: distinct routed experts read per sparse layer")
         print(f"{'tokens':>6} {'ms/pass':>8} {'min-max':>15} {'x decode':>8} {'experts':>7} {'weights':>11} "
-              f"{'GDN':>10} {'K/V':>10} {'floor ms':>8} {'x floor':>7} {'graph ms':>8} {'x floor':>7} {'x decode':>8}")
+              f"{'GDN':>10} {'K/V':>10} {'floor ms':>8} {'x floor':>7} {'graph ms':>8} {'x floor':>7} {'x decode':>8} "
+              f"{'even a':>6} {'floor a':>7}")
         for r in p["rows"]:
             b = r["bytes"]
             graphs = (f" {r['captured_ms']:>8.2f} {r['captured_x_floor']:>7.2f} {r['captured_vs_decode']:>8.2f}"
                       if "captured_ms" in r else f" {'-':>8} {'-':>7} {'-':>8}")
+            evens = " ".join(f"{'-' if r['tokens'] == 1 else 'never' if r.get(f) is None else format(r[f], '.2f'):>{w}}"
+                             for f, w in (("break_even", 6), ("floor_break_even", 7)))
             print(f"{r['tokens']:>6} {r['ms']:>8.2f} {r['ms_min']:>7.2f}-{r['ms_max']:<7.2f} {r['vs_decode']:>8.2f} "
                   f"{r['experts']:>7.1f} {mib(b['weights']):>11} {mib(b['gdn']):>10} {mib(b['kv']):>10} "
-                  f"{r['floor_ms']:>8.3f} {r['x_floor']:>7.2f}{graphs}")
+                  f"{r['floor_ms']:>8.3f} {r['x_floor']:>7.2f}{graphs} {evens}")
         if "captured_ms" in p["rows"][0]:
             print("graph ms: the same passes replayed as CUDA graphs (`--capture`; on a CPU the static pass, no graph)")
+        print("even a: the per-token acceptance at which a round of k = tokens - 1 drafts pays, from the fastest "
+              "path's passes and the draft step; floor a: from the floors, with a free draft")
         print(f"draft step at batch 1: {p['draft_step_ms']:.2f} ms")
         for g in shape["gdn_round"]:
             print(f"GDN state per round per sequence, k = {g['k']}: the verify reads {mib(g['pass_read'])}, writes "
