@@ -58,9 +58,9 @@ class PassCosts:
 
     @classmethod
     def measure(cls, target, draft, k_max: int, repeats: int = 5, batches: tuple[int, ...] = ()) -> PassCosts:
-        """Median pass times on scratch states of each model (`HybridLM`s; `draft` None: a draft step of 0 s until
-        rounds show one), every length in turn, after a warm-up; at each of `batches` too (one batched pass over that
-        many states)."""
+        """Median pass times on scratch states of each model (`HybridLM`s; `draft` None: no draft model to time, 0 s,
+        as for a server, which times its drafter with `drafting_cost`), every length in turn, after a warm-up; at
+        each of `batches` too (one batched pass over that many states)."""
         batched = tuple((size, target_pass_s(target, size, k_max, repeats)) for size in sorted(set(batches)))
         draft_s = target_pass_s(draft, 1, 0, repeats)[0] if draft is not None else 0.0
         single = dict(batched).get(1) or target_pass_s(target, 1, k_max, repeats)
