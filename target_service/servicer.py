@@ -96,9 +96,13 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         for size, row in costs.batched:
             print(f"draft length cost model: target pass ms at batch {size}, T = 1..{len(row)}: "
                   + " ".join(f"{1000 * s:.1f}" for s in row), file=sys.stderr, flush=True)
-        drafter = (self._remote_drafter(SamplingParams(), None, COST_MODEL_K_MAX) if self.draft_channel
-                   else make_drafter(self.local_draft, self.model, SamplingParams()))
-        line = drafting_cost(self.model, drafter) if self.draft_channel or self.local_draft != "none" else (0.0, 0.0)
+        remote = self._remote_drafter(SamplingParams(), None, COST_MODEL_K_MAX)
+        try:
+            drafter = remote or make_drafter(self.local_draft, self.model, SamplingParams())
+            line = drafting_cost(self.model, drafter) if remote or self.local_draft != "none" else (0.0, 0.0)
+        finally:
+            if remote:
+                remote.close()
         if line is None:
             print("draft length cost model: the draft did not answer at start-up: drafting taken as free",
                   file=sys.stderr, flush=True)

@@ -114,20 +114,16 @@ def drafting_cost(target, drafter, ks: tuple[int, ...] = (1, 2, 4, 8),
     drafter.start(list(prompt))
     attach(drafter, session)
     times: dict[int, list[float]] = {k: [] for k in ks}
-    try:
-        for i, k in enumerate([ks[0]] + [k for _ in range(repeats) for k in ks]):
-            began = time.perf_counter()
-            proposal = drafter.propose(k)
-            if i:
-                times[k].append(time.perf_counter() - began)
-            if not proposal.tokens:
-                return None
-            rnd = session.verify(f"r{i}", proposal.tokens, session.version)
-            session.commit(rnd.round_id, rnd.verdict.accepted)
-            drafter.advance(rnd.verdict.accepted, session.generated[-1])
-    finally:
-        if hasattr(drafter, "close"):
-            drafter.close()
+    for i, k in enumerate([ks[0]] + [k for _ in range(repeats) for k in ks]):
+        began = time.perf_counter()
+        proposal = drafter.propose(k)
+        if i:
+            times[k].append(time.perf_counter() - began)
+        if not proposal.tokens:
+            return None
+        rnd = session.verify(f"r{i}", proposal.tokens, session.version)
+        session.commit(rnd.round_id, rnd.verdict.accepted)
+        drafter.advance(rnd.verdict.accepted, session.generated[-1])
     return draft_line(times)
 
 
