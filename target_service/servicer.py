@@ -97,9 +97,10 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
             print(f"draft length cost model: target pass ms at batch {size}, T = 1..{len(row)}: "
                   + " ".join(f"{1000 * s:.1f}" for s in row), file=sys.stderr, flush=True)
         remote = self._remote_drafter(SamplingParams(), None, COST_MODEL_K_MAX)
+        drafter = remote or (make_drafter(self.local_draft, self.model, SamplingParams())
+                             if self.local_draft != "none" else None)
         try:
-            drafter = remote or make_drafter(self.local_draft, self.model, SamplingParams())
-            line = drafting_cost(self.model, drafter) if remote or self.local_draft != "none" else (0.0, 0.0)
+            line = drafting_cost(self.model, drafter) if drafter is not None else (0.0, 0.0)
         finally:
             if remote:
                 remote.close()

@@ -99,7 +99,7 @@ class CapturedPasses:
         if model.config.num_experts:
             raise ValueError("captured passes do not cover sparse MoE models (their expert routing changes shape "
                              "from pass to pass): run them without --capture")
-        if not 1 <= max_tokens:
+        if max_tokens < 1:
             raise ValueError(f"captured passes need max_tokens >= 1, got {max_tokens}")
         self.max_tokens, self.max_graphs = max_tokens, max_graphs
         self.on_cuda = model.device.type == "cuda"

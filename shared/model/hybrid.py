@@ -127,19 +127,19 @@ class HybridLM(nn.Module):
             return logits, x
         start = state.length + state.staged
         x = self.model.embed_tokens(ids.to(self.device))
-        cos, sin, signed_sin = self.rope(start, start + ids.numel(), x)
+        cos, sin, signed_sin = self.rope(start, start + T, x)
         if self.fused is None:
             for layer, st in zip(self.model.layers, state.layer_views()):
                 x = layer(x, st, start, (cos, sin))
             normed = self.model.norm(x)
-        elif self.compiled is not None and self.compiled.fits(state, ids.numel()):
+        elif self.compiled is not None and self.compiled.fits(state, T):
             logits, x = self.compiled(self, x, state, (cos, signed_sin))
-            state.staged += ids.numel()
+            state.staged += T
             return logits, x
         else:
             rope = (cos, signed_sin)
             for layer, f, st in zip(self.model.layers, self.fused.layers, state.layer_views()):
                 x = fused.decoder_layer(layer, f, x, st, start, rope)
             normed = F.rms_norm(x, x.shape[-1:], self.fused.final_norm, self.model.norm.eps)
-        state.staged += ids.numel()
+        state.staged += T
         return self.lm_head(normed).float(), x
