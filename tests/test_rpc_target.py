@@ -14,6 +14,8 @@ from deltaspec.v1 import sampling_pb2
 from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.shared.decoding.session_table import Limits
 from deltaspec.shared.errors import NotFound
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.rpc.remote_target import RemoteTargetSession
 from test_rpc_support import PROMPT, one_torch_thread, pair, refused, start, target_service, target_stub  # noqa: F401
 
@@ -181,4 +183,22 @@ def test_remote_chained_verify_on_an_unknown_parent_is_not_found_naming_it(pair)
         with pytest.raises(NotFound) as info:
             session.verify("r2", [1, 2], base_version=1, parent="r1", guess=3)
         assert (info.value.field, info.value.resource_name) == ("parent_round_id", "r1")
+        session.close()
+
+
+def test_a_pipelined_round_staged_on_a_lost_session_is_verified_again_before_its_commit(pair):
+    """The parent's commit opens the session again (the target lost it); the round staged on it in the old session
+    is verified again in the new one, and the history is the target's own."""
+    expected = generate(load_model(pair[0]), PROMPT, 6).token_ids
+    with start(target_service(pair[0])) as server:
+        stub = target_stub(server.address)
+        session = RemoteTargetSession(stub, PROMPT)
+        parent = session.verify("p0", expected[:2])
+        assert (parent.verdict.accepted, parent.verdict.next_token) == (2, expected[2])
+        session.verify("p1", expected[3:5], base_version=parent.base_version + 1, parent="p0", guess=expected[2])
+        lost = session.session_id
+        stub.CloseSession(pb.CloseSessionRequest(session_id=lost))
+        session.commit("p0", 2)
+        session.commit("p1", 2)
+        assert session.session_id != lost and session.generated == expected
         session.close()

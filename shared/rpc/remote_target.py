@@ -18,7 +18,8 @@ A pipelined round (`verify(..., parent=, guess=)`) is one attempt: any refusal o
 loses the pipelining (FailedPrecondition; NotFound when the target does not know the parent round
 yet, which the loop answers by sending it again after the parent's verdict), and the loop verifies
 the round again the plain way.
-Once its parent is committed, its commit goes through the usual retries.
+Once its parent is committed, its commit goes through the usual retries; a round staged in a session that the
+parent's commit had to open again is first verified again in the new one.
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ class RemoteTargetSession:
         self.reopened = -1  # times the session had to be opened again
         self._in_flight: tuple[str, list[int], Tensor | None] | None = None  # the round verified, not yet committed
         self._round: Round | None = None
-        self._chained: dict[str, tuple[Round, tuple[str, list[int], Tensor | None]]] = {}  # pipelined, by round id
+        # pipelined rounds by id: the round, what to verify it again with, the session that staged it
+        self._chained: dict[str, tuple[Round, tuple[str, list[int], Tensor | None], str | None]] = {}
         self._lock = threading.Lock()
         self._call(lambda: None)  # opens the session, with the usual retries
         self.prompt_len = len(self.tokens)
@@ -85,8 +87,9 @@ class RemoteTargetSession:
 
     def _verify_chained(self, round_id: str, drafts: list[int], base_version: int | None,
                         draft_probs: Tensor | None, parent: str, guess: int | None) -> Round:
+        session_id = self.session_id
         try:
-            request = pb.VerifyRequest(session_id=self.session_id, round_id=round_id, base_version=base_version,
+            request = pb.VerifyRequest(session_id=session_id, round_id=round_id, base_version=base_version,
                                        draft_tokens=drafts, parent_round_id=parent, parent_next_token=guess)
             put_probs(request, draft_probs, self.sampling.greedy, self.sparse_probs)
             reply = self.stub.Verify(request, **self._opts())
@@ -99,14 +102,16 @@ class RemoteTargetSession:
                     reply.round.staged_bytes, hidden=torch.empty(0), parent=parent, guess=guess)
         with self._lock:  # a chained verify may return while the loop commits
             recent = dict(list(self._chained.items())[-3:])  # older ones were dropped: forget them
-            self._chained = {**recent, round_id: (rnd, (round_id, list(drafts), draft_probs))}
+            self._chained = {**recent, round_id: (rnd, (round_id, list(drafts), draft_probs), session_id)}
         return rnd
 
     def commit(self, round_id: str, accepted: int) -> int:
         with self._lock:
             chained = self._chained.pop(round_id, None)
         if chained is not None:  # a pipelined round whose parent is committed: it is the round in flight now
-            self._round, self._in_flight = chained
+            self._round, self._in_flight, staged_in = chained
+            if staged_in != self.session_id:  # its session was lost since (the parent's commit opened another)
+                self._call(self._verify)
         reply = self._call(lambda: self.stub.Commit(pb.CommitRequest(
             session_id=self.session_id, round_id=round_id,
             accepted=min(accepted, self._round.verdict.accepted)), **self._opts()))  # type: ignore[union-attr]
