@@ -27,7 +27,8 @@ TARGET = hf_config(**{**AWKWARD, "layer_types": ["full_attention", "linear_atten
 DRAFT = hf_config(vocab_size=AWKWARD["vocab_size"], layer_types=["linear_attention", "full_attention"])
 
 
-# Dynamo's caches are per process: the module runs on one xdist worker, in file order, as it does serially.
+# Dynamo's caches are per process: the module runs on one xdist worker, in file order, as it does serially (all
+# but the bf16 test, which compiles models of its own).
 pytestmark = pytest.mark.xdist_group("compiled")
 
 
@@ -130,6 +131,7 @@ def test_compile_needs_the_fused_path():
     assert model.fuse().compile().fuse(False).compiled is None
 
 
+@pytest.mark.xdist_group("compiled-bf16")  # models and graphs of its own: free to run beside the module's other tests
 def test_bfloat16_compiled_passes_match_the_fused_path():
     """bf16 weights, both ways of compiling: logits agree with the fused path to bf16 rounding through decode, verify
     from the head and on a staging, and commits; the state stays float32; speculative output equals target-only."""
