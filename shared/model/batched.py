@@ -27,7 +27,7 @@ from deltaspec.shared.kernels import VerifyLogs, pick_kernel, triton_kernel
 from deltaspec.shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
 from deltaspec.shared.model import fused
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.model.layers import Attention, GatedDeltaNet
+from deltaspec.shared.model.layers import Attention, GatedDeltaNet, attend
 from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot, ModelState, verify_logs
 
 
@@ -195,7 +195,7 @@ def _attention(m: Attention, f: fused.FusedAttention, h: Tensor, residual: Tenso
         members = [states[i] for i in g.members]
         if len(g.members) == 1:  # a long prefill piece, or a group of one: the single-sequence form
             o, T, start = plan.offsets[g.members[0]], g.T, plan.starts[g.members[0]]
-            outs.append(fused.attend(m, members[0], q[o:o + T], k[o:o + T], v[o:o + T], start))
+            outs.append(attend(members[0], q[o:o + T], k[o:o + T], v[o:o + T], start))
         else:
             outs.append(_attend_group(m, g, q, k, v, members, [plan.starts[i] for i in g.members]))
     return fused.attention_output(f, _packed(outs, plan), q_gate, residual)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from deltaspec.shared.kernels import gated_delta_rule
 from deltaspec.shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
-from deltaspec.shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, RMSNorm, SparseMoE
+from deltaspec.shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, RMSNorm, SparseMoE, attend
 from deltaspec.shared.model.moe import apply_experts, route
 
 if TYPE_CHECKING:
@@ -217,20 +217,6 @@ def attention_inputs(m: Attention, f: FusedAttention, h: Tensor,
     return q_gate, q, k, v.view(T, Hkv, D)
 
 
-def attend(m: Attention, st: AttnLayerState, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
-    """One sequence: write its k, v at positions start.. into the cache and attend causally; `(T, H, D)`."""
-    T = q.shape[0]
-    end = start + T
-    st.ensure_capacity(end)
-    st.k[:, start:end] = k.transpose(0, 1)
-    st.v[:, start:end] = v.transpose(0, 1)
-    mask = None
-    if T > 1:  # query i sits at position start + i and sees keys up to it
-        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(start)
-    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], st.k[None, :, :end], st.v[None, :, :end],
-                                          attn_mask=mask, enable_gqa=m.n_heads != m.n_kv)[0].transpose(0, 1)
-
-
 def attention_output(f: FusedAttention, out: Tensor, q_gate: Tensor, residual: Tensor) -> Tensor:
     """Sigmoid-gated attention output `(T, H, D)`, projected and added to the residual."""
     out = out * torch.sigmoid(q_gate[..., out.shape[-1]:])
@@ -240,7 +226,7 @@ def attention_output(f: FusedAttention, out: Tensor, q_gate: Tensor, residual: T
 def _attention(m: Attention, f: FusedAttention, h: Tensor, residual: Tensor, st: AttnLayerState, start: int,
                rope: tuple[Tensor, Tensor]) -> Tensor:
     q_gate, q, k, v = attention_inputs(m, f, h, rope)
-    return attention_output(f, attend(m, st, q, k, v, start), q_gate, residual)
+    return attention_output(f, attend(st, q, k, v, start), q_gate, residual)
 
 
 def mlp(layer: DecoderLayer, f: FusedLayer, x: Tensor) -> Tensor:

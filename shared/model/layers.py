@@ -159,19 +159,24 @@ class Attention(nn.Module):
         q = apply_partial_rotary(self.q_norm(q), *rope)  # (T, H, D)
         k = apply_partial_rotary(self.k_norm(self.k_proj(x).view(T, self.n_kv, self.head_dim)), *rope)
         v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
-        end = start + T
-        st.ensure_capacity(end)
-        st.k[:, start:end] = k.transpose(0, 1)
-        st.v[:, start:end] = v.transpose(0, 1)
-        mask = None
-        if T > 1:  # query i sits at position start + i and sees keys up to it
-            mask = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(start)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], st.k[None, :, :end], st.v[None, :, :end], attn_mask=mask,
-            enable_gqa=self.n_heads != self.n_kv,
-        )[0].transpose(0, 1)  # (T, H, D)
+        out = attend(st, q, k, v, start)  # (T, H, D)
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)
+
+
+def attend(st: AttnLayerState, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+    """One sequence: write its k, v `(T, Hkv, D)` at positions start.. into the cache and attend causally with q
+    `(T, H, D)`; `(T, H, D)`."""
+    T = q.shape[0]
+    end = start + T
+    st.ensure_capacity(end)
+    st.k[:, start:end] = k.transpose(0, 1)
+    st.v[:, start:end] = v.transpose(0, 1)
+    mask = None
+    if T > 1:  # query i sits at position start + i and sees keys up to it
+        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(start)
+    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], st.k[None, :, :end], st.v[None, :, :end],
+                                          attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1)
 
 
 class DecoderLayer(nn.Module):
