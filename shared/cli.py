@@ -199,8 +199,10 @@ def _limits(args: argparse.Namespace):
         raise ValueError(f"--state-memory-mib is 0 (sized for --max-sessions) or more, not {args.state_memory_mib}")
     if args.prefix_cache_block < 0:
         raise ValueError(f"--prefix-cache-block is 0 (no prefix cache) or more tokens, not {args.prefix_cache_block}")
+    if args.prefix_cache_state_every < 1:
+        raise ValueError(f"--prefix-cache-state-every is 1 or more blocks, not {args.prefix_cache_state_every}")
     return Limits(args.max_sessions, args.session_ttl, args.max_prompt_tokens, args.max_sessions_per_caller,
-                  int(args.state_memory_mib * 2**20), args.prefix_cache_block)
+                  int(args.state_memory_mib * 2**20), args.prefix_cache_block, args.prefix_cache_state_every)
 
 
 PLAINTEXT_RULE = ("Plaintext is allowed without a flag only on loopback (127.0.0.1, ::1, localhost: development); "
@@ -365,6 +367,11 @@ def _add_server(p: argparse.ArgumentParser, model: str) -> None:
                         "it shares with a sequence seen before (committed GDN states, conv windows and K/V, paid "
                         "from --state-memory-mib and evicted before a session is refused) and prefills only the "
                         "rest; 0: no prefix cache (docs/prefix-cache.md)")
+    p.add_argument("--prefix-cache-state-every", type=int, default=1,
+                   help="blocks between the GDN states the prefix cache keeps (K/V is kept at every block, a state "
+                        "also at the end of each cached sequence and where cached sequences part): 1 (default) keeps "
+                        "every block's; more saves a big model's memory (a state is the same size whatever the block: "
+                        "61 MiB at the Qwen3.5-35B-A3B shape), a sequence resuming at the deepest block with a state")
     env = os.environ.get
     tls = p.add_argument_group("TLS and authentication", PLAINTEXT_RULE + " Each caller sees only its own sessions.")
     tls.add_argument("--tls-cert", default=env("DELTASPEC_TLS_CERT"),

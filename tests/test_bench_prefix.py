@@ -32,8 +32,10 @@ def test_prefix_rows_exact_and_complete(capsys):
     extended = result["extended"]
     assert [r["turn"] for r in extended] == list(range(1, p.turns + 1)) and all(r["same_replies"] for r in extended)
     measured = [m for m in result["memory"] if m["how"] == "measured"]
-    assert [m["model"] for m in measured] == ["embedded target", "embedded draft"]
+    assert [(m["model"], m["every"]) for m in measured] == [("embedded target", 1), ("embedded target", 16),
+                                                           ("embedded draft", 1)]
     assert all(m["entries"] == p.system_tokens // p.block for m in measured)
+    assert [m["states"] for m in measured] == [p.system_tokens // p.block, 1, p.system_tokens // p.block]
     print_rows(result)
     table = capsys.readouterr().out
     assert "conversation" in table and "continued each turn by extending it" in table and "Memory per" in table

@@ -115,3 +115,11 @@ def test_negative_branches_are_refused():
     out = run("serve-draft", "--port", "0", "--branches", "-1")
     assert out.returncode == 2
     assert "--branches is 0 (none) or more, not -1" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("flag, value, message", [("--prefix-cache-block", "-1", "0 (no prefix cache) or more tokens"),
+                                                  ("--prefix-cache-state-every", "0", "1 or more blocks, not 0")])
+def test_bad_prefix_cache_settings_are_refused(flag, value, message):
+    out = run("serve-target", "--port", "0", flag, value)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr

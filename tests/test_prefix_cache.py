@@ -51,10 +51,11 @@ def pair(tmp_path_factory):
     return save_checkpoint(target, root / "target"), save_checkpoint(draft, root / "draft")
 
 
-def fresh(directory, block: int | None = BLOCK, keep_hidden: bool = False, max_bytes: int = 2**30):
+def fresh(directory, block: int | None = BLOCK, keep_hidden: bool = False, max_bytes: int = 2**30,
+          state_every: int = 1):
     model = load_model(directory).fuse()
     if block:
-        prefix_cache.attach(model, block, keep_hidden, max_bytes)
+        prefix_cache.attach(model, block, keep_hidden, max_bytes, state_every)
     return model
 
 
@@ -83,16 +84,23 @@ def cold_head(model, tokens: list[int]):
 
 
 def assert_entries_are_cold_heads(cache: PrefixCache, model) -> None:
-    """Every cached entry holds what a cold prefill of its whole prefix leaves: nothing rejected, nothing stale."""
+    """Every cached entry holds what a cold prefill of its whole prefix leaves: nothing rejected, nothing stale (an
+    entry without a GDN state: its K/V)."""
     assert cache.entries
     for entry in cache.entries.values():
         chain = [entry]
         while chain[-1].parent is not None:
             chain.append(chain[-1].parent)
         tokens = [t for e in reversed(chain) for t in e.tokens]
+        kv, cold = torch.cat([e.kv for e in reversed(chain)], dim=3), cold_head(model, tokens)
+        if entry.state is None:
+            for (k, v), a in zip(kv, cold.attn):
+                torch.testing.assert_close(k, a.k[:, :entry.end], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(v, a.v[:, :entry.end], rtol=1e-4, atol=1e-4)
+            continue
         resumed = model.new_state(capacity=512)
-        resumed.load_head(entry.end, entry.window, entry.state, torch.cat([e.kv for e in reversed(chain)], dim=3))
-        assert_head(resumed, cold_head(model, tokens))
+        resumed.load_head(entry.end, entry.window, entry.state, kv)
+        assert_head(resumed, cold)
 
 
 def test_heads_taken_inside_a_prefill_equal_cold_prefills(config_dict, tmp_path):
@@ -265,9 +273,62 @@ def test_extend_resumes_from_the_head_and_equals_one_prompt(pair):
     assert resumed.cached_tokens == (len(history) - 1) // BLOCK * BLOCK
 
 
+@pytest.mark.parametrize("kind", ["none", "draft", "mtp"])
+def test_sparse_states_resume_at_the_deepest_state_and_branch_points_get_one(pair, hf_greedy, kind):
+    """Blocks of 8, a GDN state every 4 blocks (32 positions), at leaves and at branch points. A second prompt
+    diverging off the grid (after 40 positions) resumes at 32 and leaves a state where it branched; a third
+    diverging there resumes at 40; a resent history resumes at its leaf. Every output equals the cold run and
+    HF's; every entry equals a cold prefill; only grid blocks, leaves and branch points hold a state."""
+    target_dir, draft_dir = pair
+    cached, cold = fresh(target_dir, keep_hidden=kind == "mtp", state_every=4), fresh(target_dir, block=None)
+    cache = cached.prefix_cache
+    base = ids(60, seed=23)
+    first = generate(cached, base, N, drafter(kind, cached, draft_dir), 4)
+    assert first.token_ids == generate(cold, base, N).token_ids == hf_greedy(base, N)
+    for seed, resumed_at in ((24, 32), (25, 40)):
+        prompt = base[:40] + ids(10, seed=seed)
+        hit = generate(cached, prompt, N, drafter(kind, cached, draft_dir), 4)
+        assert hit.stats.cached_prompt_tokens == resumed_at
+        assert hit.token_ids == generate(cold, prompt, N).token_ids == hf_greedy(prompt, N)
+    history = base + first.token_ids
+    again = generate(cached, history + ids(3, seed=26), N, drafter(kind, cached, draft_dir), 4)
+    assert again.stats.cached_prompt_tokens == len(history) // BLOCK * BLOCK
+    assert again.token_ids == generate(cold, history + ids(3, seed=26), N).token_ids
+    for entry in cache.entries.values():
+        wanted = entry.end % 32 == 0 or entry.children != 1
+        assert (entry.state is not None) == wanted, (entry.end, entry.children)
+    assert cache.states() < len(cache.entries)
+    assert cache.bytes == sum(e.nbytes for e in cache.entries.values()) == cache.budget.used
+    assert_entries_are_cold_heads(cache, cached)
+
+
+def test_sparse_states_under_eviction_leave_no_leaf_without_a_state(pair):
+    """A tight budget with sparse states: evicting a leaf takes the stateless blocks above it with it (nothing can
+    resume from them), outputs stay exact, and the bytes add up."""
+    target_dir, _ = pair
+    probe = fresh(target_dir)
+    TargetSession(probe, ids(BLOCK + 1, seed=0))
+    entry_bytes = probe.prefix_cache.bytes
+    cached, cold = fresh(target_dir, max_bytes=8 * entry_bytes, state_every=3), fresh(target_dir, block=None)
+    system = ids(5 * BLOCK + 3, seed=27)
+    prompts = [system[:BLOCK * (1 + i % 5)] + ids(20 + i, seed=200 + i) for i in range(10)]
+    want = [generate(cold, p, N).token_ids for p in prompts]
+    with ThreadPoolExecutor(3) as workers:
+        got = list(workers.map(lambda p: generate(cached, p, N).token_ids, prompts + prompts[::-1]))
+    assert got == want + want[::-1]
+    cache = cached.prefix_cache
+    assert cache.stats.evictions > 0 and cache.bytes <= 8 * entry_bytes
+    assert cache.bytes == sum(e.nbytes for e in cache.entries.values()) == cache.budget.used
+    assert all(e.state is not None for e in cache.entries.values() if not e.children)
+    assert all(e.parent is None or e.parent.alive for e in cache.entries.values())
+    assert_entries_are_cold_heads(cache, cached)
+
+
 def test_bad_block_sizes_and_budgets_are_refused():
     with pytest.raises(ValueError, match="block size"):
         PrefixCache(0, ByteBudget(1))
+    with pytest.raises(ValueError, match="GDN state every 1 or more blocks"):
+        PrefixCache(4, ByteBudget(1), state_every=0)
     model = random_model(hf_config(), seed=1)
     prefix_cache.attach(model, 4)
     with pytest.raises(ValueError, match="already"):

@@ -132,6 +132,8 @@ def test_metrics_and_spans_say_what_the_cache_served(served):
     assert registry.get_sample_value("deltaspec_prefix_cache_entries") > 0
     assert registry.get_sample_value("deltaspec_prefix_cache_bytes") > 0
     assert registry.get_sample_value("deltaspec_prefix_cache_block_tokens") == BLOCK
+    assert registry.get_sample_value("deltaspec_prefix_cache_states") \
+        == registry.get_sample_value("deltaspec_prefix_cache_entries")  # a state every block by default
     root = block_key(b"", prompt[:BLOCK]).hex()  # what a router computes from the prompt's first block
     assert registry.get_sample_value("deltaspec_prefix_cache_root_tokens", {"root": root}) == 2 * BLOCK
     creates = [s for s in exporter.get_finished_spans() if s.name.endswith("TargetService/CreateSession")]

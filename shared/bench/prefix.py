@@ -121,10 +121,10 @@ def make_sides(block: int, target_dir: Path = DEFAULT_TARGET, draft_dir: Path = 
     return sides
 
 
-def with_own_cache(model: HybridLM, block: int) -> HybridLM:
+def with_own_cache(model: HybridLM, block: int, state_every: int = 1) -> HybridLM:
     """`model` under another name, its weights shared, with a prefix cache of its own."""
     twin = copy.copy(model)
-    prefix_cache.attach(twin, block)
+    prefix_cache.attach(twin, block, state_every=state_every)
     return twin
 
 
@@ -267,35 +267,50 @@ def entry_bytes(cfg: ModelConfig, dtype: torch.dtype, block: int) -> dict:
     return {"gdn": gdn, "kv": block * kv_bytes_per_position(cfg, dtype)}
 
 
-def measured_prefix(model: HybridLM, ids: list[int]) -> tuple[int, int]:
-    """Bytes and entries of the cache after one sequence prefilled `ids` from an empty cache."""
+def measured_prefix(model: HybridLM, ids: list[int]) -> tuple[int, int, int]:
+    """Bytes, entries and GDN states of the cache after one sequence prefilled `ids` from an empty cache."""
     cache: PrefixCache = model.prefix_cache  # type: ignore[assignment]
     cache.clear()
     Cursor(cache, model.new_state(capacity=2 * len(ids))).prefill(model, ids)
-    nbytes, entries = cache.bytes, len(cache.entries)
+    nbytes, entries, states = cache.bytes, len(cache.entries), cache.states()
     cache.clear()
-    return nbytes, entries
+    return nbytes, entries, states
+
+
+def states_kept(tokens: int, block: int, every: int) -> int:
+    """GDN states a cache keeps for one sequence of `tokens` cached positions: one every `every` blocks and its
+    last block's."""
+    entries = tokens // block
+    return entries // every + bool(entries % every)
+
+
+SPARSE_EVERY = 16  # the sparse rows' blocks between GDN states
 
 
 def memory(sides: list[Side], system: list[int], block: int) -> list[dict]:
-    """Bytes per entry and per `len(system)`-token prefix: measured for the embedded pair (and checked against the
-    computed size), computed for the Qwen3.5-35B-A3B shape at a few block sizes."""
+    """Bytes per entry and per `len(system)`-token prefix, with a GDN state every block and every `SPARSE_EVERY`:
+    measured for the embedded pair (and checked against the computed size), computed for the Qwen3.5-35B-A3B shape
+    at a few block sizes."""
     cached = next(s for s in sides if s.spec and s.cache)
+    sparse = with_own_cache(next(s for s in sides if not s.cache).target, block, SPARSE_EVERY)
     out = []
-    for name, model in (("embedded target", cached.target), ("embedded draft", cached.draft)):
+    for name, model, every in (("embedded target", cached.target, 1), ("embedded target", sparse, SPARSE_EVERY),
+                               ("embedded draft", cached.draft, 1)):
         if getattr(model, "prefix_cache", None) is None:
             continue
-        nbytes, entries = measured_prefix(model, system)
+        nbytes, entries, states = measured_prefix(model, system)
         parts = entry_bytes(model.config, model.dtype, block)
-        assert nbytes == entries * (parts["gdn"] + parts["kv"]), f"{name}: {nbytes} B measured, not as computed"
-        out.append({"model": name, "dtype": str(model.dtype).removeprefix("torch."), "block": block,
-                    "entries": entries, "how": "measured", **parts, "prefix": nbytes})
+        assert states == states_kept(len(system), block, every), f"{name}: {states} states, not as computed"
+        assert nbytes == entries * parts["kv"] + states * parts["gdn"], f"{name}: {nbytes} B, not as computed"
+        out.append({"model": name, "dtype": str(model.dtype).removeprefix("torch."), "block": block, "every": every,
+                    "entries": entries, "states": states, "how": "measured", **parts, "prefix": nbytes})
     cfg = ModelConfig.from_dict(QWEN35_35B_A3B)
-    for size in sorted({block, 64, 256}):
+    for size, every in sorted({(block, 1), (block, SPARSE_EVERY), (64, 1), (256, 1)}):
         parts = entry_bytes(cfg, torch.bfloat16, size)
-        entries = len(system) // size
-        out.append({"model": "Qwen3.5-35B-A3B shape", "dtype": "bfloat16", "block": size, "entries": entries,
-                    "how": "computed", **parts, "prefix": entries * (parts["gdn"] + parts["kv"])})
+        entries, states = len(system) // size, states_kept(len(system), size, every)
+        out.append({"model": "Qwen3.5-35B-A3B shape", "dtype": "bfloat16", "block": size, "every": every,
+                    "entries": entries, "states": states, "how": "computed", **parts,
+                    "prefix": entries * parts["kv"] + states * parts["gdn"]})
     return out
 
 
@@ -377,16 +392,16 @@ def print_rows(result: dict) -> None:
     for r in result.get("extended", []):
         print(f"{r['turn']:>4} {_cell(r['prefill_ms']):>19} {_cell(r['prefill_ratio'], 3):>20} "
               f"{_cell(r['ratio'], 3):>20} {'yes' if r['same_replies'] else 'NO':>12}")
-    print(f"\nMemory per cached prefix (an entry: its block's K/V and the GDN conv windows and states at its end; "
-          f"a {p['system_tokens']}-token prefix is {p['system_tokens']} // block entries)")
-    print(f"{'model':<22} {'dtype':<9} {'block':>5} {'GDN KiB':>9} {'K/V KiB':>8} {'KiB/entry':>9} {'entries':>7} "
-          f"{'prefix MiB':>10} {'K/V alone':>9} how")
+    print(f"\nMemory per cached prefix (an entry: its block's K/V, and where it keeps one, the GDN conv windows and "
+          f"states at its end: every `every` blocks and at the last; a {p['system_tokens']}-token prefix is "
+          f"{p['system_tokens']} // block entries)")
+    print(f"{'model':<22} {'dtype':<9} {'block':>5} {'every':>5} {'GDN KiB':>9} {'K/V KiB':>8} {'entries':>7} "
+          f"{'states':>6} {'prefix MiB':>10} {'K/V alone':>9} how")
     for m in result["memory"]:
-        total = m["gdn"] + m["kv"]
         kv_only = m["entries"] * m["kv"] / 2**20
-        print(f"{m['model']:<22} {m['dtype']:<9} {m['block']:>5} {m['gdn'] / 2**10:>9.1f} {m['kv'] / 2**10:>8.1f} "
-              f"{total / 2**10:>9.1f} {m['entries']:>7} {m['prefix'] / 2**20:>10.2f} {kv_only:>9.2f} "
-              f"{m['how'] + (' (= computed)' if m['how'] == 'measured' else '')}")
+        print(f"{m['model']:<22} {m['dtype']:<9} {m['block']:>5} {m['every']:>5} {m['gdn'] / 2**10:>9.1f} "
+              f"{m['kv'] / 2**10:>8.1f} {m['entries']:>7} {m['states']:>6} {m['prefix'] / 2**20:>10.2f} "
+              f"{kv_only:>9.2f} {m['how'] + (' (= computed)' if m['how'] == 'measured' else '')}")
 
 
 def save(docs: Path, result: dict) -> None:

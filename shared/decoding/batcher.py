@@ -95,7 +95,8 @@ def serving(model: HybridLM, limits: Limits, batching: BatchConfig | None, metri
     attach(model, pool)
     metrics.watch_state_pool(pool)
     if limits.prefix_cache_block:
-        metrics.watch_prefix_cache(prefix_cache.attach(model, limits.prefix_cache_block, keep_hidden))
+        metrics.watch_prefix_cache(prefix_cache.attach(model, limits.prefix_cache_block, keep_hidden,
+                                                       state_every=limits.prefix_cache_state_every))
     if batching is None or batching.max_batch == 1:
         return model
     return BatchedModel(model, batching, metrics.batch)  # type: ignore[return-value]

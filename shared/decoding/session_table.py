@@ -32,6 +32,7 @@ class Limits:
     max_sessions_per_caller: int = 0  # 0: only `max_sessions` bounds a caller
     state_memory_bytes: int = 0  # GDN slots + attention K/V (deltaspec.shared.state.pool); 0: sized for max_sessions
     prefix_cache_block: int = 16  # tokens per prefix cache entry (deltaspec.shared.state.prefix_cache); 0: no cache
+    prefix_cache_state_every: int = 1  # blocks between the GDN states it keeps off leaves and branch points
 
     def check_prompt(self, n_tokens: int, field_name: str) -> None:
         if n_tokens > self.max_prompt_tokens:

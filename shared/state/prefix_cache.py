@@ -3,16 +3,29 @@ prefills only the rest.
 
 A hybrid model's head after P tokens is every GDN layer's conv window and recurrent state (a fixed size, whatever
 P) and the attention K/V of positions 0..P-1. The cache keeps it at every block boundary (`block` tokens; tens
-of tokens work, the state being small), one entry per block, keyed by a hash chain over the token ids: an
-entry's key hashes its parent's key and its own tokens, so a key names a whole prefix from position 0. An
-entry holds its block's K/V, the GDN state at its end and, for an MTP drafter, the trunk's hidden states of its
-positions. A prompt of any length that shares one whole block with a cached sequence hits.
+of tokens work), one entry per block, keyed by a hash chain over the token ids: an entry's key hashes its
+parent's key and its own tokens, so a key names a whole prefix from position 0. An entry holds its block's K/V,
+the GDN state at its end (see below) and, for an MTP drafter, the trunk's hidden states of its positions. A
+prompt of any length that shares one whole block with a cached sequence hits.
+
+GDN states where they pay (`state_every`): K/V grows with the block, a GDN state does not (61 MiB at the
+Qwen3.5-35B-A3B shape, against 320 KiB of K/V for 16 tokens), so a big model can keep K/V at every block and a
+state only every `state_every` blocks (the grid), at leaves (where a sequence's cached history ends: a resent
+conversation or prompt resumes there) and at branch points (where cached sequences part: a shared system prompt's
+end, once a second sequence has diverged there). A sequence resumes at the deepest block it matches that holds a
+state, prefills from there, and hands the cache the state of the deepest block it matched when that one holds
+none (the branch it is about to make); a block that gets its first child off the grid drops its state. So
+`state_every` = 1 (the default) caches every head; a larger one trades the second sequence of a new branch
+prefilling from the grid for memory: a 1,024-token prefix in blocks of 16 pays 64 blocks of K/V and 4 states at
+`state_every` 16, not 64 states.
 
 Entries come from committed heads only: the block boundaries a prefill passes (taken by the pass itself,
 `rollback.Capture`), and those a commit completes (the commit algebra over the kept tokens' logs, before the
 swap). So no entry ever holds a rejected draft token, whatever the drafter, and a sequence caches the same
-blocks with speculation on or off. An entry is never written once made: a hit copies it into the sequence's own
-buffers, so a sequence never depends on an entry staying (eviction while it runs changes nothing).
+blocks with speculation on or off. An entry's tensors are never written once made (a block gains or drops its
+GDN state whole, under the lock, and a lookup takes the one it resumes from under it): a hit copies them into
+the sequence's own buffers, so a sequence never depends on an entry staying (eviction while it runs changes
+nothing). An evicted leaf takes the stateless blocks above it with it: nothing can resume from them.
 
 Memory: entries are paid from the state pool's K/V budget (`StatePool.take`), and a session that needs room
 evicts entries before it is refused (`StatePool.reclaim`). Eviction takes leaves only (an entry with cached
@@ -69,8 +82,8 @@ class Entry:
     parent: Entry | None
     tokens: tuple[int, ...]  # compared on lookup: a hash collision cannot serve another prefix
     end: int  # positions covered from 0
-    window: Tensor  # GDN conv windows after it (L, K-1, C)
-    state: Tensor  # GDN states after it (L, H, Dk, Dv)
+    window: Tensor | None  # GDN conv windows after it (L, K-1, C); None where no state is kept
+    state: Tensor | None  # GDN states after it (L, H, Dk, Dv); a sequence resumes only where there is one
     kv: Tensor  # its positions' K/V (A, 2, H_kv, block, D)
     hidden: Tensor | None  # the trunk's last-layer states of its positions (block, hidden), for MTP
     nbytes: int
@@ -78,6 +91,19 @@ class Entry:
     hits: int = 0
     priority: float = 0.0
     alive: bool = True
+
+
+@dataclass
+class Hit:
+    """What a lookup found: the matched blocks up to the deepest holding a GDN state (where a sequence resumes),
+    that block's windows and states as the lookup read them (a block off the grid drops its own once it gets a
+    child), and the end of the deepest matched block when it holds no state (0 otherwise): the branch point the
+    sequence's prefill passes."""
+
+    chain: list[Entry]
+    window: Tensor | None = None
+    state: Tensor | None = None
+    branch: int = 0
 
 
 @dataclass
@@ -96,12 +122,15 @@ def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 class PrefixCache:
-    """Cached heads of one model's sequences, every `block` positions. Thread-safe."""
+    """Cached heads of one model's sequences: K/V every `block` positions, GDN states every `state_every` blocks and
+    at leaves and branch points. Thread-safe."""
 
-    def __init__(self, block: int, budget: Budget, keep_hidden: bool = False) -> None:
+    def __init__(self, block: int, budget: Budget, keep_hidden: bool = False, state_every: int = 1) -> None:
         if block < 1:
             raise ValueError(f"the prefix cache's block size must be at least 1 token, got {block}")
-        self.block, self.budget, self.keep_hidden = block, budget, keep_hidden
+        if state_every < 1:
+            raise ValueError(f"the prefix cache keeps a GDN state every 1 or more blocks, not {state_every}")
+        self.block, self.budget, self.keep_hidden, self.state_every = block, budget, keep_hidden, state_every
         self.entries: dict[bytes, Entry] = {}
         self.leaves: set[Entry] = set()
         self._order: list[tuple[float, int, Entry]] = []  # leaves by priority, with stale items skipped on pop
@@ -111,8 +140,13 @@ class PrefixCache:
         self.stats = CacheStats()
         self.lock = threading.RLock()
 
-    def lookup(self, ids: Sequence[int]) -> list[Entry]:
-        """The longest chain of cached whole blocks that `ids` starts with (a hit when not empty)."""
+    def on_grid(self, end: int) -> bool:
+        """Whether the block ending at `end` keeps its GDN state whatever its place in the tree."""
+        return end % (self.block * self.state_every) == 0
+
+    def lookup(self, ids: Sequence[int]) -> Hit:
+        """The longest chain of cached whole blocks that `ids` starts with, cut after its deepest block holding a
+        GDN state (a hit when not empty)."""
         chain: list[Entry] = []
         key = b""
         with self.lock:
@@ -125,10 +159,20 @@ class PrefixCache:
                 chain.append(entry)
             for entry in chain:
                 self._touch(entry)
+            branch = chain[-1].end if chain and chain[-1].state is None else 0
+            while chain and chain[-1].state is None:
+                chain.pop()
             self.stats.lookups += 1
             self.stats.hits += bool(chain)
             self.stats.cached_tokens += len(chain) * self.block
-        return chain
+            if not chain:
+                return Hit(chain, branch=branch)
+            return Hit(chain, chain[-1].window, chain[-1].state, branch)
+
+    def states(self) -> int:
+        """Cached blocks holding a GDN state."""
+        with self.lock:
+            return sum(entry.state is not None for entry in self.entries.values())
 
     def roots(self) -> dict[str, int]:
         """Each cached first block's key (hex) and the most positions cached below it: what a router needs to send
@@ -156,7 +200,7 @@ class PrefixCache:
                     spared = victim
                     continue
                 self.clock = priority
-                freed += self._remove(victim)
+                freed += self._remove(victim, protect)
             if spared is not None:
                 self._push(spared)
         return freed
@@ -183,32 +227,66 @@ class PrefixCache:
             self._order = [(e.priority, next(self._pushed), e) for e in self.leaves]
             heapq.heapify(self._order)
 
-    def _remove(self, entry: Entry) -> int:
+    def _remove(self, entry: Entry, protect: Entry | None = None) -> int:
         del self.entries[entry.key]
         self.leaves.discard(entry)
         entry.alive = False
         self.budget.give(entry.nbytes)
         self.bytes -= entry.nbytes
         self.stats.evictions += 1
-        if entry.parent is not None:
-            entry.parent.children -= 1
-            if entry.parent.children == 0 and entry.parent.alive:
-                self.leaves.add(entry.parent)
-                self._push(entry.parent)
-        return entry.nbytes
+        freed = entry.nbytes
+        parent = entry.parent
+        if parent is not None:
+            parent.children -= 1
+            if parent.children == 0 and parent.alive:
+                if parent.state is None and parent is not protect:  # nothing can resume from it or below it
+                    freed += self._remove(parent, protect)
+                else:
+                    self.leaves.add(parent)
+                    self._push(parent)
+        return freed
 
-    def _add(self, parent: Entry | None, tokens: tuple[int, ...], window: Tensor, state: Tensor, kv: Tensor,
-             hidden: Tensor | None) -> Entry | None:
+    def prune(self, entry: Entry) -> None:
+        """Drop `entry` if it is a leaf without a state (a sequence stopped caching right after it)."""
+        with self.lock:
+            if entry.alive and entry.state is None and not entry.children:
+                self._remove(entry)
+
+    def _keep_state(self, entry: Entry, window: Tensor, state: Tensor) -> None:
+        """Give a block that has none its GDN state, if the budget pays for it."""
+        nbytes = window.numel() * window.element_size() + state.numel() * state.element_size()
+        if self.budget.take(nbytes):
+            entry.window, entry.state = window, state
+            entry.nbytes += nbytes
+            self.bytes += nbytes
+
+    def _drop_state(self, entry: Entry) -> None:
+        if entry.state is None:
+            return
+        nbytes = entry.window.numel() * entry.window.element_size() + entry.state.numel() * entry.state.element_size()
+        entry.window = entry.state = None
+        entry.nbytes -= nbytes
+        self.bytes -= nbytes
+        self.budget.give(nbytes)
+
+    def _add(self, parent: Entry | None, tokens: tuple[int, ...], window: Tensor | None, state: Tensor | None,
+             kv: Tensor, hidden: Tensor | None) -> Entry | None:
         """A new entry under `parent` (alive, or None at position 0), paid from the budget (evicting others, never
-        `parent`); the entry already cached under that key instead, if any; None when nothing can pay for it."""
+        `parent`), with the GDN state given (None: K/V only); the entry already cached under that key instead, if
+        any, given the state when it holds none; None when nothing can pay for it."""
         key = block_key(parent.key if parent else b"", tokens)
         with self.lock:
             if parent is not None and not parent.alive:
                 return None
             known = self.entries.get(key)
             if known is not None:
-                return known if known.tokens == tokens else None
-            nbytes = sum(t.numel() * t.element_size() for t in (window, state, kv, *(() if hidden is None else (hidden,))))
+                if known.tokens != tokens:
+                    return None
+                if known.state is None and state is not None:
+                    self._keep_state(known, window, state)
+                return known
+            parts = (kv, *(() if state is None else (window, state)), *(() if hidden is None else (hidden,)))
+            nbytes = sum(t.numel() * t.element_size() for t in parts)
             while not self.budget.take(nbytes):
                 if not self.reclaim(nbytes, protect=parent):
                     return None
@@ -221,6 +299,8 @@ class PrefixCache:
             if parent is not None:
                 parent.children += 1
                 self.leaves.discard(parent)
+                if parent.children == 1 and not self.on_grid(parent.end):
+                    self._drop_state(parent)  # neither a leaf nor a branch point any more
             self.bytes += nbytes
             self.stats.published += 1
         return entry
@@ -239,6 +319,7 @@ class Cursor:
     cached_tokens: int = 0  # positions this sequence took from the cache
     stopped: bool = False
     tail: list[Tensor] | None = None  # with hidden states kept: the trunk's, of the positions after the tip
+    branch: int = 0  # the end of a block its lookup matched that holds no state: the prefill takes it for the cache
 
     def __post_init__(self) -> None:
         self.tail = [] if self.cache.keep_hidden else None
@@ -250,10 +331,11 @@ class Cursor:
         cache, state = self.cache, self.state
         hidden: list[Tensor] | None = []
         if not state.length:
-            chain = cache.lookup(ids)
+            hit = cache.lookup(ids)
+            chain, self.branch = hit.chain, hit.branch
             if chain:
                 tip = chain[-1]
-                state.load_head(tip.end, tip.window, tip.state, torch.cat([e.kv for e in chain], dim=3))
+                state.load_head(tip.end, hit.window, hit.state, torch.cat([e.kv for e in chain], dim=3))
                 self.ids, self.tip, self.cached_tokens = list(ids[:tip.end]), tip, tip.end
                 if not cache.keep_hidden:
                     hidden = None
@@ -264,11 +346,12 @@ class Cursor:
                 cache.stats.prefilled_tokens += len(ids)
         if ids:
             base = state.length
-            ends = [end - base for end in self._ends(len(ids))]
+            ends = self._ends(len(ids))
+            kept = self._kept(ends)
             # a prefill the logs hold gives its heads as a commit does, after the pass (which may then be a compiled
             # one); a longer one has the pass take them (`Capture`)
             logged = len(ids) <= state.gdn.log_capacity
-            state.gdn.capture = capture = Capture(state.gdn, ends) if ends and not logged else None
+            state.gdn.capture = capture = Capture(state.gdn, [e - base for e in kept]) if kept and not logged else None
             try:
                 _, h = model(torch.tensor(ids), state)
             finally:
@@ -280,7 +363,8 @@ class Cursor:
             else:
                 state.commit(state.staged)
                 self._extend(ids, h)
-                self._publish([(base + e, capture.windows[j], capture.states[j]) for j, e in enumerate(ends)])
+                taken = {e: (capture.windows[j], capture.states[j]) for j, e in enumerate(kept)}
+                self._publish([(e, *taken.get(e, (None, None))) for e in ends])
         return None if hidden is None else torch.cat(hidden)
 
     def commit(self, ids: Sequence[int], commit: Callable[[], None], hidden: Tensor | None = None) -> None:
@@ -288,8 +372,13 @@ class Cursor:
         their heads come from the logs, before the commit swaps them in. `hidden`: the trunk's states of those
         positions (read only when the cache keeps hidden states)."""
         state = self.state
-        heads = []
-        for end in self._ends(len(ids)):
+        heads: list[tuple[int, Tensor | None, Tensor | None]] = []
+        ends = self._ends(len(ids))
+        kept = self._kept(ends)
+        for end in ends:
+            if end not in kept:
+                heads.append((end, None, None))
+                continue
             window, gdn_state = torch.empty_like(state.gdn.conv), torch.empty_like(state.gdn.recurrent)
             state.gdn.state_after(end - state.length, state.staged, window, gdn_state)
             heads.append((end, window, gdn_state))
@@ -309,6 +398,11 @@ class Cursor:
             self.stop()
         return range(0) if self.stopped else range(first, len(self.ids) + n + 1, self.cache.block)
 
+    def _kept(self, ends: range) -> list[int]:
+        """Which of the blocks ending at `ends` get a GDN state: those on the cache's grid, the last (the sequence's
+        new tip), and the matched block without one where this sequence branches off."""
+        return [e for e in ends if self.cache.on_grid(e) or e == ends[-1] or e == self.branch]
+
     def stop(self) -> None:
         self.stopped, self.tail = True, None
 
@@ -320,8 +414,9 @@ class Cursor:
             else:
                 self.tail.append(hidden)
 
-    def _publish(self, heads: list[tuple[int, Tensor, Tensor]]) -> None:
-        """Cache the blocks ending at `heads` (end, windows, states) in order, each under the one before."""
+    def _publish(self, heads: list[tuple[int, Tensor | None, Tensor | None]]) -> None:
+        """Cache the blocks ending at `heads` (end, windows and states or None) in order, each under the one
+        before."""
         block, state = self.cache.block, self.state
         for end, window, gdn_state in heads:
             start = end - block
@@ -332,9 +427,12 @@ class Cursor:
                 rest = torch.cat(self.tail)
                 rows, self.tail = rest[:block].clone(), [rest[block:]]
             kv = torch.stack([torch.stack([a.k[:, start:end], a.v[:, start:end]]) for a in state.attn])
-            entry = self.cache._add(self.tip, tuple(self.ids[start:end]), window.clone(), gdn_state.clone(), kv, rows)
+            entry = self.cache._add(self.tip, tuple(self.ids[start:end]), None if window is None else window.clone(),
+                                    None if gdn_state is None else gdn_state.clone(), kv, rows)
             if entry is None:
                 self.stop()
+                if self.tip is not None:
+                    self.cache.prune(self.tip)
                 return
             self.tip = entry
 
@@ -349,13 +447,14 @@ def commit_head(cursor: Cursor | None, ids: Sequence[int], commit: Callable[[], 
         cursor.commit(ids, commit, hidden)
 
 
-def attach(model: object, block: int, keep_hidden: bool = False, max_bytes: int = 256 * 2**20) -> PrefixCache:
+def attach(model: object, block: int, keep_hidden: bool = False, max_bytes: int = 256 * 2**20,
+           state_every: int = 1) -> PrefixCache:
     """Give `model` a prefix cache that its sessions use (`TargetSession`, `ModelDrafter`): paid from the model's
     state pool when it has one (`deltaspec.shared.state.pool.attach` first), else within `max_bytes` of its own."""
     if getattr(model, "prefix_cache", None) is not None:
         raise ValueError("the model has a prefix cache already")
     pool = getattr(model, "state_pool", None)
-    cache = PrefixCache(block, pool if pool is not None else ByteBudget(max_bytes), keep_hidden)
+    cache = PrefixCache(block, pool if pool is not None else ByteBudget(max_bytes), keep_hidden, state_every)
     if pool is not None:
         pool.reclaim = cache.reclaim
     model.prefix_cache = cache  # type: ignore[attr-defined]

@@ -214,6 +214,9 @@ class _PrefixCacheCollector:
         families += [GaugeMetricFamily("deltaspec_prefix_cache_entries", "Cached blocks", value=len(cache.entries)),
                      GaugeMetricFamily("deltaspec_prefix_cache_bytes", "Bytes the cached blocks hold (part of the "
                                        "state memory budget)", value=cache.bytes),
+                     GaugeMetricFamily("deltaspec_prefix_cache_states", "Cached blocks holding a GDN state "
+                                       "(where a sequence can resume)",
+                                       value=cache.states()),
                      GaugeMetricFamily("deltaspec_prefix_cache_block_tokens", "Tokens per cached block",
                                        value=cache.block)]
         roots = GaugeMetricFamily("deltaspec_prefix_cache_root_tokens", "Most positions cached below a first block",
