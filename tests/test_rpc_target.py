@@ -13,7 +13,7 @@ from grpc_status import rpc_status
 from deltaspec.v1 import sampling_pb2
 from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.shared.decoding.session_table import Limits
-from deltaspec.shared.errors import NotFound
+from deltaspec.shared.errors import FailedPrecondition, NotFound
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.rpc.remote_target import RemoteTargetSession
@@ -184,6 +184,22 @@ def test_remote_chained_verify_on_an_unknown_parent_is_not_found_naming_it(pair)
             session.verify("r2", [1, 2], base_version=1, parent="r1", guess=3)
         assert (info.value.field, info.value.resource_name) == ("parent_round_id", "r1")
         session.close()
+
+
+def test_a_pipelined_verify_is_one_attempt_never_waiting_for_a_target_to_come_back(pair):
+    """To a target that is gone, a pipelined verify fails UNAVAILABLE at once (waiting for it to be ready held a
+    generation for the whole call timeout after it lost a replica); while another thread opens the session again,
+    none is sent. Either way the loop only loses the pipelining (FailedPrecondition)."""
+    expected = generate(load_model(pair[0]), PROMPT, 6).token_ids
+    with start(target_service(pair[0])) as server:
+        session = RemoteTargetSession(target_stub(server.address), PROMPT, call_timeout_s=120)
+        parent = session.verify("p0", expected[:2])
+    chained = dict(base_version=parent.base_version + 1, parent="p0", guess=expected[2])
+    with pytest.raises(FailedPrecondition, match="UNAVAILABLE"):
+        session.verify("p1", expected[3:5], **chained)
+    session.session_id = None  # what the loop's thread sees while the session is being opened again
+    with pytest.raises(FailedPrecondition, match="being opened again"):
+        session.verify("p1", expected[3:5], **chained)
 
 
 def test_a_pipelined_round_staged_on_a_lost_session_is_verified_again_before_its_commit(pair):

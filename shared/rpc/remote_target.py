@@ -17,7 +17,9 @@ balancer that hashes it opens the session on the replica whose prefix cache hold
 A pipelined round (`verify(..., parent=, guess=)`) is one attempt: any refusal or failure only
 loses the pipelining (FailedPrecondition; NotFound when the target does not know the parent round
 yet, which the loop answers by sending it again after the parent's verdict), and the loop verifies
-the round again the plain way.
+the round again the plain way. When the session is opened again, pipelined verifies still in flight on the old one
+are cancelled: a replica that went away without closing its connections would otherwise hold each for the call
+timeout, and the loop with it.
 Once its parent is committed, its commit goes through the usual retries; a round staged in a session that the
 parent's commit had to open again is first verified again in the new one.
 """
@@ -63,6 +65,7 @@ class RemoteTargetSession:
         # pipelined rounds by id: the round, what to verify it again with, the session that staged it
         self._chained: dict[str, tuple[Round, tuple[str, list[int], Tensor | None], str | None]] = {}
         self._lock = threading.Lock()
+        self._pipelined: set[grpc.Future] = set()  # pipelined verifies in flight
         self._call(lambda: None)  # opens the session, with the usual retries
         self.prompt_len = len(self.tokens)
         self.vocab_size: int = self._created.vocab_size
@@ -87,12 +90,26 @@ class RemoteTargetSession:
 
     def _verify_chained(self, round_id: str, drafts: list[int], base_version: int | None,
                         draft_probs: Tensor | None, parent: str, guess: int | None) -> Round:
-        session_id = self.session_id
+        session_id, stub = self.session_id, self.stub
+        if session_id is None:
+            raise FailedPrecondition(f"round {round_id!r} was not staged on {parent!r}: the session is being opened "
+                                     "again", "parent_round_id")
         try:
             request = pb.VerifyRequest(session_id=session_id, round_id=round_id, base_version=base_version,
                                        draft_tokens=drafts, parent_round_id=parent, parent_next_token=guess)
             put_probs(request, draft_probs, self.sampling.greedy, self.sparse_probs)
-            reply = self.stub.Verify(request, **self._opts())
+            # one attempt, never waiting for a replica to come back (the session would be opened elsewhere)
+            call = stub.Verify.future(request, **{**self._opts(), "wait_for_ready": False})
+            with self._lock:
+                self._pipelined.add(call)
+            try:
+                reply = call.result()
+            finally:
+                with self._lock:
+                    self._pipelined.discard(call)
+        except grpc.FutureCancelledError:
+            raise FailedPrecondition(f"round {round_id!r} was not staged on {parent!r}: its session was lost",
+                                     "parent_round_id") from None
         except grpc.RpcError as e:
             message = f"round {round_id!r} was not staged on {parent!r}: {e.code().name}: {e.details()}"
             if e.code() == grpc.StatusCode.NOT_FOUND:
@@ -161,6 +178,9 @@ class RemoteTargetSession:
     def _open(self) -> None:
         """A new session on the committed history (the prompt text or messages only the first time), then the round
         in flight."""
+        with self._lock:
+            for call in self._pipelined:  # rounds of the session lost
+                call.cancel()
         self.pinned = None
         created = self.entry_stub.CreateSession(pb.CreateSessionRequest(
             prompt_ids=self.tokens, prompt_text="" if self.tokens else self.prompt_text,
@@ -187,7 +207,8 @@ class RemoteTargetSession:
                     self._open()
                 return rpc()
             except grpc.RpcError as e:
-                # CANCELLED: the server stopped with the call in flight (this class cancels none of its calls)
+                # CANCELLED: the server stopped with the call in flight (this class cancels only pipelined verifies,
+                # which do not come here)
                 gone = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
                 if e.code() == grpc.StatusCode.NOT_FOUND and field_of(e) == "session_id":
                     self.session_id = None
