@@ -7,7 +7,8 @@ For a small random target of each family (32 experts, top-4, a shared expert, 4 
   tokens at once and reads each chosen expert once, so its cost follows the distinct experts, not T x top-k;
 - the acceptance at which speculation breaks even at each k: tokens a round yields at per-token acceptance a,
   (1 - a^(k+1)) / (1 - a), against the round's cost in decode steps, verify(k+1) / decode + k x draft step / decode
-  (a dense 2-layer draft, measured at the same batch);
+  (a dense 2-layer draft, measured at the same batch), and with a draft that costs nothing (n-gram lookup: the
+  verify's own share);
 - rounds with a real draft model and accept counts drawn at a = 0.7 (round cost is measured here, not acceptance:
   `deltaspec.shared.bench.rounds`, which the GPU section shares), at k = 4 and at the k the cost model picks from
   this run's pass costs (`deltaspec.shared.decoding.draft_length`; 0 is decoding alone), against target-only
@@ -62,7 +63,8 @@ def pass_costs(model: HybridLM, draft: HybridLM, repeats: int) -> list[dict]:
                          "ms_max": max(ms), "vs_decode": times.median(T) / decode,
                          "experts": statistics.mean(times.experts[T]), "draft_step_ms": draft_ms,
                          "break_even": None if T == 1 else break_even(T - 1, times.median(T) / decode,
-                                                                      draft_ms / (1000 * decode))})
+                                                                      draft_ms / (1000 * decode)),
+                         "break_even_free": None if T == 1 else break_even(T - 1, times.median(T) / decode, 0.0)})
     return rows
 
 
@@ -154,11 +156,15 @@ def print_rows(result: dict) -> None:
               f"({hf['ours_vs_hf']:.2f}x, {hf['ours_vs_hf_min']:.2f}-{hf['ours_vs_hf_max']:.2f}; "
               f"same tokens: {hf['same_tokens']})")
         print(f"{'batch':>5} {'tokens':>6} {'ms/pass':>8} {'min-max':>13} {'x decode':>8} {'experts/layer':>13} "
-              f"{'break-even a':>12}")
+              f"{'break-even a':>12} {'free draft':>10}")
+
+        def even(p: dict, key: str) -> str:
+            return "-" if p["tokens"] == 1 else "never" if p[key] is None else f"{p[key]:.2f}"
+
         for p in r["passes"]:
-            even = "-" if p["tokens"] == 1 else "never" if p["break_even"] is None else f"{p['break_even']:.2f}"
             print(f"{p['batch']:>5} {p['tokens']:>6} {p['ms']:>8.2f} {p['ms_min']:>6.2f}-{p['ms_max']:<6.2f} "
-                  f"{p['vs_decode']:>8.2f} {p['experts']:>13.1f} {even:>12}")
+                  f"{p['vs_decode']:>8.2f} {p['experts']:>13.1f} {even(p, 'break_even'):>12} "
+                  f"{even(p, 'break_even_free'):>10}")
         print("draft step (dense 2-layer) per batch: "
               + ", ".join(f"{p['batch']}: {p['draft_step_ms']:.2f} ms" for p in r["passes"] if p["tokens"] == 1))
         for s in r["speculation"]:
