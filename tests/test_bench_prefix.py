@@ -31,6 +31,13 @@ def test_prefix_rows_exact_and_complete(capsys):
                for r in result["conversation"])
     extended = result["extended"]
     assert [r["turn"] for r in extended] == list(range(1, p.turns + 1)) and all(r["same_replies"] for r in extended)
+    sparse = result["sparse"]  # every request but the first resumes where the system prompt's last block ends,
+    _, dense, every = sparse["names"]  # except the second with sparse states: it resumes on the grid below
+    boundary = sparse["system_tokens"] // p.block * p.block
+    assert [r[dense]["cached"] for r in sparse["rows"]] == [0] + [boundary] * p.requests
+    assert [r[every]["cached"] for r in sparse["rows"]] \
+        == [0, boundary // sparse["grid"] * sparse["grid"]] + [boundary] * (p.requests - 1)
+    assert 0 < sparse["bytes"][every] < sparse["bytes"][dense]
     measured = [m for m in result["memory"] if m["how"] == "measured"]
     assert [(m["model"], m["every"]) for m in measured] == [("embedded target", 1), ("embedded target", 16),
                                                            ("embedded draft", 1)]

@@ -12,6 +12,8 @@ hits included, before timing. Greedy, held-out text (`speedup.heldout_prompts`' 
 3. an 8-turn conversation, each turn's prompt the whole history (prompts, replies, a new 32-token user turn);
    and the same conversation kept in one session continued turn by turn (`TargetSession.extend`, what
    `ExtendSession` runs), against opening a session on the whole history without a cache;
+4. a system prompt ending off the GDN-state grid, with a state every block and every `SPARSE_EVERY` blocks
+   (`--prefix-cache-state-every`): where each request resumes, its time to first token, the cache's bytes;
 then memory per entry and per 1,024-token prefix, measured for the embedded pair and computed for the
 Qwen3.5-35B-A3B shape. Cached outputs must equal uncached ones (asserted); the cached positions must not depend
 on speculation (an entry holds committed tokens only), so both counts are printed side by side.
@@ -67,7 +69,7 @@ class Plan:
 
 
 QUICK = Plan(requests=3, short_requests=3, reply_tokens=32, repeats=2)
-TINY = Plan(system_tokens=64, turn_tokens=16, requests=1, short_prefix=32, short_requests=1, turns=3, reply_tokens=8,
+TINY = Plan(system_tokens=64, turn_tokens=16, requests=2, short_prefix=32, short_requests=1, turns=3, reply_tokens=8,
             new_tokens=6, repeats=1)  # seconds: the smoke test's
 
 
@@ -314,6 +316,34 @@ def memory(sides: list[Side], system: list[int], block: int) -> list[dict]:
     return out
 
 
+def sparse_states(sides: list[Side], system: list[int], turns: list[list[int]], new_tokens: int, repeats: int,
+                  block: int) -> dict:
+    """Scenario 4, speculation off: per request (the first fills the cache), the positions each cache served and
+    the time to first token against no cache, with a GDN state every block and every `SPARSE_EVERY` blocks; the
+    caches' bytes after the last request."""
+    cold = next(s for s in sides if not s.spec and not s.cache)
+    runs = {"no cache": cold, "every block": next(s for s in sides if not s.spec and s.cache),
+            f"every {SPARSE_EVERY}": Side(False, True, with_own_cache(cold.target, block, SPARSE_EVERY), cold.draft)}
+    per_request: list[list[dict[str, dict]]] = [[] for _ in turns]
+    nbytes: dict[str, list[int]] = {name: [] for name in runs}
+    for rep in range(repeats):
+        clear(list(runs.values()))
+        for i, turn in enumerate(turns):
+            names = list(runs)[(rep + i) % 3:] + list(runs)[:(rep + i) % 3]
+            got = {name: runs[name].run(system + turn, new_tokens) for name in names}
+            assert len({tuple(g["tokens"]) for g in got.values()}) == 1, f"request {i}: outputs differ"
+            per_request[i].append(got)
+        for name, side in runs.items():
+            nbytes[name].append(side.target.prefix_cache.bytes if side.cache else 0)
+    rows_ = [{"request": i + 1,
+              **{name: {"cached": spread([float(g[name]["cached"]) for g in reqs])["median"],
+                        "ttft_ms": spread([1000 * g[name]["ttft"] for g in reqs]),
+                        "ratio": spread([g[name]["ttft"] / g["no cache"]["ttft"] for g in reqs])} for name in runs}}
+             for i, reqs in enumerate(per_request)]
+    return {"system_tokens": len(system), "grid": block * SPARSE_EVERY, "names": list(runs), "rows": rows_,
+            "bytes": {name: max(b) for name, b in nbytes.items()}}
+
+
 def prefix(quick: bool = False, command: str = "deltaspec bench --only prefix", plan: Plan | None = None,
            target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT) -> dict:
     started = time.time()
@@ -329,10 +359,12 @@ def prefix(quick: bool = False, command: str = "deltaspec bench --only prefix", 
     system_runs = shared_prefix(sides, system, turns, plan.new_tokens, plan.repeats)
     short_runs = shared_prefix(sides, short, suffixes, plan.new_tokens, plan.repeats)
     chat_runs = conversation(sides, chat, plan.reply_tokens, plan.repeats)
+    off_grid = system[:plan.system_tokens - 3 * plan.block // 2]  # ends off every grid: not a block's end either
+    sparse = sparse_states(sides, off_grid, turns, plan.new_tokens, plan.repeats, plan.block)
     return {"plan": plan.__dict__, "system": rows(system_runs, range(1, len(turns))),
             "system_filling": rows(system_runs, range(1)), "short": rows(short_runs, range(1, len(suffixes))),
             "conversation": [{"turn": t + 1, **r} for t in range(plan.turns) for r in rows(chat_runs, range(t, t + 1))],
-            "extended": extended_rows(chat_runs),
+            "extended": extended_rows(chat_runs), "sparse": sparse,
             "memory": memory(sides, system, plan.block), "seconds": time.time() - started,
             "header": report.header(command, started)}
 
@@ -392,6 +424,17 @@ def print_rows(result: dict) -> None:
     for r in result.get("extended", []):
         print(f"{r['turn']:>4} {_cell(r['prefill_ms']):>19} {_cell(r['prefill_ratio'], 3):>20} "
               f"{_cell(r['ratio'], 3):>20} {'yes' if r['same_replies'] else 'NO':>12}")
+    sp = result["sparse"]
+    names = sp["names"]
+    print(f"\n4. GDN states every block and every {SPARSE_EVERY} blocks (a {sp['grid']}-token grid, leaves and "
+          f"branch points): a {sp['system_tokens']}-token system prompt + {p['turn_tokens']}-token user turns, "
+          f"speculation off, x {reps} runs; cached positions and TTFT ms (x no cache's)")
+    print(f"{'request':>7} " + " ".join(f"{name:>34}" for name in names))
+    for r in sp["rows"]:
+        cells = [f"{r[n]['cached']:>5.0f} {_cell(r[n]['ttft_ms'])} {r[n]['ratio']['median']:>5.2f}x" for n in names]
+        print(f"{r['request']:>7} " + " ".join(f"{c:>34}" for c in cells))
+    print("cache bytes after the last request: " + ", ".join(
+        f"{n} {sp['bytes'][n] / 2**20:.2f} MiB" for n in names if n != "no cache") + "; outputs identical (asserted)")
     print(f"\nMemory per cached prefix (an entry: its block's K/V, and where it keeps one, the GDN conv windows and "
           f"states at its end: every `every` blocks and at the last; a {p['system_tokens']}-token prefix is "
           f"{p['system_tokens']} // block entries)")
