@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from deltaspec.draft_service import servicer as draft_servicer
+from deltaspec.shared.decoding.session_table import Limits
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
@@ -116,6 +117,23 @@ def test_extend_session_continues_without_prefilling_the_history(served, cold):
     history = tokens[:-N]
     again = stub.CreateSession(pb.CreateSessionRequest(prompt_ids=history))  # opened again on its whole history
     assert again.cached_tokens == (len(history) - 1) // BLOCK * BLOCK
+
+
+def test_a_served_cache_with_sparse_states_resumes_at_the_grid_then_at_the_branch(pair, cold):
+    """`--prefix-cache-state-every 2` on a served target (blocks of 16, a state every 32 positions): sessions
+    diverging after 48 positions resume at 32, then, once the branch point holds a state, at 48; the generations
+    (the server loop against the draft service, batched and pipelined) equal target-only decoding."""
+    target_dir, draft_dir = pair
+    limits = Limits(prefix_cache_state_every=2)
+    with BackgroundServer([draft_servicer.service(lambda: load_model(draft_dir))]).wait_loaded(60) as draft, \
+            BackgroundServer([target_servicer.service(lambda: (load_model(target_dir), load_tokenizer(target_dir)),
+                                                      limits, target_servicer.DraftPeer(draft.address, 5.0))]
+                             ).wait_loaded(60) as target:
+        system = ids(3 * BLOCK + 4, seed=30)
+        served = [generate_on_server(target.address, system + ids(6, seed=31 + i), "", N, num_draft_tokens=4)[0]
+                  for i in range(3)]
+        assert [r.stats.cached_prompt_tokens for r in served] == [0, 2 * BLOCK, 3 * BLOCK]
+        assert [r.token_ids for r in served] == [cold(system + ids(6, seed=31 + i)) for i in range(3)]
 
 
 def test_metrics_and_spans_say_what_the_cache_served(served):
