@@ -116,6 +116,10 @@ class CacheStats:
     evictions: int = 0
 
 
+def _nbytes(*tensors: Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The key of a block after the prefix keyed `parent` (b"" at position 0)."""
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
@@ -254,7 +258,7 @@ class PrefixCache:
 
     def _keep_state(self, entry: Entry, window: Tensor, state: Tensor) -> None:
         """Give a block that has none its GDN state, if the budget pays for it."""
-        nbytes = window.numel() * window.element_size() + state.numel() * state.element_size()
+        nbytes = _nbytes(window, state)
         if self.budget.take(nbytes):
             entry.window, entry.state = window, state
             entry.nbytes += nbytes
@@ -263,7 +267,7 @@ class PrefixCache:
     def _drop_state(self, entry: Entry) -> None:
         if entry.state is None:
             return
-        nbytes = entry.window.numel() * entry.window.element_size() + entry.state.numel() * entry.state.element_size()
+        nbytes = _nbytes(entry.window, entry.state)
         entry.window = entry.state = None
         entry.nbytes -= nbytes
         self.bytes -= nbytes
@@ -285,8 +289,7 @@ class PrefixCache:
                 if known.state is None and state is not None:
                     self._keep_state(known, window, state)
                 return known
-            parts = (kv, *(() if state is None else (window, state)), *(() if hidden is None else (hidden,)))
-            nbytes = sum(t.numel() * t.element_size() for t in parts)
+            nbytes = _nbytes(kv, *(() if state is None else (window, state)), *(() if hidden is None else (hidden,)))
             while not self.budget.take(nbytes):
                 if not self.reclaim(nbytes, protect=parent):
                     return None
