@@ -25,6 +25,7 @@ import copy
 import io
 import os
 import time
+from typing import TypeVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,7 @@ from deltaspec.shared.state.rollback import GDNStates
 
 BLOCK = 16  # tokens per cache entry
 NUM_DRAFT_TOKENS = 4
+T = TypeVar("T")
 SUFFIXES = (16, 21, 26, 31, 35)  # short prompts' own tokens after the shared prefix, in turn (64 + 35 < 100)
 
 
@@ -150,8 +152,8 @@ class Text:
         return self.ids[self.at - n:self.at]
 
 
-def rotated(sides: list[Side], turn: int) -> list[Side]:
-    return sides[turn % len(sides):] + sides[:turn % len(sides)]
+def rotated(items: list[T], turn: int) -> list[T]:
+    return items[turn % len(items):] + items[:turn % len(items)]
 
 
 def clear(sides: list[Side]) -> None:
@@ -289,12 +291,11 @@ def states_kept(tokens: int, block: int, every: int) -> int:
 SPARSE_EVERY = 16  # the sparse rows' blocks between GDN states
 
 
-def memory(sides: list[Side], system: list[int], block: int) -> list[dict]:
-    """Bytes per entry and per `len(system)`-token prefix, with a GDN state every block and every `SPARSE_EVERY`:
-    measured for the embedded pair (and checked against the computed size), computed for the Qwen3.5-35B-A3B shape
-    at a few block sizes."""
+def memory(sides: list[Side], sparse: HybridLM, system: list[int], block: int) -> list[dict]:
+    """Bytes per entry and per `len(system)`-token prefix, with a GDN state every block and every `SPARSE_EVERY`
+    (`sparse`: the target with such a cache): measured for the embedded pair (and checked against the computed
+    size), computed for the Qwen3.5-35B-A3B shape at a few block sizes."""
     cached = next(s for s in sides if s.spec and s.cache)
-    sparse = with_own_cache(next(s for s in sides if not s.cache).target, block, SPARSE_EVERY)
     out = []
     for name, model, every in (("embedded target", cached.target, 1), ("embedded target", sparse, SPARSE_EVERY),
                                ("embedded draft", cached.draft, 1)):
@@ -316,21 +317,20 @@ def memory(sides: list[Side], system: list[int], block: int) -> list[dict]:
     return out
 
 
-def sparse_states(sides: list[Side], system: list[int], turns: list[list[int]], new_tokens: int, repeats: int,
-                  block: int) -> dict:
+def sparse_states(sides: list[Side], sparse: HybridLM, system: list[int], turns: list[list[int]], new_tokens: int,
+                  repeats: int, block: int) -> dict:
     """Scenario 4, speculation off: per request (the first fills the cache), the positions each cache served and
-    the time to first token against no cache, with a GDN state every block and every `SPARSE_EVERY` blocks; the
-    caches' bytes after the last request."""
+    the time to first token against no cache, with a GDN state every block and every `SPARSE_EVERY` blocks
+    (`sparse`: the target with such a cache); the caches' bytes after the last request."""
     cold = next(s for s in sides if not s.spec and not s.cache)
     runs = {"no cache": cold, "every block": next(s for s in sides if not s.spec and s.cache),
-            f"every {SPARSE_EVERY}": Side(False, True, with_own_cache(cold.target, block, SPARSE_EVERY), cold.draft)}
+            f"every {SPARSE_EVERY}": Side(False, True, sparse, cold.draft)}
     per_request: list[list[dict[str, dict]]] = [[] for _ in turns]
     nbytes: dict[str, list[int]] = {name: [] for name in runs}
     for rep in range(repeats):
         clear(list(runs.values()))
         for i, turn in enumerate(turns):
-            names = list(runs)[(rep + i) % 3:] + list(runs)[:(rep + i) % 3]
-            got = {name: runs[name].run(system + turn, new_tokens) for name in names}
+            got = {name: runs[name].run(system + turn, new_tokens) for name in rotated(list(runs), rep + i)}
             assert len({tuple(g["tokens"]) for g in got.values()}) == 1, f"request {i}: outputs differ"
             per_request[i].append(got)
         for name, side in runs.items():
@@ -360,12 +360,13 @@ def prefix(quick: bool = False, command: str = "deltaspec bench --only prefix", 
     short_runs = shared_prefix(sides, short, suffixes, plan.new_tokens, plan.repeats)
     chat_runs = conversation(sides, chat, plan.reply_tokens, plan.repeats)
     off_grid = system[:plan.system_tokens - 3 * plan.block // 2]  # ends off every grid: not a block's end either
-    sparse = sparse_states(sides, off_grid, turns, plan.new_tokens, plan.repeats, plan.block)
+    sparse_target = with_own_cache(next(s for s in sides if not s.cache).target, plan.block, SPARSE_EVERY)
+    sparse = sparse_states(sides, sparse_target, off_grid, turns, plan.new_tokens, plan.repeats, plan.block)
     return {"plan": plan.__dict__, "system": rows(system_runs, range(1, len(turns))),
             "system_filling": rows(system_runs, range(1)), "short": rows(short_runs, range(1, len(suffixes))),
             "conversation": [{"turn": t + 1, **r} for t in range(plan.turns) for r in rows(chat_runs, range(t, t + 1))],
             "extended": extended_rows(chat_runs), "sparse": sparse,
-            "memory": memory(sides, system, plan.block), "seconds": time.time() - started,
+            "memory": memory(sides, sparse_target, system, plan.block), "seconds": time.time() - started,
             "header": report.header(command, started)}
 
 
