@@ -6,11 +6,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from deltaspec.shared.bench import gpu
+from deltaspec.shared.bench import gpu, shapes
 from deltaspec.shared.bench.generation import fast_paths, print_fast_paths
 from deltaspec.shared.bench.moe import break_even
 from deltaspec.shared.bench.rounds import random_model_on
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model
+from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.model.hybrid import HybridLM
 
 # one GDN and one attention layer, untied: hidden 64, FFN 128, attention 4 heads / 2 K/V heads of 16, GDN 2 QK / 4 V
 # heads of 16, conv kernel 4, vocabulary 257
@@ -60,6 +62,23 @@ def test_real_shapes_keep_their_sizes():
     billions = {name: gpu.model_bytes(config, torch.bfloat16) / BF16 / 1e9 for name, config in gpu.SHAPES}
     assert billions == pytest.approx({"Qwen3.5-9B": 8.95, "Qwen3.5-0.8B": 0.75, "Qwen3.5-27B": 26.90,
                                       "Qwen3.5-35B-A3B": 34.15}, abs=0.005)
+
+
+@pytest.mark.parametrize("shape", [shapes.QWEN35_35B_A3B, shapes.QWEN3_NEXT_80B_A3B])
+def test_scaled_shapes_keep_what_a_decode_reads_from_each_weight(shape):
+    """The MoE bench's small copies of the published shapes (`shapes.scaled`): the routed experts' and the LM head's
+    shares of a decode step's weight reads stay within 5 points of the full size's; experts and top-k as published."""
+    def shares(config: dict) -> tuple[float, float]:
+        with torch.device("meta"):
+            model = HybridLM(ModelConfig.from_dict(config))
+        k = model.config.num_experts_per_tok
+        read = gpu.weight_bytes(model, 1, k)
+        return (read - gpu.weight_bytes(model, 1, 0)) / read, model.lm_head.weight.nbytes / read
+
+    small = shapes.scaled(shape)
+    assert (small["num_experts"], small["num_experts_per_tok"]) == (shape["num_experts"], shape["num_experts_per_tok"])
+    assert small["hidden_size"] == shape["hidden_size"] // 8 and small["num_hidden_layers"] == 4
+    assert shares(small) == pytest.approx(shares(shape), abs=0.05)
 
 
 @pytest.fixture(scope="module")

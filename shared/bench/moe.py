@@ -13,7 +13,11 @@ For a small random target of each family (32 experts, top-4, a shared expert, 4 
   `deltaspec.shared.bench.rounds`, which the GPU section shares), at k = 4 and at the k the cost model picks from
   this run's pass costs (`deltaspec.shared.decoding.draft_length`; 0 is decoding alone), against target-only
   decoding, batched 1, 4 and 8;
-- our target-only against HF `generate()` on the same checkpoint, one sequence.
+- our target-only against HF `generate()` on the same checkpoint, one sequence;
+- decode and verify(5) at the published proportions (`shapes.scaled` of Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B:
+  widths / 8, 4 layers, every weight's share of a decode's reads kept, 256 experts top-8 and 512 top-10): the toy
+  above has experts as wide as its hidden size, these the published quarter, and as many experts as published, so
+  the distinct experts a verify reads grow as on the real models.
 Passes are timed alternately (every T in turn, repeated), medians with their spread.
 """
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 from deltaspec.shared.bench.rounds import (PREFIX, Stopwatch, draft_model, drawn_rounds, pass_times, sessions,
                                            target_only, tokens_per_s)
+from deltaspec.shared.bench.shapes import QWEN3_NEXT_80B_A3B, QWEN35_35B_A3B, scaled
 from deltaspec.shared.decoding.draft_length import PassCosts, best_k
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.checkpoint import hf_moe_config, random_model, save_checkpoint
@@ -34,6 +39,8 @@ from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
 
 FAMILIES = {"Qwen3.5-MoE": "qwen3_5_moe_text", "Qwen3-Next": "qwen3_next"}
+PUBLISHED = {"Qwen3.5-MoE": ("Qwen3.5-35B-A3B", QWEN35_35B_A3B),
+             "Qwen3-Next": ("Qwen3-Next-80B-A3B", QWEN3_NEXT_80B_A3B)}
 KS = tuple(range(1, 9))
 BATCHES = (1, 4, 8)
 ALPHA = 0.7
@@ -47,12 +54,12 @@ def moe_config(model_type: str) -> dict:
                          eos_token_id=None)  # no end of sequence: both sides generate every token asked for
 
 
-def pass_costs(model: HybridLM, draft: HybridLM, repeats: int) -> list[dict]:
+def pass_costs(model: HybridLM, draft: HybridLM, repeats: int, ks: tuple[int, ...] = KS) -> list[dict]:
     """Per batch: decode and verify(k+1) ms and distinct experts per sparse layer, the draft's step ms."""
     gen, watch = torch.Generator().manual_seed(0), Stopwatch("cpu")
     rows = []
     for batch in BATCHES:
-        lengths = (1, *(k + 1 for k in KS))
+        lengths = (1, *(k + 1 for k in ks))
         times = pass_times(model, draft, sessions(model, batch, gen), sessions(draft, batch, gen), lengths, repeats,
                            gen, watch)
         decode = times.median(1)
@@ -145,6 +152,12 @@ def moe(quick: bool = False) -> dict:
             result[name] = {"passes": passes,
                             "speculation": speculation_rows(model, draft, passes, repeats, new_tokens),
                             "hf": versus_hf(directory, model, repeats, new_tokens)}
+            published, shape = PUBLISHED[name]
+            big = random_model(scaled(shape), seed=2).eval().fuse()
+            result[name]["published"] = {"model": published, "vocab_size": big.config.vocab_size,
+                                         "experts": big.config.num_experts, "top_k": big.config.num_experts_per_tok,
+                                         "passes": pass_costs(big, draft, repeats, ks=(4,))}
+            del big
     return result
 
 
@@ -155,22 +168,30 @@ def print_rows(result: dict) -> None:
         print(f"\n{name}: target-only {hf['ours_tok_s']:.1f} tok/s, HF generate() {hf['hf_tok_s']:.1f} tok/s "
               f"({hf['ours_vs_hf']:.2f}x, {hf['ours_vs_hf_min']:.2f}-{hf['ours_vs_hf_max']:.2f}; "
               f"same tokens: {hf['same_tokens']})")
-        print(f"{'batch':>5} {'tokens':>6} {'ms/pass':>8} {'min-max':>13} {'x decode':>8} {'experts/layer':>13} "
-              f"{'break-even a':>12} {'free draft':>10}")
-
-        def even(p: dict, key: str) -> str:
-            return "-" if p["tokens"] == 1 else "never" if p[key] is None else f"{p[key]:.2f}"
-
-        for p in r["passes"]:
-            print(f"{p['batch']:>5} {p['tokens']:>6} {p['ms']:>8.2f} {p['ms_min']:>6.2f}-{p['ms_max']:<6.2f} "
-                  f"{p['vs_decode']:>8.2f} {p['experts']:>13.1f} {even(p, 'break_even'):>12} "
-                  f"{even(p, 'break_even_free'):>10}")
+        _print_passes(r["passes"])
         print("draft step (dense 2-layer) per batch: "
               + ", ".join(f"{p['batch']}: {p['draft_step_ms']:.2f} ms" for p in r["passes"] if p["tokens"] == 1))
         for s in r["speculation"]:
             print(f"{s['policy']:>10} k = {s['k']}, accepts drawn at {s['alpha']}, batch {s['batch']}: "
                   f"{s['spec_tok_s']:.0f} tok/s against {s['target_only_tok_s']:.0f} target-only, {s['speedup']:.2f}x "
                   f"({s['speedup_min']:.2f}-{s['speedup_max']:.2f})")
+        big = r["published"]
+        print(f"at {big['model']}'s proportions (widths / 8, 4 layers, {big['experts']} experts top-{big['top_k']}, "
+              f"vocabulary {big['vocab_size']}):")
+        _print_passes(big["passes"])
+
+
+def _print_passes(passes: list[dict]) -> None:
+    print(f"{'batch':>5} {'tokens':>6} {'ms/pass':>8} {'min-max':>13} {'x decode':>8} {'experts/layer':>13} "
+          f"{'break-even a':>12} {'free draft':>10}")
+
+    def even(p: dict, key: str) -> str:
+        return "-" if p["tokens"] == 1 else "never" if p[key] is None else f"{p[key]:.2f}"
+
+    for p in passes:
+        print(f"{p['batch']:>5} {p['tokens']:>6} {p['ms']:>8.2f} {p['ms_min']:>6.2f}-{p['ms_max']:<6.2f} "
+              f"{p['vs_decode']:>8.2f} {p['experts']:>13.1f} {even(p, 'break_even'):>12} "
+              f"{even(p, 'break_even_free'):>10}")
 
 
 def plot(result: dict, path: Path) -> None:

@@ -50,3 +50,19 @@ QWEN3_NEXT_80B_A3B = hf_moe_config("qwen3_next", vocab_size=151936, hidden_size=
 
 # the GPU section's draft: Qwen3.5-0.8B's widths and vocabulary, one GDN and one attention layer
 DRAFT_08B_2L = hf_config(**{**QWEN35_08B, "layer_types": ["linear_attention", "full_attention"]})
+
+
+def scaled(shape: dict, width: int = 8, quarters: int = 1) -> dict:
+    """`shape` made small for a CPU run while every weight keeps its share of what a decode step reads: widths and
+    head counts divided by `width` (head dimensions kept), `quarters` blocks of three GDN layers and one attention
+    layer, the vocabulary divided by `width` and the depth's reduction (so the LM head stays its share), expert
+    count and top-k as published (so the distinct experts a pass of T tokens reads grow as on the real model). The
+    router, as wide as the expert count, is the one weight that grows in share (about 10 % of a layer at 512)."""
+    depth = len(shape["layer_types"]) // (4 * quarters)
+    out = {**shape, "layer_types": QUARTERS * quarters, "num_hidden_layers": 4 * quarters,
+           "vocab_size": shape["vocab_size"] // (width * depth), "eos_token_id": None}
+    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                "num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads"):
+        if key in out:
+            out[key] = max(1, out[key] // width)
+    return out
