@@ -18,9 +18,11 @@ on CUDA beyond), compared per tensor to a relative 1e-4 of its scale as in test_
   CPU's, recorded and then replayed; the captured embedded pair's greedy tokens, target-only and speculative,
   equal the eager GPU's.
 - `deltaspec generate --device cuda` from the command line gives the CPU's greedy tokens.
+- A bf16 MoE target: experts as grouped matmuls on sm90/sm100, eager, compiled and captured, against the CPU.
 """
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -36,7 +38,7 @@ from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from deltaspec.shared.model.batched import forward_batch
-from deltaspec.shared.model.checkpoint import hf_config, random_model
+from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
 
@@ -298,3 +300,52 @@ def test_captured_pair_on_cuda_speculates_target_only_tokens(prompts, greedy):
         assert result.token_ids == want and result.stats.accepted > 0
         passes += 2 * N
     assert 0 < target.captured.recorded < passes // 4
+
+
+# ---- sparse MoE targets in bfloat16: experts as grouped matmuls ----
+
+
+def test_bfloat16_moe_target_groups_its_experts_and_captures_on_cuda():
+    """bf16 Qwen3-Next targets on the GPU. On sm90/sm100 the experts run as `torch._grouped_mm` (no host sync): the
+    grouped form gives the CPU's loop over the used experts on random tokens and routes (empty groups included) to
+    bf16 rounding; eager, compiled and captured passes (over eager and compiled kernels, recorded then replayed) of
+    a target whose tokens take every expert (so bf16 rounding cannot flip a route) give the CPU's logits to bf16
+    rounding; captured speculation on a 16-expert top-4 target gives its target-only tokens. Elsewhere capture
+    refuses such a model and says why."""
+    from deltaspec.shared.model.moe import Experts, apply_experts, grouped_gemm_fast, route
+
+    def on(config: dict, device: str, compiled: bool = False, captured: bool = False):
+        model = random_model(config, seed=9).to(torch.bfloat16).to(device).fuse()
+        return model.compile(compiled).capture(captured) if captured or compiled else model
+
+    top4 = hf_moe_config("qwen3_next", num_experts=16, num_experts_per_tok=4)
+    if not grouped_gemm_fast(torch.device("cuda"), torch.bfloat16, 64, 32):
+        with pytest.raises(ValueError, match="sm90"):
+            on(top4, "cuda", captured=True)
+        pytest.skip("grouped matmuls are one kernel on sm90/sm100 GPUs only")
+    gen = torch.Generator().manual_seed(8)
+    experts = Experts(12, 64, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    on_gpu = copy.deepcopy(experts).to("cuda")
+    for T in (1, 5, 40):
+        x = torch.randn(T, 64, generator=gen).to(torch.bfloat16)
+        weights, chosen = route(torch.randn(T, 12, generator=gen).to(torch.bfloat16), 3, renormalise=True)
+        want, read = apply_experts(experts, x, weights, chosen, grouped=False)
+        got, counted = apply_experts(on_gpu, x.cuda(), weights.cuda(), chosen.cuda())
+        assert (got.cpu().float() - want.float()).norm() / want.float().norm() < 1e-2 and int(counted) == read
+    every = hf_moe_config("qwen3_next", num_experts=4, num_experts_per_tok=4)
+    want, _ = rounds(on(every, "cpu"))
+    for compiled, captured, attempts in ((False, False, 1), (True, False, 1), (False, True, 2), (True, True, 2)):
+        model = on(every, "cuda", compiled, captured)
+        for attempt in range(attempts):
+            got, _ = rounds(model)
+            for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                err = (a.cpu().float() - b.float()).norm() / b.float().norm()
+                assert err < 5e-2, f"compiled {compiled}, captured {captured}: logits of pass {i}, attempt {attempt}"
+    target = on(top4, "cuda", captured=True)
+    draft = random_model(hf_config(layer_types=["linear_attention", "full_attention"]), seed=10).to(torch.bfloat16)
+    draft = draft.to("cuda").fuse().capture()
+    assert (generate(target, TOKENS[:12], N, ModelDrafter(draft), 4).token_ids
+            == generate(target, TOKENS[:12], N).token_ids)

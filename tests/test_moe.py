@@ -21,6 +21,7 @@ from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
 from deltaspec.shared.model.loader import CheckpointError, load_model
+from deltaspec.shared.model.moe import Experts, apply_experts, route
 from deltaspec.shared.model.tokenizer import load_tokenizer
 from deltaspec.shared.rpc.client import generate_on_server
 from deltaspec.target_service import servicer as target_servicer
@@ -123,6 +124,27 @@ def test_batched_passes_equal_single_ones_and_touch_only_chosen_experts(checkpoi
     sparse = [layer.mlp for layer in model.model.layers if type(layer.mlp).__name__ == "SparseMoE"]
     model(step[0], model.new_state())  # one token: exactly top-k experts
     assert all(m.touched == m.top_k for m in sparse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_the_loop_over_used_ones(dtype):
+    """The grouped form (`torch._grouped_mm` over every expert, empty groups included: what GPUs and compiled graphs
+    run) against the loop over the distinct experts, on random tokens and routes: 1 token, a verify's 5, a batch's 40
+    (every expert chosen), and all tokens on one expert."""
+    gen = torch.Generator().manual_seed(8)
+    experts = Experts(12, 48, 24)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    experts = experts.to(dtype)
+    for T in (1, 5, 40, 6):
+        x = torch.randn(T, 48, generator=gen).to(dtype)
+        weights, chosen = route(torch.randn(T, 12, generator=gen).to(dtype), 3, renormalise=True)
+        if T == 6:
+            chosen = torch.full_like(chosen, 7)
+        want, read = apply_experts(experts, x, weights, chosen, grouped=False)
+        got, counted = apply_experts(experts, x, weights, chosen, grouped=True)
+        assert relative(got, want) < 1e-6 and int(counted) == read == len(set(chosen.flatten().tolist()))
 
 
 def test_routing_near_a_tie_is_the_same_in_every_pass(tmp_path):

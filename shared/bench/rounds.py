@@ -94,7 +94,7 @@ def sessions(model: HybridLM, batch: int, gen: torch.Generator, capacity: int = 
 
 def experts_read(model: HybridLM) -> float:
     """Distinct experts the last pass read, per sparse layer (mean); 0 for a dense model."""
-    sparse = [layer.mlp.touched for layer in model.model.layers if isinstance(layer.mlp, SparseMoE)]
+    sparse = [int(layer.mlp.touched) for layer in model.model.layers if isinstance(layer.mlp, SparseMoE)]
     return statistics.mean(sparse) if sparse else 0.0
 
 

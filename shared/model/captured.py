@@ -13,8 +13,9 @@ input, state and output addresses every time. Two things make a sequence's passe
   buffers sit where an earlier one's did (a state pool's slots never move; the allocator reuses freed K/V) replays
   the graphs recorded for them. Beyond `max_graphs` the least recently used graph is dropped.
 A pass the graphs do not cover runs eagerly: more than `max_tokens` tokens (prefill), a staging past the logs, a
-prefix cache taking heads inside the pass, K/V that must grow first. A sparse MoE model is refused (its routing's
-shapes change from pass to pass). With `compile()` on as well, the compiled pass is what is recorded.
+prefix cache taking heads inside the pass, K/V that must grow first. A sparse MoE model's experts are recorded as
+grouped matmuls (`moe.apply_experts`), which need no host sync only in bfloat16 on an sm90/sm100 GPU: elsewhere on
+a GPU such a model is refused. With `compile()` on as well, the compiled pass is what is recorded.
 
 Eager stays the truth: on CUDA `tests/test_cuda.py` compares captured passes with eager ones; on the CPU, where there
 are no graphs, the same static buffers are filled and the same pass is run directly (`tests/test_captured.py`).
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from deltaspec.shared.model.compiled import gdn_arguments, static_pass
+from deltaspec.shared.model.moe import grouped_gemm_fast
 from deltaspec.shared.state.rollback import ModelState
 
 if TYPE_CHECKING:
@@ -96,9 +98,11 @@ class CapturedPasses:
     def __init__(self, model: HybridLM, max_tokens: int = MAX_CAPTURED_TOKENS, max_graphs: int = MAX_GRAPHS) -> None:
         if model.fused is None:
             raise ValueError("capture() needs the fused path: call fuse() first")
-        if model.config.num_experts:
-            raise ValueError("captured passes do not cover sparse MoE models (their expert routing changes shape "
-                             "from pass to pass): run them without --capture")
+        cfg = model.config
+        if cfg.num_experts and model.device.type == "cuda" and not grouped_gemm_fast(
+                model.device, model.dtype, cfg.hidden_size, cfg.moe_intermediate_size):
+            raise ValueError("captured passes of a sparse MoE model need bfloat16 weights on an sm90 or sm100 GPU, "
+                             "where its experts run as one grouped matmul with no host sync: run it without --capture")
         if max_tokens < 1:
             raise ValueError(f"captured passes need max_tokens >= 1, got {max_tokens}")
         self.max_tokens, self.max_graphs = max_tokens, max_graphs

@@ -242,7 +242,9 @@ def _moe(m: SparseMoE, f: FusedMoE, h: Tensor, residual: Tensor) -> Tensor:
     """`SparseMoE.forward` with the router and the shared expert's input projections in one matmul."""
     logits, gate_up, shared_gate = F.linear(h, f.w_in).split(f.splits, dim=-1)
     weights, chosen = route(logits, m.top_k, m.renormalise)
-    routed, m.touched = apply_experts(m.experts, h, weights, chosen)
+    routed, touched = apply_experts(m.experts, h, weights, chosen)
+    if not torch.compiler.is_compiling():  # a graph's count would be one of its own buffers
+        m.touched = touched
     gate, up = gate_up.chunk(2, dim=-1)
     shared = torch.sigmoid(shared_gate) * torch.mm(F.silu(gate) * up, f.shared_down_t)
     return residual + (routed + shared)

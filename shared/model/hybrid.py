@@ -78,9 +78,9 @@ class HybridLM(nn.Module):
         elif self.compiled is None:
             if self.fused is None:
                 raise ValueError("compile() needs the fused path: call fuse() first")
-            if self.config.num_experts:
-                raise ValueError("compiled passes do not cover sparse MoE models yet (their expert routing is "
-                                 "data-dependent): run them without --compile")
+            if self.config.num_experts and self.dtype != torch.bfloat16:
+                raise ValueError("compiled passes of a sparse MoE model need bfloat16 weights (its experts run as "
+                                 f"grouped matmuls, which take bfloat16), not {self.dtype}: run it without --compile")
             self.compiled = CompiledPasses(self.device, self.config.num_hidden_layers)
         if warm_up and self.compiled is not None:
             self.compiled.warm_up(self, log_capacity)

@@ -67,7 +67,7 @@ class SparseMoE(nn.Module):
         self.experts = Experts(n_experts, hidden, intermediate)
         self.shared_expert = MLP(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
-        self.touched = 0  # distinct experts the last pass read
+        self.touched: Tensor | int = 0  # distinct experts the last eager pass read
 
     def forward(self, x: Tensor) -> Tensor:
         weights, chosen = route(self.gate(x), self.top_k, self.renormalise)
