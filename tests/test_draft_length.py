@@ -119,7 +119,8 @@ def test_drafting_cost_as_a_round_trip_plus_steps():
 
 
 def test_drafting_cost_timed_on_a_scratch_session():
-    fixed, step = drafting_cost(TARGET, ModelDrafter(DRAFT), ks=(1, 3), repeats=2)
+    fixed, step = drafting_cost(TARGET, ModelDrafter(DRAFT), ks=(1, 6), repeats=3)  # far apart: a loaded
+    # machine's spike in one round's time cannot turn the line flat
     assert fixed >= 0 and step > 0
 
 

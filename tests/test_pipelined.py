@@ -725,6 +725,38 @@ def slow_draft(servers):
     proxy.close()
 
 
+def test_speculations_no_longer_wanted_never_fail_the_draft(servers, monkeypatch, caplog):
+    """A speculation in flight when the loop asks for a plain round (here the last one, k = 0) or ends the draft
+    session is no longer wanted: its failure at a slow peer (its deadline passing) neither counts against the draft
+    nor backs it off, and `close` cancels it rather than leave it to fail after the generation."""
+    _, d_addr, target = servers
+    slow = threading.Event()
+    propose = DraftSession.propose
+
+    def late_speculations(self, round_id, k, previous=None, speculative=False, parent=None):
+        if speculative and slow.is_set():
+            time.sleep(1.0)  # past the drafter's 0.3 s deadline
+        return propose(self, round_id, k, previous, speculative, parent)
+
+    monkeypatch.setattr(DraftSession, "propose", late_speculations)
+    slow.set()
+    for end in ("last round", "close"):
+        drafter = RemoteDrafter(draft_stub(d_addr), SamplingParams(), target.config.vocab_size, timeout_s=0.3)
+        drafter.start(list(PROMPT))
+        assert drafter.propose(3).tokens
+        speculation = drafter.speculate_async(3)
+        began = time.perf_counter()
+        if end == "close":
+            drafter.close()
+            assert speculation.result(timeout=5) is None and time.perf_counter() - began < 0.25  # cancelled
+        else:
+            assert drafter.propose(0).tokens == []  # waits for the speculation, which fails at its deadline
+            assert speculation.result(timeout=5) is None
+        time.sleep(0.05)  # its failure handled on gRPC's threads
+        assert (drafter.failures, drafter.skip) == (0, 0), end
+    assert "draft failed" not in caplog.text
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_client_loop_speculations_in_flight(servers, slow_draft, k, monkeypatch):
     """With a slow draft link the client asks for round r+2 before r+1's proposal is back, and after a miss for the

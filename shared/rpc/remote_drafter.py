@@ -58,7 +58,8 @@ class _Speculation:
     delivers: draft_service_pb2.RoundOutcome | None  # the outcome it carried
     builds_on: str = ""  # the round it names as its parent ("": none named, the open round)
     behind: grpc.Future | None = None  # the plain Propose it was sent with: a failure of both is one failure
-    abandoned: bool = False  # no longer wanted
+    call: grpc.Future | None = None  # its own Propose, once sent
+    abandoned: bool = False  # no longer wanted: its failure is not the peer's
     done: Future = field(default_factory=Future)
     answered: bool = False  # the peer accepted it (and applied `delivers`)
     guess: int = 0
@@ -84,6 +85,8 @@ class RemoteDrafter:
         self.closing: set[grpc.Future] = set()  # CloseSession calls in flight: gRPC cancels a call it collects
         self.session_id: str | None = None
         self.opening: grpc.Future | None = None  # the peer's session, asked for at `start` and not yet used
+        self.speculations: list[_Speculation] = []  # set again by `start`: here for the `close` it begins with
+        self.abandoned: list[_Speculation] = []
         self.start([])
 
     def start(self, prompt_ids: list[int]) -> None:
@@ -120,6 +123,7 @@ class RemoteDrafter:
         proposal is made: the first waits there for the plain request should it overtake it, the second leaves
         only once the first is answered."""
         for spec in [*self.abandoned, *self.speculations]:  # a late speculation must not land on the new round
+            spec.abandoned = True
             if not spec.guarded:
                 spec.done.result()
         self.abandoned, self.speculations = [], []
@@ -199,7 +203,7 @@ class RemoteDrafter:
             if parent is not None and (not parent.answered or spec.abandoned or self.session_id is None):
                 spec.done.set_result(None)
                 return
-            call = self.stub.Propose.future(draft_service_pb2.ProposeRequest(
+            call = spec.call = self.stub.Propose.future(draft_service_pb2.ProposeRequest(
                 session_id=self.session_id, round_id=spec.round_id, k=k, previous=spec.delivers, speculative=True,
                 parent_round_id=spec.builds_on), timeout=self._timeout())
         call.add_done_callback(lambda c: self._answered(spec, c, k))
@@ -222,6 +226,8 @@ class RemoteDrafter:
         except MalformedProposal as e:
             with self.lock:
                 self._failed(e)
+        except grpc.FutureCancelledError:
+            pass  # `close` cancelled it
         else:
             with self.lock:
                 self.consecutive_failures = 0
@@ -270,7 +276,14 @@ class RemoteDrafter:
                                                                   sampling=sampling_to_proto(self.sampling))
 
     def close(self, wait: bool = True) -> None:
-        """Free the peer's session; best effort (it expires on its own anyway). `wait=False`: send and go on."""
+        """Free the peer's session; best effort (it expires on its own anyway). `wait=False`: send and go on.
+        Speculations still in flight are no longer wanted: cancelled, so none fails (and counts) after the end."""
+        with self.lock:
+            for spec in [*self.abandoned, *self.speculations]:
+                spec.abandoned = True
+            in_flight = [spec.call for spec in [*self.abandoned, *self.speculations] if spec.call is not None]
+        for call in in_flight:
+            call.cancel()
         opening, self.opening = self.opening, None
         if opening is not None:  # opened at `start` and never used: it is closed as soon as it exists
             try:
