@@ -24,7 +24,8 @@ leave in call order without waiting for replies. A speculation no longer wanted 
 it names its round (by the outcome that opened it, or as its parent): the peer then refuses it if it
 arrives after a newer round; a normal Propose waits only for the others (a first round's speculation,
 which has neither), so no late speculation lands on a newer round. A refused speculation costs only the
-pipelining; a failed one is handled like a failed Propose.
+pipelining; a failed one is handled like a failed Propose, unless it was no longer wanted (a plain round asked for
+since, or the session closed: `close` cancels those in flight), which is nobody's failure.
 """
 from __future__ import annotations
 
