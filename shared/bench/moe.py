@@ -17,7 +17,9 @@ For a small random target of each family (32 experts, top-4, a shared expert, 4 
 - decode and verify(5) at the published proportions (`shapes.scaled` of Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B:
   widths / 8, 4 layers, every weight's share of a decode's reads kept, 256 experts top-8 and 512 top-10): the toy
   above has experts as wide as its hidden size, these the published quarter, and as many experts as published, so
-  the distinct experts a verify reads grow as on the real models.
+  the distinct experts a verify reads grow as on the real models; and there, verify(5) at 4 and 8 sessions with the
+  experts as grouped matmuls (what a CPU picks for such passes, `moe.CPU_GROUPED_PAIRS_PER_EXPERT`) against the
+  loop over the experts used, the two forms alternated pass by pass.
 Passes are timed alternately (every T in turn, repeated), medians with their spread.
 """
 from __future__ import annotations
@@ -30,10 +32,11 @@ from pathlib import Path
 import torch
 
 from deltaspec.shared.bench.rounds import (PREFIX, Stopwatch, draft_model, drawn_rounds, pass_times, sessions,
-                                           target_only, tokens_per_s)
+                                           target_only, timed_pass, tokens_per_s)
 from deltaspec.shared.bench.shapes import QWEN3_NEXT_80B_A3B, QWEN35_35B_A3B, scaled
 from deltaspec.shared.decoding.draft_length import PassCosts, best_k
 from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model import moe as moe_layer
 from deltaspec.shared.model.checkpoint import hf_moe_config, random_model, save_checkpoint
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
@@ -72,6 +75,30 @@ def pass_costs(model: HybridLM, draft: HybridLM, repeats: int, ks: tuple[int, ..
                          "break_even": None if T == 1 else break_even(T - 1, times.median(T) / decode,
                                                                       draft_ms / (1000 * decode)),
                          "break_even_free": None if T == 1 else break_even(T - 1, times.median(T) / decode, 0.0)})
+    return rows
+
+
+def grouped_vs_loop(model: HybridLM, repeats: int) -> list[dict]:
+    """verify(5) ms at 4 and 8 sessions, the experts as grouped matmuls (the CPU's choice for these passes) and as
+    the loop over the experts used (forced by setting the CPU's threshold out of reach), alternated pass by pass."""
+    gen, watch = torch.Generator().manual_seed(1), Stopwatch("cpu")
+    rows = []
+    for batch in (4, 8):
+        states = sessions(model, batch, gen)
+        times: dict[str, list[float]] = {"grouped": [], "loop": []}
+        for r in range(2 * repeats + 1):
+            for form in ("grouped", "loop") if r % 2 else ("loop", "grouped"):
+                rule = moe_layer.CPU_GROUPED_PAIRS_PER_EXPERT
+                moe_layer.CPU_GROUPED_PAIRS_PER_EXPERT = rule if form == "grouped" else 0
+                try:
+                    seconds = timed_pass(model, states, 5, gen, watch)
+                finally:
+                    moe_layer.CPU_GROUPED_PAIRS_PER_EXPERT = rule
+                if r:
+                    times[form].append(seconds)
+        grouped, loop = (statistics.median(times[f]) for f in ("grouped", "loop"))
+        rows.append({"batch": batch, "grouped_ms": 1000 * grouped, "loop_ms": 1000 * loop,
+                     "saving": 1 - grouped / loop})
     return rows
 
 
@@ -156,7 +183,8 @@ def moe(quick: bool = False) -> dict:
             big = random_model(scaled(shape), seed=2).eval().fuse()
             result[name]["published"] = {"model": published, "vocab_size": big.config.vocab_size,
                                          "experts": big.config.num_experts, "top_k": big.config.num_experts_per_tok,
-                                         "passes": pass_costs(big, draft, repeats, ks=(4,))}
+                                         "passes": pass_costs(big, draft, repeats, ks=(4,)),
+                                         "grouped_vs_loop": grouped_vs_loop(big, repeats)}
             del big
     return result
 
@@ -179,6 +207,9 @@ def print_rows(result: dict) -> None:
         print(f"at {big['model']}'s proportions (widths / 8, 4 layers, {big['experts']} experts top-{big['top_k']}, "
               f"vocabulary {big['vocab_size']}):")
         _print_passes(big["passes"])
+        print("verify(5), experts as grouped matmuls against the loop, alternated: " + ", ".join(
+            f"batch {g['batch']}: {g['grouped_ms']:.2f} against {g['loop_ms']:.2f} ms ({100 * g['saving']:.0f} % less)"
+            for g in big["grouped_vs_loop"]))
 
 
 def _print_passes(passes: list[dict]) -> None:
