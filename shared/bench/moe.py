@@ -86,16 +86,16 @@ def grouped_vs_loop(model: HybridLM, repeats: int) -> list[dict]:
     for batch in (4, 8):
         states = sessions(model, batch, gen)
         times: dict[str, list[float]] = {"grouped": [], "loop": []}
-        for r in range(2 * repeats + 1):
-            for form in ("grouped", "loop") if r % 2 else ("loop", "grouped"):
-                rule = moe_layer.CPU_GROUPED_PAIRS_PER_EXPERT
-                moe_layer.CPU_GROUPED_PAIRS_PER_EXPERT = rule if form == "grouped" else 0
-                try:
+        rule = moe_layer.CPU_GROUPED_PAIRS_PER_EXPERT
+        try:
+            for r in range(2 * repeats + 1):
+                for form in ("grouped", "loop") if r % 2 else ("loop", "grouped"):
+                    moe_layer.CPU_GROUPED_PAIRS_PER_EXPERT = rule if form == "grouped" else 0
                     seconds = timed_pass(model, states, 5, gen, watch)
-                finally:
-                    moe_layer.CPU_GROUPED_PAIRS_PER_EXPERT = rule
-                if r:
-                    times[form].append(seconds)
+                    if r:
+                        times[form].append(seconds)
+        finally:
+            moe_layer.CPU_GROUPED_PAIRS_PER_EXPERT = rule
         grouped, loop = (statistics.median(times[f]) for f in ("grouped", "loop"))
         rows.append({"batch": batch, "grouped_ms": 1000 * grouped, "loop_ms": 1000 * loop,
                      "saving": 1 - grouped / loop})
@@ -185,7 +185,6 @@ def moe(quick: bool = False) -> dict:
                                          "experts": big.config.num_experts, "top_k": big.config.num_experts_per_tok,
                                          "passes": pass_costs(big, draft, repeats, ks=(4,)),
                                          "grouped_vs_loop": grouped_vs_loop(big, repeats)}
-            del big
     return result
 
 

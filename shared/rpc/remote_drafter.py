@@ -280,11 +280,12 @@ class RemoteDrafter:
         """Free the peer's session; best effort (it expires on its own anyway). `wait=False`: send and go on.
         Speculations still in flight are no longer wanted: cancelled, so none fails (and counts) after the end."""
         with self.lock:
-            for spec in [*self.abandoned, *self.speculations]:
+            unwanted = [*self.abandoned, *self.speculations]
+            for spec in unwanted:
                 spec.abandoned = True
-            in_flight = [spec.call for spec in [*self.abandoned, *self.speculations] if spec.call is not None]
-        for call in in_flight:
-            call.cancel()
+        for spec in unwanted:
+            if spec.call is not None:
+                spec.call.cancel()
         opening, self.opening = self.opening, None
         if opening is not None:  # opened at `start` and never used: it is closed as soon as it exists
             try:
