@@ -745,10 +745,10 @@ def test_speculations_no_longer_wanted_never_fail_the_draft(servers, monkeypatch
         drafter.start(list(PROMPT))
         assert drafter.propose(3).tokens
         speculation = drafter.speculate_async(3)
-        began = time.perf_counter()
         if end == "close":
+            call = drafter.speculations[-1].call
             drafter.close()
-            assert speculation.result(timeout=5) is None and time.perf_counter() - began < 0.25  # cancelled
+            assert speculation.result(timeout=5) is None and call.code() == grpc.StatusCode.CANCELLED
         else:
             assert drafter.propose(0).tokens == []  # waits for the speculation, which fails at its deadline
             assert speculation.result(timeout=5) is None
