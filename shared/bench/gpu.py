@@ -41,9 +41,9 @@ from deltaspec.shared.bench.shapes import DRAFT_08B_2L, QWEN35_08B, QWEN35_9B, Q
 from deltaspec.shared.decoding.draft_length import PassCosts, best_k
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.captured import covers_experts
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.model.moe import grouped_gemm_fast
 from deltaspec.shared.state.pool import gdn_bytes, kv_bytes_per_position, mib
 from deltaspec.shared.state.rollback import LOG_CAPACITY, GDNStates
 
@@ -199,13 +199,6 @@ def describe(model: HybridLM) -> dict:
     return out
 
 
-def capturable(model: HybridLM) -> bool:
-    """Whether `capture()` takes the model: any dense one; a MoE one where its experts run as one grouped kernel."""
-    cfg = model.config
-    return not cfg.num_experts or grouped_gemm_fast(model.device, model.dtype, cfg.hidden_size,
-                                                    cfg.moe_intermediate_size)
-
-
 def batch1_passes(model: HybridLM, draft: HybridLM, plan: Plan, bandwidth: float, watch: Stopwatch) -> dict:
     """Decode and verify(k+1) at batch 1 after `plan.context` positions, each against its floor; the draft's step."""
     gen = torch.Generator().manual_seed(0)
@@ -221,7 +214,7 @@ def batch1_passes(model: HybridLM, draft: HybridLM, plan: Plan, bandwidth: float
         rows.append({"tokens": T, "ms": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms),
                      "vs_decode": times.median(T) / times.median(1), "experts": experts, "bytes": moved,
                      "floor_ms": floor_ms, "x_floor": statistics.median(ms) / floor_ms})
-    if capturable(model):
+    if covers_experts(model):
         model.capture()  # the same passes replayed as CUDA graphs
         try:
             graphs = pass_times(model, draft, states, sessions(draft, 1, gen), lengths, plan.repeats, gen, watch)
@@ -270,7 +263,7 @@ def versus_hf(model: HybridLM, plan: Plan, watch: Stopwatch) -> dict:
                               do_sample=False, pad_token_id=0)
         return out[0, PREFIX:].tolist()
 
-    captured = copy.copy(model).capture(capturable(model))  # the same weights, passes as CUDA graphs
+    captured = copy.copy(model).capture(covers_experts(model))  # the same weights, passes as CUDA graphs
     for run in (model, captured):
         generate(run, prompt, plan.hf_tokens)  # warm-up (and the graphs recorded)
     theirs(4)
@@ -300,7 +293,7 @@ def divergence(model: HybridLM, plan: Plan) -> dict:
     with the target as its own draft, so every draft is what a decode pass picked and every rejection is a token on
     which the two passes disagreed. Passes captured where the model allows. Random weights: how often their top two
     logits nearly tie is not what a trained model's do."""
-    run = copy.copy(model).capture(capturable(model))
+    run = copy.copy(model).capture(covers_experts(model))
     gen = torch.Generator().manual_seed(11)
     n, first, drafted, rejected = plan.divergence_tokens, [], 0, 0
     for _ in range(plan.divergence_prompts):

@@ -92,15 +92,21 @@ class _Recorded:
         return self.out[0].clone(), self.out[1].clone()  # the next replay writes the same outputs
 
 
+def covers_experts(model: HybridLM) -> bool:
+    """Whether captured passes take the model's experts: a dense model has none; a sparse MoE model's are recorded as
+    grouped matmuls, which a CUDA graph holds only where they are one kernel (off a GPU nothing is recorded)."""
+    cfg = model.config
+    return (not cfg.num_experts or model.device.type != "cuda"
+            or grouped_gemm_fast(model.device, model.dtype, cfg.hidden_size, cfg.moe_intermediate_size))
+
+
 class CapturedPasses:
     """The captured passes of one model (`HybridLM.capture`); thread-safe."""
 
     def __init__(self, model: HybridLM, max_tokens: int = MAX_CAPTURED_TOKENS, max_graphs: int = MAX_GRAPHS) -> None:
         if model.fused is None:
             raise ValueError("capture() needs the fused path: call fuse() first")
-        cfg = model.config
-        if cfg.num_experts and model.device.type == "cuda" and not grouped_gemm_fast(
-                model.device, model.dtype, cfg.hidden_size, cfg.moe_intermediate_size):
+        if not covers_experts(model):
             raise ValueError("captured passes of a sparse MoE model need bfloat16 weights on an sm90 or sm100 GPU, "
                              "where its experts run as one grouped matmul with no host sync: run it without --capture")
         if max_tokens < 1:
