@@ -1,7 +1,7 @@
 """The prefix cache (deltaspec.shared.state.prefix_cache) in process: what it caches is exactly a cold prefill's head,
 and sessions that resume from it generate exactly what cold sessions (and HF transformers) generate.
 
-- heads taken inside a prefill (`Capture`, the commit algebra per block) and from commits' logs equal the heads
+- heads taken inside a prefill (`BlockHeads`, the commit algebra per block) and from commits' logs equal the heads
   of cold prefills of each prefix, on random models of every architecture axis, after rounds with rejected drafts;
 - greedy output with a hit equals the cold run and HF `generate()`, with every drafter (none, draft model,
   n-gram, MTP), for prefixes ending inside a conv window, exactly on a block boundary and one token after it,
@@ -104,7 +104,7 @@ def assert_entries_are_cold_heads(cache: PrefixCache, model) -> None:
 
 
 def test_heads_taken_inside_a_prefill_equal_cold_prefills(config_dict, tmp_path):
-    """Blocks of 5 over a 43-token prefill (windows of K-1 = 3 rows): every boundary's head, by `Capture`."""
+    """Blocks of 5 over a 43-token prefill (windows of K-1 = 3 rows): every boundary's head, by `BlockHeads`."""
     model = fresh(save_checkpoint(random_model(config_dict, seed=3), tmp_path), block=5)
     prompt = ids(44, seed=1, vocab=model.config.vocab_size)
     TargetSession(model, prompt)

@@ -12,7 +12,7 @@ from torch import Tensor
 from deltaspec.shared.kernels import VerifyLogs
 from deltaspec.shared.kernels.naive import naive_recurrent_gated_delta_rule
 from deltaspec.shared.kernels.triton_recurrent import fused_recurrent_gated_delta_rule
-from deltaspec.shared.model import batched
+from deltaspec.shared.state import access
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.hybrid import HybridLM
@@ -146,7 +146,7 @@ def kernel_logged(monkeypatch) -> list[bool]:
             return logs
         return run
     monkeypatch.setattr(GDNSlot, "verify_logs", spy(GDNSlot.verify_logs))
-    monkeypatch.setattr(batched, "verify_logs", spy(batched.verify_logs))
+    monkeypatch.setattr(access, "verify_logs", spy(access.verify_logs))
     return seen
 
 

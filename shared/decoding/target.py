@@ -92,7 +92,7 @@ class TargetSession:
         self.waiting = 0  # verifies waiting for their parent to become the pending round
         self.answers = Answers(answers_sent_by_caller)  # a chained verify waits for the verdicts to leave
         self.state = model.new_state(capacity=max(256, 2 * len(prompt_ids)))
-        cache: PrefixCache | None = getattr(model, "prefix_cache", None)
+        cache: PrefixCache | None = model.prefix_cache
         self.cursor = Cursor(cache, self.state) if cache is not None else None  # its place in the prefix cache
         # last-layer states of the prompt's prefilled positions (for drafters that read the trunk: MTP); None when
         # a prefix cache that keeps none served some

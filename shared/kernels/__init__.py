@@ -1,23 +1,25 @@
-"""Gated delta rule kernels and the one place that picks among them.
+"""Gated delta rule kernels and the one place that picks among them (`gated_delta_rule`).
 
-`naive` is the float32 reference loop; `chunk` (UT form) serves prefill and multi-token verify
-on the CPU; `recurrent` serves single-token decode on the CPU; `triton` serves decode and
-verify on CUDA. All return `(out, delta, final_state)` with the same layout (see `naive`); the
-Triton kernel can also write a verify pass's logs itself (`VerifyLogs`).
+`naive` is the float32 reference loop; `recurrent_step` serves single-token decode on the CPU and in static passes
+(compiled or CUDA-graph), the chunked form (`one_chunk_gated_delta_rule`) multi-token verify there and prefill in
+chunks; `triton` serves decode and verify on CUDA. All return `(out, delta, final_state)` with the same layout
+(see `naive`); the Triton kernel can also write a verify pass's logs itself (`VerifyLogs`).
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, NamedTuple
 
 from torch import Tensor
 
-from deltaspec.shared.kernels.chunk import chunk_gated_delta_rule
+from deltaspec.shared.kernels.chunk import CHUNK_SIZE, chunk_gated_delta_rule, one_chunk_gated_delta_rule
 from deltaspec.shared.kernels.naive import naive_recurrent_gated_delta_rule
-from deltaspec.shared.kernels.recurrent import recurrent_gated_delta_rule
+from deltaspec.shared.kernels.recurrent import recurrent_gated_delta_rule, recurrent_step
 
 Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 KERNEL_NAMES = ("auto", "naive", "chunk", "recurrent", "triton")
 TRITON_MAX_TOKENS = 16  # beyond this the chunked form's matmuls win over a per-token loop
+_LOOPS: dict[str, Kernel] = {"naive": naive_recurrent_gated_delta_rule, "chunk": chunk_gated_delta_rule,
+                             "recurrent": recurrent_gated_delta_rule}
 
 
 class VerifyLogs(NamedTuple):
@@ -36,47 +38,56 @@ class VerifyLogs(NamedTuple):
     layer: int
 
 
-class LoggingKernel(Protocol):
-    """A `Kernel` that can also log the pass itself."""
+def choose(name: str, num_tokens: int, on_cuda: bool, static: bool = False) -> str:
+    """The form a pass of `num_tokens` tokens takes for the kernel named `name` (one of `KERNEL_NAMES`):
+    `step` (`recurrent_step`), `one_chunk`, `triton`, or a whole-sequence loop (`naive`, `chunk`, `recurrent`).
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
-                 logs: VerifyLogs | None = None) -> tuple[Tensor, Tensor, Tensor]: ...
-
-
-def triton_kernel(name: str, num_tokens: int, on_cuda: bool) -> LoggingKernel | None:
-    """The Triton kernel where `pick_kernel` picks it (on CUDA up to `TRITON_MAX_TOKENS` tokens, or named), else None:
-    the one kernel that logs a pass itself."""
-    if name == "triton" or (name == "auto" and on_cuda and num_tokens <= TRITON_MAX_TOKENS):
-        from deltaspec.shared.kernels.triton_recurrent import fused_recurrent_gated_delta_rule
-
-        return fused_recurrent_gated_delta_rule
-    return None
-
-
-def pick_kernel(name: str, num_tokens: int, on_cuda: bool) -> Kernel:
-    triton = triton_kernel(name, num_tokens, on_cuda)
-    if triton is not None:
-        return triton
-    if name == "auto":
-        name = "recurrent" if num_tokens == 1 else "chunk"
-    kernels: dict[str, Kernel] = {
-        "naive": naive_recurrent_gated_delta_rule,
-        "chunk": chunk_gated_delta_rule,
-        "recurrent": recurrent_gated_delta_rule,
-    }
-    if name not in kernels:
+    `static`: a pass recorded as a graph (compiled or CUDA-graph), which takes the step or one chunk whatever the
+    name. Otherwise `auto` is Triton on CUDA up to `TRITON_MAX_TOKENS` tokens, and on the CPU the step for one token
+    and one chunk up to `CHUNK_SIZE`; `recurrent` and `chunk` take their short forms on the CPU where those fit."""
+    if name not in KERNEL_NAMES:
         raise ValueError(f"unknown gated delta rule kernel {name!r} (expected one of {KERNEL_NAMES})")
-    return kernels[name]
+    if static:
+        return "step" if num_tokens == 1 else "one_chunk"
+    if name == "triton" or (name == "auto" and on_cuda and num_tokens <= TRITON_MAX_TOKENS):
+        return "triton"
+    if not on_cuda and num_tokens == 1 and name in ("auto", "recurrent"):
+        return "step"
+    if not on_cuda and num_tokens <= CHUNK_SIZE and name in ("auto", "chunk"):
+        return "one_chunk"
+    if name == "auto":
+        return "recurrent" if num_tokens == 1 else "chunk"
+    return name
 
 
 def gated_delta_rule(name: str, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
-                     logs: Callable[[], VerifyLogs | None]) -> tuple[Tensor, Tensor, Tensor, bool]:
-    """One sequence's pass `(T, H, D)` through the kernel `pick_kernel` picks for `name`: out and delta `(T, H, Dv)`,
-    the final state `(H, Dk, Dv)`, and whether the kernel logged k, delta and g itself (the Triton kernel does, where
-    `logs()` says)."""
-    T = q.shape[0]
-    args = (q[None], k[None], v[None], g[None], beta[None], initial_state[None])
-    triton = triton_kernel(name, T, q.is_cuda)
-    where = logs() if triton is not None else None
-    out, delta, final = triton(*args, where) if triton is not None else pick_kernel(name, T, q.is_cuda)(*args)
-    return out[0], delta[0], final[0], where is not None
+                     out_state: Tensor | None = None, logs: Callable[[], VerifyLogs | None] | None = None,
+                     static: bool = False) -> tuple[Tensor, Tensor, Tensor, bool]:
+    """A pass through the form `choose` picks: q, k `(..., T, H, Dk)`, v `(..., T, H, Dv)`, g and beta
+    `(..., T, H)`, float32, with an optional leading sequence axis (one for the state `(..., H, Dk, Dv)` too).
+
+    Returns out and delta `(..., T, H, Dv)`, the final state, and whether the kernel logged k, delta and g itself
+    (the Triton kernel does, where `logs()` says). `out_state`: where the one-token step may write the final state."""
+    batched = q.ndim == 4
+    T = q.shape[-3]
+    form = choose(name, T, q.is_cuda, static)
+    if form == "step":
+        out, delta, final = recurrent_step(q, k, v, g, beta, initial_state, out=out_state)
+        return out, delta, final if out_state is None else out_state, False
+    if form == "one_chunk":  # heads first, no batch axis needed, no casts or slices
+        out, delta, final = one_chunk_gated_delta_rule(*(x.transpose(-3, -2) for x in (q, k, v)), g.transpose(-2, -1),
+                                                       beta.transpose(-2, -1), initial_state)
+        return out.transpose(-3, -2), delta.transpose(-3, -2), final, False
+    args = (q, k, v, g, beta, initial_state) if batched else (q[None], k[None], v[None], g[None], beta[None],
+                                                              initial_state[None])
+    where = None
+    if form == "triton":
+        from deltaspec.shared.kernels.triton_recurrent import fused_recurrent_gated_delta_rule
+
+        where = logs() if logs is not None else None
+        out, delta, final = fused_recurrent_gated_delta_rule(*args, where)
+    else:
+        out, delta, final = _LOOPS[form](*args)
+    if not batched:
+        out, delta, final = out[0], delta[0], final[0]
+    return out, delta, final, where is not None

@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from deltaspec.shared.model.compiled import gdn_arguments, static_pass
+from deltaspec.shared.model.compiled import static_pass
 from deltaspec.shared.model.moe import grouped_gemm_fast
+from deltaspec.shared.state.access import StaticAccess
 from deltaspec.shared.state.rollback import ModelState
 
 if TYPE_CHECKING:
@@ -71,8 +72,8 @@ class _Recorded:
         slots = self.offset + self.steps
         kv = [(layer.k, layer.v) for layer in state.attn]
         if compiled is not None:
-            return compiled.run(model, x, rope, positions, slots, gdn_arguments(state, compiled.per_layer), kv)
-        return static_pass(model, x, *rope, positions, slots, gdn_arguments(state), kv)
+            return compiled.run(model, x, rope, positions, slots, StaticAccess.gdn_buffers(state, compiled.per_layer), kv)
+        return static_pass(model, x, *rope, positions, slots, StaticAccess.gdn_buffers(state), kv)
 
     def record(self, state: ModelState, pool: tuple[int, int]) -> tuple[Tensor, Tensor]:
         """Run the pass once for real (it is this call's pass, and the warm-up a capture needs), then record it."""
@@ -122,12 +123,12 @@ class CapturedPasses:
         """Whether the graphs cover a pass of T tokens on `state` (else it runs eagerly)."""
         end = state.length + state.staged + T
         return (T <= self.max_tokens and state.gdn.logged and state.staged + T <= state.gdn.log_capacity
-                and state.gdn.capture is None and all(end <= layer.k.shape[1] for layer in state.attn))
+                and state.gdn.block_heads is None and all(end <= layer.k.shape[1] for layer in state.attn))
 
     @staticmethod
     def key(state: ModelState, T: int) -> tuple:
         """What a recorded pass is valid for: its token count, where it logs, and every buffer it reads or writes."""
-        gdn = gdn_arguments(state)
+        gdn = StaticAccess.gdn_buffers(state)
         return (T, state.gdn.log_capacity, *(t.data_ptr() for t in gdn.values()),
                 *((layer.k.data_ptr(), layer.v.data_ptr(), layer.k.shape[1]) for layer in state.attn))
 

@@ -7,12 +7,17 @@ single `rms_norm` calls with their weights folded (`1 + w`, the l2norm's scales)
 ride on `addmm`, q and k share one rotary call, and a one-token GDN step does its conv window and
 recurrent update in a handful of batched ops, writing the new state straight into the staging
 buffer. `fuse(model)` builds the concatenated weights once and re-points the original parameters
-at slices of them (no extra memory; `state_dict` keys and values are unchanged). The layer
-forwards in `deltaspec.shared.model.layers` stay the truth:
-`tests/test_fused.py` checks this path against them on random weights.
+at slices of them (no extra memory; `state_dict` keys and values are unchanged).
+
+This is the one forward pass (`forward`: one layer loop, one head). The eager, compiled, CUDA-graph and batched
+passes differ only in the `deltaspec.shared.state.access.StateAccess` they hand it (how the state is addressed) and,
+for compiled passes, in `run_layer`. The layer forwards in `deltaspec.shared.model.layers` stay the truth, its naive
+twin: `tests/test_fused.py` checks this path against them on random weights.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,14 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deltaspec.shared.kernels import gated_delta_rule
-from deltaspec.shared.kernels.chunk import CHUNK_SIZE, one_chunk_gated_delta_rule
-from deltaspec.shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, RMSNorm, SparseMoE, attend
+from deltaspec.shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, RMSNorm, SparseMoE
 from deltaspec.shared.model.moe import apply_experts, route
+from deltaspec.shared.state.access import StateAccess
 
 if TYPE_CHECKING:
-    from deltaspec.shared.model.hybrid import HybridStack
-from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot
+    from deltaspec.shared.model.hybrid import HybridLM, HybridStack
 
 L2NORM_EPS = 1e-6  # the GDN's l2norm of q and k (HF's default, not the config's rms_norm_eps)
 
@@ -172,36 +175,11 @@ def gdn_output(m: GatedDeltaNet, f: FusedGDN, out: Tensor, z: Tensor, residual: 
     return torch.addmm(residual, out.view(T, -1), f.out_t)
 
 
-def recurrent_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, state: Tensor,
-                   out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """One token's delta rule: q, k `(1, H, Dk)`, v `(1, H, Dv)`, beta and g `(1, H)`, state `(H, Dk, Dv)`; returns the
-    output and delta `(1, H, Dv)` and the state after, written into `out` when given."""
-    H, Dk, Dv = state.shape
-    state = state * g.view(H, 1, 1).exp()
-    delta = (v.view(H, 1, Dv) - torch.bmm(k.view(H, 1, Dk), state)) * beta.view(H, 1, 1)  # (H, 1, Dv)
-    state = torch.baddbmm(state, k.view(H, Dk, 1), delta, out=out)
-    return torch.bmm(q.view(H, 1, Dk), state).view(1, H, Dv), delta.view(1, H, Dv), state
-
-
-def _gdn(m: GatedDeltaNet, f: FusedGDN, h: Tensor, residual: Tensor, st: GDNSlot) -> Tensor:
-    T = h.shape[0]
+def gdn(m: GatedDeltaNet, f: FusedGDN, h: Tensor, residual: Tensor, access: StateAccess, i: int) -> Tensor:
+    """GDN layer i (among the GDN layers) on the normed input h `(N, hidden)`, added to the residual: the state
+    access runs the conv window, the kernel and the staging."""
     mixed, z, b, a = gdn_inputs(f, h)
-    full = torch.cat([st.conv_window(), mixed], dim=0)  # (K-1+T, conv_dim)
-    q, k, v, beta, g = gdn_gates(m, f, full, b, a)  # (T, Hv, D) and (T, Hv)
-    if T == 1 and m.kernel_name in ("auto", "recurrent") and not h.is_cuda:
-        # one recurrent step, the new state written straight into the staging buffer
-        out, delta, _ = recurrent_step(q, k, v, beta, g, st.initial_state(), out=st.state_out())
-        st.stage(mixed, k, delta, g, None, full)
-    elif T <= CHUNK_SIZE and m.kernel_name in ("auto", "chunk") and not h.is_cuda:
-        # a verify pass: one chunk, heads first, straight into the chunked form (no batch axis, casts or slices)
-        out, delta, final = one_chunk_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                       g.t(), beta.t(), st.initial_state())
-        out, delta = out.transpose(0, 1), delta.transpose(0, 1)  # (T, Hv, Dv)
-        st.stage(mixed, k, delta, g, final, full)
-    else:
-        out, delta, final, logged = gated_delta_rule(m.kernel_name, q, k, v, g, beta, st.initial_state(),
-                                                     lambda: st.verify_logs(T))
-        st.stage(mixed, k, delta, g, final, full, kernel_logged=logged)
+    out = access.gdn(i, mixed, b, a, functools.partial(gdn_gates, m, f), m.kernel_name)
     return gdn_output(m, f, out, z, residual)
 
 
@@ -223,10 +201,11 @@ def attention_output(f: FusedAttention, out: Tensor, q_gate: Tensor, residual: T
     return torch.addmm(residual, out.reshape(out.shape[0], -1), f.out_t)
 
 
-def _attention(m: Attention, f: FusedAttention, h: Tensor, residual: Tensor, st: AttnLayerState, start: int,
-               rope: tuple[Tensor, Tensor]) -> Tensor:
+def attention(m: Attention, f: FusedAttention, h: Tensor, residual: Tensor, rope: tuple[Tensor, Tensor],
+              access: StateAccess, j: int) -> Tensor:
+    """Attention layer j (among the attention layers) on the normed input h, added to the residual."""
     q_gate, q, k, v = attention_inputs(m, f, h, rope)
-    return attention_output(f, attend(st, q, k, v, start), q_gate, residual)
+    return attention_output(f, access.attend(j, q, k, v), q_gate, residual)
 
 
 def mlp(layer: DecoderLayer, f: FusedLayer, x: Tensor) -> Tensor:
@@ -250,12 +229,33 @@ def _moe(m: SparseMoE, f: FusedMoE, h: Tensor, residual: Tensor) -> Tensor:
     return residual + (routed + shared)
 
 
-def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, st: GDNSlot | AttnLayerState, start: int,
-                  rope: tuple[Tensor, Tensor]) -> Tensor:
-    """`DecoderLayer.forward` in fewer ops; `rope` is `rotary_signed(...)` of the layer path's (cos, sin)."""
+def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
+                  index: int) -> Tensor:
+    """`DecoderLayer.forward` in fewer ops: the mixer (the index-th of its kind) and the MLP, each on its pre-norm and
+    added to the residual. `rope` is `rotary_signed(...)` of the layer path's (cos, sin) at the tokens' positions."""
     h = F.rms_norm(x, x.shape[-1:], f.input_norm, layer.input_layernorm.eps)
-    if isinstance(st, GDNSlot):
-        x = _gdn(layer.linear_attn, f.mixer, h, x, st)  # type: ignore[arg-type]
+    if layer.kind == "linear_attention":
+        x = gdn(layer.linear_attn, f.mixer, h, x, access, index)  # type: ignore[arg-type]
     else:
-        x = _attention(layer.self_attn, f.mixer, h, x, st, start, rope)  # type: ignore[arg-type]
+        x = attention(layer.self_attn, f.mixer, h, x, rope, access, index)  # type: ignore[arg-type]
     return mlp(layer, f, x)
+
+
+LayerFn = Callable[[DecoderLayer, FusedLayer, Tensor, tuple[Tensor, Tensor], StateAccess, int], Tensor]
+
+
+def forward(model: HybridLM, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
+            run_layer: LayerFn = decoder_layer) -> tuple[Tensor, Tensor]:
+    """The one forward pass, from the embeddings `x (N, hidden)`: every layer through `run_layer` (a compiled
+    layer, or `decoder_layer`), then the head. Returns float32 logits `(N, vocab)` and the last layer's hidden states
+    before the final norm. Where the state lives is the access's business alone."""
+    counts = {"linear_attention": 0, "full_attention": 0}
+    for layer, f in zip(model.model.layers, model.fused.layers):
+        x = run_layer(layer, f, x, rope, access, counts[layer.kind])
+        counts[layer.kind] += 1
+    return head(model, x), x
+
+
+def head(model: HybridLM, x: Tensor) -> Tensor:
+    """The final norm and the LM head: float32 logits."""
+    return model.lm_head(F.rms_norm(x, x.shape[-1:], model.fused.final_norm, model.model.norm.eps)).float()

@@ -2,8 +2,9 @@
 `Qwen3_5MoeForCausalLM`'s, with the experts fused as HF keeps them in memory)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deltaspec.shared.model import fused
@@ -11,7 +12,12 @@ from deltaspec.shared.model.captured import MAX_CAPTURED_TOKENS, CapturedPasses
 from deltaspec.shared.model.compiled import CompiledPasses
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
+from deltaspec.shared.state.access import SequenceAccess
 from deltaspec.shared.state.rollback import LOG_CAPACITY, ModelState
+
+if TYPE_CHECKING:
+    from deltaspec.shared.state.pool import StatePool
+    from deltaspec.shared.state.prefix_cache import PrefixCache
 
 
 class HybridStack(nn.Module):
@@ -37,6 +43,8 @@ class HybridLM(nn.Module):
         self.rope_table: tuple[Tensor, Tensor, Tensor] | None = None  # cos, sin, signed sin by position (`rope`)
         self.compiled: CompiledPasses | None = None  # set by `compile()`: passes that fit the logs run compiled
         self.captured: CapturedPasses | None = None  # set by `capture()`: decode and verify passes replay graphs
+        self.state_pool: StatePool | None = None  # set by `state.pool.attach`: sessions' states are its slots
+        self.prefix_cache: PrefixCache | None = None  # set by `state.prefix_cache.attach`: sessions share prefixes
 
     @property
     def device(self) -> torch.device:
@@ -49,9 +57,8 @@ class HybridLM(nn.Module):
     def new_state(self, capacity: int = 256, log_capacity: int = LOG_CAPACITY) -> ModelState:
         """A fresh sequence state; in a slot of the model's state pool when one is attached
         (`deltaspec.shared.state.pool`), whose logs are the pool's size."""
-        pool = getattr(self, "state_pool", None)
-        if pool is not None:
-            return pool.new_state(capacity)
+        if self.state_pool is not None:
+            return self.state_pool.new_state(capacity)
         return ModelState(self.config, device=self.device, dtype=self.dtype, capacity=capacity,
                           log_capacity=log_capacity)
 
@@ -128,18 +135,13 @@ class HybridLM(nn.Module):
         start = state.length + state.staged
         x = self.model.embed_tokens(ids.to(self.device))
         cos, sin, signed_sin = self.rope(start, start + T, x)
-        if self.fused is None:
+        if self.fused is None:  # the reference layers: the naive twin of the one pass
             for layer, st in zip(self.model.layers, state.layer_views()):
                 x = layer(x, st, start, (cos, sin))
-            normed = self.model.norm(x)
+            logits = self.lm_head(self.model.norm(x)).float()
         elif self.compiled is not None and self.compiled.fits(state, T):
             logits, x = self.compiled(self, x, state, (cos, signed_sin))
-            state.staged += T
-            return logits, x
         else:
-            rope = (cos, signed_sin)
-            for layer, f, st in zip(self.model.layers, self.fused.layers, state.layer_views()):
-                x = fused.decoder_layer(layer, f, x, st, start, rope)
-            normed = F.rms_norm(x, x.shape[-1:], self.fused.final_norm, self.model.norm.eps)
+            logits, x = fused.forward(self, x, (cos, signed_sin), SequenceAccess(state))
         state.staged += T
-        return self.lm_head(normed).float(), x
+        return logits, x

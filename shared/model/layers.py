@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from deltaspec.shared.kernels import gated_delta_rule
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.moe import Experts, apply_experts, route
+from deltaspec.shared.state.access import attend
 from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot
 
 
@@ -112,7 +113,7 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).float().sigmoid()  # (T, Hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         out, delta, final, logged = gated_delta_rule(self.kernel_name, q, k, v, g, beta, st.initial_state(),
-                                                     lambda: st.verify_logs(T))
+                                                     logs=lambda: st.verify_logs(T))
         st.stage(mixed, k, delta, g, final, kernel_logged=logged)
         z = self.in_proj_z(x).view(T, self.n_v, self.d_v)
         out = self.norm(out.to(x.dtype), z)  # (T, Hv, Dv)
@@ -162,21 +163,6 @@ class Attention(nn.Module):
         out = attend(st, q, k, v, start)  # (T, H, D)
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)
-
-
-def attend(st: AttnLayerState, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
-    """One sequence: write its k, v `(T, Hkv, D)` at positions start.. into the cache and attend causally with q
-    `(T, H, D)`; `(T, H, D)`."""
-    T = q.shape[0]
-    end = start + T
-    st.ensure_capacity(end)
-    st.k[:, start:end] = k.transpose(0, 1)
-    st.v[:, start:end] = v.transpose(0, 1)
-    mask = None
-    if T > 1:  # query i sits at position start + i and sees keys up to it
-        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(start)
-    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], st.k[None, :, :end], st.v[None, :, :end],
-                                          attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1)
 
 
 class DecoderLayer(nn.Module):

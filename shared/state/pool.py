@@ -195,7 +195,7 @@ def _reserve_positions(model: nn.Module, args: tuple, kwargs: dict) -> None:
 
 def attach(model: nn.Module, pool: StatePool) -> None:
     """From now on `model.new_state` takes slots from `pool`, and each forward reserves its positions first."""
-    if getattr(model, "state_pool", None) is not None:
+    if model.state_pool is not None:
         raise ValueError("the model has a state pool already")
     model.state_pool = pool
     model.register_forward_pre_hook(_reserve_positions, with_kwargs=True)

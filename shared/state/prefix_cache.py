@@ -20,7 +20,7 @@ prefilling from the grid for memory: a 1,024-token prefix in blocks of 16 pays 6
 `state_every` 16, not 64 states.
 
 Entries come from committed heads only: the block boundaries a prefill passes (taken by the pass itself,
-`rollback.Capture`), and those a commit completes (the commit algebra over the kept tokens' logs, before the
+`rollback.BlockHeads`), and those a commit completes (the commit algebra over the kept tokens' logs, before the
 swap). So no entry ever holds a rejected draft token, whatever the drafter, and a sequence caches the same
 blocks with speculation on or off. An entry's tensors are never written once made (a block gains or drops its
 GDN state whole, under the lock, and a lookup takes the one it resumes from under it): a hit copies them into
@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from deltaspec.shared.state.rollback import Capture, ModelState
+from deltaspec.shared.state.rollback import BlockHeads, ModelState
 
 
 class Budget(Protocol):
@@ -352,21 +352,22 @@ class Cursor:
             ends = self._ends(len(ids))
             kept = self._kept(ends)
             # a prefill the logs hold gives its heads as a commit does, after the pass (which may then be a compiled
-            # one); a longer one has the pass take them (`Capture`)
+            # one); a longer one has the pass take them (`BlockHeads`)
             logged = len(ids) <= state.gdn.log_capacity
-            state.gdn.capture = capture = Capture(state.gdn, [e - base for e in kept]) if kept and not logged else None
+            heads = BlockHeads(state.gdn, [e - base for e in kept]) if kept and not logged else None
+            state.gdn.block_heads = heads
             try:
                 _, h = model(torch.tensor(ids), state)
             finally:
-                state.gdn.capture = None
+                state.gdn.block_heads = None
             if hidden is not None:
                 hidden.append(h)
-            if capture is None:
+            if heads is None:
                 self.commit(ids, lambda: state.commit(state.staged), h)
             else:
                 state.commit(state.staged)
                 self._extend(ids, h)
-                taken = {e: (capture.windows[j], capture.states[j]) for j, e in enumerate(kept)}
+                taken = {e: (heads.windows[j], heads.states[j]) for j, e in enumerate(kept)}
                 self._publish([(e, *taken.get(e, (None, None))) for e in ends])
         return None if hidden is None else torch.cat(hidden)
 
@@ -450,15 +451,15 @@ def commit_head(cursor: Cursor | None, ids: Sequence[int], commit: Callable[[], 
         cursor.commit(ids, commit, hidden)
 
 
-def attach(model: object, block: int, keep_hidden: bool = False, max_bytes: int = 256 * 2**20,
+def attach(model: nn.Module, block: int, keep_hidden: bool = False, max_bytes: int = 256 * 2**20,
            state_every: int = 1) -> PrefixCache:
     """Give `model` a prefix cache that its sessions use (`TargetSession`, `ModelDrafter`): paid from the model's
     state pool when it has one (`deltaspec.shared.state.pool.attach` first), else within `max_bytes` of its own."""
-    if getattr(model, "prefix_cache", None) is not None:
+    if model.prefix_cache is not None:
         raise ValueError("the model has a prefix cache already")
-    pool = getattr(model, "state_pool", None)
+    pool = model.state_pool
     cache = PrefixCache(block, pool if pool is not None else ByteBudget(max_bytes), keep_hidden, state_every)
     if pool is not None:
         pool.reclaim = cache.reclaim
-    model.prefix_cache = cache  # type: ignore[attr-defined]
+    model.prefix_cache = cache
     return cache

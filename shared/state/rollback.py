@@ -151,7 +151,7 @@ class GDNStates:
             self._make_views("marked_state")
         self._log_views: dict[tuple[int, int, int], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         self._prefixes: dict[int, CommitPlan] = {}
-        self.capture: Capture | None = None  # heads to take at chosen offsets while staging (a prefix cache's)
+        self.block_heads: BlockHeads | None = None  # heads to take at chosen offsets while staging (a prefix cache's)
 
     def _make_views(self, name: str) -> None:
         """Buffer `name`'s per-layer views; for a window, what stays of it after n < K-1 new tokens (`tails[name][n]`);
@@ -285,7 +285,7 @@ class GDNStates:
                 views[a], views[b] = views[b], views[a]
 
 
-class Capture:
+class BlockHeads:
     """The head's GDN windows and states after chosen staged offsets, taken by the passes that stage past them: a
     prefix cache's block boundaries inside a prefill, whose tokens are too many for the logs the commit algebra reads.
 
@@ -357,13 +357,13 @@ class GDNSlot:
         rows = self.states.rows
         return VerifyLogs(rows.k, rows.delta, rows.g, self.states.members(self.offset, T), self.i)
 
-    def stage(self, x: Tensor, k: Tensor, delta: Tensor, g: Tensor, final_state: Tensor | None,
+    def stage(self, x: Tensor, k: Tensor, delta: Tensor, g: Tensor, final_state: Tensor,
               window_and_x: Tensor | None = None, kernel_logged: bool = False) -> None:
         """Log this pass's T tokens and keep the window and state after them.
 
-        `final_state` None: it is already in `state_out()`. `window_and_x`: `[conv_window(); x]`
-        when the caller has it (saves a concatenation). `kernel_logged`: the kernel wrote k, delta and g into the
-        logs (`verify_logs`); only x is copied.
+        `final_state`: the state after the pass (nothing is copied when it is `state_out()` itself, where a kernel
+        wrote it). `window_and_x`: `[conv_window(); x]` when the caller has it (saves a concatenation).
+        `kernel_logged`: the kernel wrote k, delta and g into the logs (`verify_logs`); only x is copied.
         """
         s = self.states
         logs = self.log_targets(x.shape[0])
@@ -376,11 +376,10 @@ class GDNSlot:
                 log_g.copy_(g.t())
         if window_and_x is None:
             window_and_x = torch.cat([self.conv_window(), x.to(s.window.dtype)], dim=0)
-        if s.capture is not None:  # before the state after this pass overwrites the one before it
-            s.capture.take(self.i, self.offset, window_and_x, k, delta, g, self.initial_state(),
-                           self.state_out() if final_state is None else final_state)
+        if s.block_heads is not None:  # before the state after this pass overwrites the one before it
+            s.block_heads.take(self.i, self.offset, window_and_x, k, delta, g, self.initial_state(), final_state)
         s.layers["window"][self.i].copy_(window_and_x[-s.conv.shape[1]:])
-        if final_state is not None:
+        if final_state is not self.state_out():
             self.state_out().copy_(final_state)
 
 

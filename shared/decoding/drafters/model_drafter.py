@@ -89,7 +89,7 @@ class ModelDrafter:
         self._drop_branches()
         self.ready, self.odds = None, []
         self.state = self.model.new_state(capacity=max(256, 2 * len(prompt_ids)), log_capacity=CHAIN_LOG_CAPACITY)
-        cache: PrefixCache | None = getattr(self.model, "prefix_cache", None)
+        cache: PrefixCache | None = self.model.prefix_cache
         self.cursor = Cursor(cache, self.state) if cache is not None else None  # its place in the prefix cache
         self.pending, self.proposed, self.guessed = list(prompt_ids), [], None
 
@@ -205,7 +205,7 @@ class ModelDrafter:
                     not 0 < fed <= self.state.staged:
                 continue
             cut = lambda: stop(accepted, token)  # noqa: E731
-            pool = getattr(self.model, "state_pool", None)
+            pool = self.model.state_pool
             if cut() or pool is not None and pool.slots - pool.in_use < 2:  # the last free slot is a new session's
                 break
             started = time.perf_counter()

@@ -1,0 +1,285 @@
+"""How a forward pass reaches the state it stages into: one small interface, three ways of addressing it.
+
+The one forward pass (`deltaspec.shared.model.fused.forward`) computes every projection, gate and output itself and
+leaves to a `StateAccess` only what depends on where the state lives: a recurrent layer's window and state before the
+pass, the kernel over them, and where the staging goes; an attention layer's K/V writes and the causal read.
+
+- `SequenceAccess`: one sequence's `ModelState`, by Python offsets (`GDNSlot`); the eager pass.
+- `StaticAccess`: buffers and index tensors (positions, log slots) that do not depend on where the pass sits, so a
+  compiled graph or a recorded CUDA graph serves every position and round.
+- `BatchAccess`: several sequences' states gathered into a padded `(G, T)` batch per group and scattered back.
+
+Each writes exactly what `GDNSlot.stage` writes; staging never happens anywhere else.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from deltaspec.shared.kernels import CHUNK_SIZE, VerifyLogs, gated_delta_rule
+from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot, ModelState, verify_logs
+
+# (full = [window; x] `(..., K-1+T, C)`, b, a `(..., T, Hv)`) -> q, k `(..., T, Hv, Dk)`, v, beta, log decay g
+Gates = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]
+
+
+class StateAccess(Protocol):
+    def gdn(self, i: int, x: Tensor, b: Tensor, a: Tensor, gates: Gates, kernel: str) -> Tensor:
+        """GDN layer i (its index among the GDN layers) on the pass's pre-conv inputs x `(N, C)` and b, a `(N, Hv)`:
+        stages its tokens and returns the delta rule's output `(N, Hv, Dv)`."""
+        ...
+
+    def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention layer j: writes k, v `(N, Hkv, D)` at the tokens' positions, attends causally with q
+        `(N, H, D)`; `(N, H, D)`."""
+        ...
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, query_at: Tensor | None) -> Tensor:
+    """q `(B, T, H, D)` at positions `query_at` `(T,)` or `(B, T)` over keys and values `(B, Hkv, L, D)` at positions
+    0..L-1: each query sees the keys up to its own position (None: every key). Returns `(B, T, H, D)`."""
+    mask = None
+    if query_at is not None:  # (T, L), or (B, 1, T, L): SDPA's CPU kernels round as before only with these shapes
+        mask = torch.arange(k.shape[-2], device=q.device) <= query_at[..., None]
+        if mask.ndim == 3:
+            mask = mask[:, None]
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                          enable_gqa=q.shape[2] != k.shape[1]).transpose(1, 2)
+
+
+def attend(st: AttnLayerState, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+    """One sequence: write its k, v `(T, Hkv, D)` at positions start.. into the cache and attend causally with q
+    `(T, H, D)`; `(T, H, D)`."""
+    T = q.shape[0]
+    end = start + T
+    st.ensure_capacity(end)
+    st.k[:, start:end] = k.transpose(0, 1)
+    st.v[:, start:end] = v.transpose(0, 1)
+    query_at = torch.arange(start, end, device=q.device) if T > 1 else None
+    return causal_attention(q[None], st.k[None, :, :end], st.v[None, :, :end], query_at)[0]
+
+
+class SequenceAccess:
+    """One sequence's state, staged at its offsets; the eager pass."""
+
+    def __init__(self, state: ModelState) -> None:
+        self.state, self.offset = state, state.staged
+        self.start = state.length + state.staged
+
+    def gdn(self, i: int, x: Tensor, b: Tensor, a: Tensor, gates: Gates, kernel: str) -> Tensor:
+        st = GDNSlot(self.state.gdn, i, self.offset)
+        full = torch.cat([st.conv_window(), x], dim=0)  # (K-1+T, C)
+        q, k, v, beta, g = gates(full, b, a)  # (T, Hv, D) and (T, Hv)
+        out, delta, final, logged = gated_delta_rule(kernel, q, k, v, g, beta, st.initial_state(), st.state_out(),
+                                                     lambda: st.verify_logs(x.shape[0]))
+        st.stage(x, k, delta, g, final, full, kernel_logged=logged)
+        return out
+
+    def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return attend(self.state.attn[j], q, k, v, self.start)
+
+
+GDN_BUFFERS = ("conv_in", "state_in", "window", "spare", "x", "k", "delta", "g")  # what a static GDN layer touches
+
+
+@dataclass
+class StaticAccess:
+    """Buffers addressed by index tensors: tokens at `positions (T,)`, logged at `slots (T,)`; `buffers` maps each of
+    `GDN_BUFFERS` to the GDN layers' buffers (a stacked tensor or a list of per-layer views), `kv` holds each attention
+    layer's K/V buffers, read whole under a position mask. Nothing depends on where the pass sits."""
+
+    positions: Tensor
+    slots: Tensor
+    buffers: dict[str, Sequence[Tensor]]
+    kv: Sequence[tuple[Tensor, Tensor]]
+
+    @staticmethod
+    def gdn_buffers(state: ModelState, per_layer: bool = False) -> dict:
+        """The GDN buffers a static pass on `state` reads and writes: the window and state before it (the head's,
+        or the staging's when it stages on top of one) and where the staging goes. Stacked tensors, or per-layer
+        views (made once)."""
+        gdn = state.gdn
+        buffers = gdn.layers if per_layer else vars(gdn)
+        on_head = state.staged == 0
+        return {"conv_in": buffers["conv" if on_head else "window"],
+                "state_in": buffers["recurrent" if on_head else "spare"],
+                **{name: buffers[name] for name in GDN_BUFFERS[2:]}}
+
+    def gdn(self, i: int, x: Tensor, b: Tensor, a: Tensor, gates: Gates, kernel: str) -> Tensor:
+        buf = {name: self.buffers[name][i] for name in GDN_BUFFERS}
+        full = torch.cat([buf["conv_in"], x], dim=0)
+        q, k, v, beta, g = gates(full, b, a)
+        out, delta, final, _ = gated_delta_rule(kernel, q, k, v, g, beta, buf["state_in"], static=True)
+        buf["spare"].copy_(final)
+        buf["window"].copy_(full[-buf["window"].shape[0]:])
+        buf["x"].index_copy_(0, self.slots, x)
+        buf["k"].index_copy_(2, self.slots, k.permute(1, 2, 0))
+        buf["delta"].index_copy_(1, self.slots, delta.transpose(0, 1))
+        buf["g"].index_copy_(1, self.slots, g.t())
+        return out
+
+    def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        k_cache, v_cache = self.kv[j]
+        k_cache.index_copy_(1, self.positions, k.transpose(0, 1))
+        v_cache.index_copy_(1, self.positions, v.transpose(0, 1))
+        return causal_attention(q[None], k_cache[None], v_cache[None], self.positions)[0]
+
+
+@dataclass
+class _Group:
+    """Sequences whose GDN core runs together, padded to `T` tokens each."""
+
+    members: list[int]  # item indices
+    lengths: list[int]
+    T: int
+    rows: slice | Tensor  # rows of the packed tokens in (member, t) order; padding repeats a member's last row
+    valid: Tensor | None  # (G, T, 1) 1 for real tokens, 0 for padding; None when nothing is padded
+    logs: VerifyLogs | None = None  # where the Triton kernel logs the members: made at the first GDN layer that runs it
+
+    def take(self, x: Tensor) -> Tensor:
+        """Rows of the packed `x` for this group as `(G, T, ...)`."""
+        rows = x[self.rows] if isinstance(self.rows, slice) else x.index_select(0, self.rows)
+        return rows.view(len(self.members), self.T, *x.shape[1:])
+
+
+class BatchAccess:
+    """Several sequences' states, their tokens packed into one `(sum T_i, ...)` matrix.
+
+    - GDN: the sequences' windows and states are gathered (`stack`) into a padded `(G, T_max)` group (every short
+      sequence together; each one longer than a chunk alone) and run through one kernel call. Padding sits after
+      each sequence's last token with beta = 0 and g = 0, so it adds exactly nothing to the state (delta = 0, decay
+      1) and touches no real output (causal). The staged state, window and logs go back to each sequence's own
+      buffers in one `_foreach_copy_`; where the Triton kernel runs (CUDA) and the sequences are slots of one
+      `StatePool`, it logs k, delta and g itself.
+    - Attention: each sequence writes its K/V at its own positions in its own cache; the caches are gathered into
+      one zero-padded batch and one masked attention call serves a group."""
+
+    def __init__(self, states: Sequence[ModelState], lengths: list[int], device: torch.device) -> None:
+        self.states, self.lengths = states, lengths
+        self.starts = [st.length + st.staged for st in states]  # position of each sequence's first token
+        self.offsets = [sum(lengths[:i]) for i in range(len(lengths))]  # each sequence's first packed row
+        short = [i for i, T in enumerate(lengths) if T <= CHUNK_SIZE]
+        self.groups = [self._group(short, device)] if short else []
+        self.groups += [self._group([i], device) for i, T in enumerate(lengths) if T > CHUNK_SIZE]
+        self.unpad = self._unpad(device)
+
+    def _group(self, members: list[int], device: torch.device) -> _Group:
+        lens = [self.lengths[i] for i in members]
+        T = max(lens)
+        contiguous = members == list(range(members[0], members[0] + len(members)))
+        if min(lens) == T and contiguous:
+            first = self.offsets[members[0]]
+            return _Group(members, lens, T, slice(first, self.offsets[members[-1]] + T), None)
+        rows = torch.tensor([self.offsets[i] + min(t, n - 1) for i, n in zip(members, lens) for t in range(T)],
+                            device=device)
+        valid = torch.tensor([[float(t < n)] for n in lens for t in range(T)], device=device).view(len(members), T, 1)
+        return _Group(members, lens, T, rows, valid if min(lens) < T else None)
+
+    def _unpad(self, device: torch.device) -> Tensor | None:
+        """Packed row -> row of the groups' concatenated `(G T)` outputs; None when they coincide."""
+        order = [i for g in self.groups for i in g.members]
+        if order == list(range(len(self.lengths))) and all(g.valid is None for g in self.groups):
+            return None
+        flat, base = [0] * sum(self.lengths), 0
+        for g in self.groups:
+            for slot, (i, T) in enumerate(zip(g.members, g.lengths)):
+                for t in range(T):
+                    flat[self.offsets[i] + t] = base + slot * g.T + t
+            base += len(g.members) * g.T
+        return torch.tensor(flat, device=device)
+
+    def _packed(self, outs: list[Tensor]) -> Tensor:
+        """The groups' outputs, each `(G T, ...)`, back in the packed tokens' order (padding dropped)."""
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out if self.unpad is None else out.index_select(0, self.unpad)
+
+    def gdn(self, i: int, x: Tensor, b: Tensor, a: Tensor, gates: Gates, kernel: str) -> Tensor:
+        outs = []
+        for g in self.groups:
+            slots = [GDNSlot(self.states[m].gdn, i, self.states[m].staged) for m in g.members]
+            outs.append(self._gdn_group(g, slots, x, b, a, gates, kernel))
+        return self._packed(outs)
+
+    @staticmethod
+    def _gdn_group(g: _Group, slots: list[GDNSlot], x: Tensor, b: Tensor, a: Tensor, gates: Gates,
+                   kernel: str) -> Tensor:
+        """The delta rule for one group; stages each member into its own buffers; outputs `(G T, Hv, Dv)`."""
+        xs = g.take(x)
+        full = torch.cat([torch.stack([s.conv_window() for s in slots]), xs], dim=1)  # (G, K-1+T, C)
+        q, k, v, beta, decay = gates(full, g.take(b), g.take(a))  # (G, T, Hv, D), (G, T, Hv)
+        if g.valid is not None:  # padding neither decays nor writes the state
+            beta, decay = beta * g.valid, decay * g.valid
+        initial = torch.stack([s.initial_state() for s in slots])  # (G, H, Dk, Dv)
+
+        def logs() -> VerifyLogs | None:  # rows, offsets and counts are the same at every layer of the pass
+            if g.logs is None:
+                g.logs = verify_logs(slots, g.lengths)
+            return None if g.logs is None else g.logs._replace(layer=slots[0].i)
+
+        out, delta, final, logged = gated_delta_rule(kernel, q, k, v, decay, beta, initial, logs=logs)
+        _stage(g, slots, xs, full, k.permute(0, 2, 3, 1), delta.transpose(1, 2), decay.transpose(1, 2), final,
+               logged)
+        return out.reshape(-1, *out.shape[2:])
+
+    def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        outs = []
+        for g in self.groups:
+            members = [self.states[i].attn[j] for i in g.members]
+            if len(g.members) == 1:  # a long prefill piece, or a group of one: the single-sequence form
+                i = g.members[0]
+                o, T = self.offsets[i], g.T
+                outs.append(attend(members[0], q[o:o + T], k[o:o + T], v[o:o + T], self.starts[i]))
+            else:
+                outs.append(self._attend_group(g, q, k, v, members, [self.starts[i] for i in g.members]))
+        return self._packed(outs)
+
+    @staticmethod
+    def _attend_group(g: _Group, q: Tensor, k: Tensor, v: Tensor, states: list[AttnLayerState],
+                      starts: list[int]) -> Tensor:
+        """Masked attention for one group: each member writes its K/V at its positions, then all attend at once over
+        their caches gathered into a zero-padded `(G, Hkv, L, D)` (a member's query t sees keys up to start + t)."""
+        G, T, Hkv, D = len(g.members), g.T, k.shape[1], k.shape[2]
+        ends = [start + n for start, n in zip(starts, g.lengths)]
+        L = max(ends)
+        new_k, new_v = (g.take(x).transpose(1, 2).unbind(0) for x in (k, v))  # G x (Hkv, T, D)
+        cache_k, cache_v = (q.new_zeros(G, Hkv, L, D).unbind(0) for _ in range(2))
+        dsts: list[Tensor] = []
+        srcs: list[Tensor] = []
+        for st, start, end, n, nk, nv in zip(states, starts, ends, g.lengths, new_k, new_v):
+            dsts += (st.k[:, start:end], st.v[:, start:end])
+            srcs += (nk, nv) if n == T else (nk[:, :n], nv[:, :n])
+        torch._foreach_copy_(dsts, srcs)
+        torch._foreach_copy_([c[:, :end] for c, end in zip(cache_k + cache_v, ends + ends)],
+                             [st.k[:, :end] for st, end in zip(states, ends)]
+                             + [st.v[:, :end] for st, end in zip(states, ends)])
+        query_at = torch.tensor(starts, device=q.device)[:, None] + torch.arange(T, device=q.device)  # (G, T)
+        out = causal_attention(g.take(q), torch.stack(cache_k), torch.stack(cache_v), query_at)  # (G, T, H, D)
+        return out.reshape(G * T, *out.shape[2:])
+
+
+def _stage(g: _Group, slots: list[GDNSlot], xs: Tensor, full: Tensor, k_log: Tensor, delta_log: Tensor,
+           g_log: Tensor, final: Tensor, kernel_logged: bool = False) -> None:
+    """Each member's logs, window and state after its tokens, into its own buffers, in one foreach copy.
+
+    Layouts as the logs keep them: xs `(G, T, C)`, k_log `(G, H, Dk, T)`, delta_log `(G, H, T, Dv)`, g_log `(G, H, T)`.
+    `kernel_logged`: the kernel wrote k, delta and g into the logs (`verify_logs`); only x is copied.
+    """
+    width = full.shape[1] - g.T
+    dsts: list[Tensor] = []
+    srcs: list[Tensor] = []
+    per_member = zip(slots, g.lengths, xs.unbind(0), k_log.unbind(0), delta_log.unbind(0), g_log.unbind(0),
+                     full.unbind(0), final.unbind(0))
+    for slot, n, x, k, delta, decay, window_and_x, state in per_member:
+        logs = slot.log_targets(n)
+        if logs:
+            new = (x, k, delta, decay) if n == g.T else (x[:n], k[..., :n], delta[:, :n], decay[:, :n])
+            dsts += logs[:1] if kernel_logged else logs
+            srcs += new[:1] if kernel_logged else new
+        dsts += (slot.states.layers["window"][slot.i], slot.state_out())
+        srcs += (window_and_x[n:n + width], state)
+    torch._foreach_copy_(dsts, srcs)
