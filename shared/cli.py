@@ -161,7 +161,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     """`--target-addr` alone: the server-side loop (Generate); with `--draft-addr`: the loop runs here."""
     import grpc
 
-    from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+    from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
     from deltaspec.shared.telemetry import CLIENT, Telemetry
 
     if args.target or args.draft:
