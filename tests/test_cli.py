@@ -16,7 +16,7 @@ from deltaspec.shared.model.loader import load_model
 
 
 def run(*args, env: dict[str, str] | None = None):
-    return subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "deltaspec.cli", *args], capture_output=True, text=True,
                           timeout=300, env={**os.environ, **(env or {})})
 
 
