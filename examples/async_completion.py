@@ -6,13 +6,14 @@ import asyncio
 import json
 import sys
 
-from deltaspec.shared.client import AsyncClient
+from deltaspec import AsyncClient
 
 
 async def main(target: str) -> None:
     async with AsyncClient(target) as client:
-        prompts = ["def fib(n):", "import os\n", "class Stack:"]
-        done = await asyncio.gather(*(client.generate(p, max_new_tokens=24) for p in prompts))
+        prompts = ["class Stack:\n    def __init__(self):\n", "import os\n", "    def __repr__(self):\n"]
+        done = await asyncio.gather(*(client.generate(p, max_new_tokens=48, temperature=0.8, top_p=0.9, seed=1)
+                                      for p in prompts))
     for completion in done:
         print(json.dumps({"token_ids": completion.token_ids, "text": completion.text,
                           "acceptance_rate": completion.stats["acceptance_rate"]}))

@@ -6,10 +6,10 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q "torch==2.13.0"
-# The editable install maps the deltaspec/ package root, which gen_protos.sh fills below: it must exist first.
+# The editable install maps deltaspec/v1/, which gen_protos.sh fills below: it must exist first.
 mkdir -p deltaspec/v1
 .venv/bin/pip install -q -e ".[dev]"
-# gRPC code is generated from protos/, then the editable install is redone so it maps deltaspec/.
+# gRPC code is generated from protos/, then the editable install is redone so it maps deltaspec/v1/.
 bash scripts/gen_protos.sh
 .venv/bin/pip install -q --no-deps -e .
 # buf lints protos/ in the tests; it is an npm package (skip quietly where npm is missing).

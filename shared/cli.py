@@ -24,6 +24,21 @@ def _lengths(text: str) -> tuple[int, ...]:
     return lengths
 
 
+def _count(minimum: int):
+    """An argparse type: an integer of at least `minimum` (argparse names the flag and the value when it refuses)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {value}")
+        return value
+
+    parse.__name__ = "count"  # what argparse calls the type in its messages
+    return parse
+
+
 def _ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -134,6 +149,9 @@ def draft_settings(num_draft_tokens: int | None, stop_below: float | None, draft
 
     if num_draft_tokens is None:
         num_draft_tokens = MAX_DRAFT_TOKENS if draft_model else FIXED_DRAFT_TOKENS
+    if not 0 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--num-draft-tokens is 0 to {MAX_DRAFT_TOKENS} (the target's limit a round), "
+                         f"not {num_draft_tokens}")
     if stop_below is None:
         stop_below = STOP_BELOW if draft_model else 0.0
     return num_draft_tokens, stop_below
@@ -161,7 +179,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     """`--target-addr` alone: the server-side loop (Generate); with `--draft-addr`: the loop runs here."""
     import grpc
 
-    from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+    from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
     from deltaspec.shared.telemetry import CLIENT, Telemetry
 
     if args.target or args.draft:
@@ -448,8 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="draft checkpoint directory, 'mtp' (the target's own MTP head), 'ngram' "
                                    "(prompt lookup) or 'none' (default: the embedded draft "
                                    "when the target is the embedded one, else none)")
-    p.add_argument("--num-draft-tokens", type=int,
-                   help="drafts a round, at most (default: 16 with a draft model in process, where --stop-below "
+    p.add_argument("--num-draft-tokens", type=_count(0),
+                   help="drafts a round, at most, 0 to 16 (0: no speculation; default: 16 with a draft model in process, where --stop-below "
                         f"ends a round early; {FIXED_DRAFT_TOKENS} with mtp, ngram or over gRPC)")
     p.add_argument("--stop-below", type=float,
                    help="dynamic draft length: a draft model stops proposing after a token it gives less than this "
@@ -467,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="with --target-addr: end where the text first contains TEXT (repeatable; the text stops "
                         "before it)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=_count(1), default=64)
     _add_sampling(p)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP + " (in process: the target and a draft model)")
     p.add_argument("--capture", action="store_true", help=CAPTURE_HELP + " (in process: the target and a draft model)")
@@ -529,8 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="serve the embedded pair on loopback and stream one generation over gRPC")
     p.add_argument("--prompt", default=demo.PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=demo.MAX_NEW_TOKENS)
-    p.add_argument("--num-draft-tokens", "-k", type=int, default=demo.NUM_DRAFT_TOKENS)
+    p.add_argument("--max-new-tokens", type=_count(1), default=demo.MAX_NEW_TOKENS)
+    p.add_argument("--num-draft-tokens", "-k", type=_count(0), default=demo.NUM_DRAFT_TOKENS)
     _add_sampling(p)
     p.set_defaults(func=cmd_demo, temperature=demo.TEMPERATURE, top_p=demo.TOP_P, seed=demo.SEED)
 
@@ -562,8 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-every", type=float, default=30.0, help="seconds between report lines")
     p.add_argument("--target", help="target checkpoint directory (default: the embedded target)")
     p.add_argument("--draft", help="draft checkpoint directory (default: the embedded draft)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=_count(1), default=32)
+    p.add_argument("--num-draft-tokens", type=_count(0), default=4)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line at the end")
     p.set_defaults(func=cmd_soak)
     return parser

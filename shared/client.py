@@ -33,8 +33,8 @@ from grpc_status import rpc_status
 
 from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.speculative import Generation
-from deltaspec.shared.rpc.client import (Messages, Resume, StreamTotals, generate_client_driven, generate_on_server,
-                                         server_stream)
+from deltaspec.shared.rpc.generation import (Messages, Resume, StreamTotals, generate_client_driven,
+                                             generate_on_server, server_stream)
 from deltaspec.shared.rpc.security import ClientSecurity
 from deltaspec.shared.rpc.status import error_info, field_of
 from deltaspec.v1 import target_service_pb2, target_service_pb2_grpc

@@ -36,7 +36,7 @@ def run(prompt: str, max_new_tokens: int, sampling, num_draft_tokens: int = NUM_
     from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
     from deltaspec.shared.model.loader import load_model
     from deltaspec.shared.model.tokenizer import load_tokenizer
-    from deltaspec.shared.rpc.client import generate_on_server
+    from deltaspec.shared.rpc.generation import generate_on_server
     from deltaspec.shared.rpc.server import BackgroundServer
     from deltaspec.target_service.servicer import DraftPeer, service as target_service
 

@@ -27,7 +27,7 @@ from deltaspec.shared.decoding.pipelined import decode_pipelined
 from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.session_table import Limits, SessionTable
 from deltaspec.shared.decoding.speculative import Stats, decode
-from deltaspec.shared.decoding.target import MAX_DRAFT_TOKENS, Round, TargetSession
+from deltaspec.shared.decoding.target import MAX_DRAFT_TOKENS, Round, TargetSession, check_num_draft_tokens
 from deltaspec.shared.decoding.text_stream import TextStream
 from deltaspec.shared.errors import InvalidArgument
 from deltaspec.shared.model.hybrid import HybridLM
@@ -195,9 +195,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         prompt, sampling = self._prompt(request), sampling_from_proto(request.sampling)
-        if request.num_draft_tokens > MAX_DRAFT_TOKENS:
-            raise InvalidArgument(f"num_draft_tokens = {request.num_draft_tokens} is over the limit "
-                                  f"{MAX_DRAFT_TOKENS}", "num_draft_tokens")
+        check_num_draft_tokens(request.num_draft_tokens)
         stops = _stop_strings(request.stop_strings)
         owner = caller()
         self.sessions.reserve(owner)

@@ -54,7 +54,7 @@ from deltaspec.shared.model.checkpoint import hf_config, random_model, save_chec
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
-from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.state.pool import StatePool, attach, gdn_bytes, kv_bytes_per_position
 from deltaspec.shared.state.rollback import ModelState
 from deltaspec.target_service import servicer as target_servicer

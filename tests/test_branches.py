@@ -19,7 +19,7 @@ from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.loader import load_model
-from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.state import prefix_cache
 from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
 from deltaspec.shared.telemetry import Telemetry

@@ -16,7 +16,7 @@ from deltaspec.shared.model.loader import load_model
 
 
 def run(*args, env: dict[str, str] | None = None):
-    return subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "deltaspec.cli", *args], capture_output=True, text=True,
                           timeout=300, env={**os.environ, **(env or {})})
 
 
@@ -123,3 +123,34 @@ def test_bad_prefix_cache_settings_are_refused(flag, value, message):
     out = run("serve-target", "--port", "0", flag, value)
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-new-tokens", "-1", "argument --max-new-tokens: must be 1 or more, got -1"),
+    ("--max-new-tokens", "0", "argument --max-new-tokens: must be 1 or more, got 0"),  # a generation of nothing
+    ("--num-draft-tokens", "-1", "argument --num-draft-tokens: must be 0 or more, got -1"),
+    ("--max-new-tokens", "many", "argument --max-new-tokens: must be an integer, got 'many'"),
+])
+def test_bad_counts_are_refused_naming_the_flag_and_value(flag, value, message):
+    out = run("generate", "--prompt", "x", flag, value)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_too_many_drafts_are_refused_naming_the_number_asked_for():
+    """The count asked for, not what a drafter's own ceiling made of it (once '28 draft tokens, the limit is 16')."""
+    out = run("generate", "--prompt", "x", "--num-draft-tokens", "100000")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--num-draft-tokens is 0 to 16 (the target's limit a round), not 100000" in out.stderr
+    with pytest.raises(ValueError, match="not 100000"):
+        draft_settings(100000, None, True)
+
+
+@pytest.mark.parametrize("k", [100000, 17, -1])
+def test_the_loop_refuses_a_draft_count_out_of_range_before_any_round(k):
+    from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+    from deltaspec.shared.errors import InvalidArgument
+
+    drafter = ModelDrafter(load_model(DEFAULT_DRAFT))
+    with pytest.raises(InvalidArgument, match=rf"num_draft_tokens = {k} is outside 0 to {MAX_DRAFT_TOKENS}") as e:
+        generate(load_model(DEFAULT_TARGET), [1, 2, 3], 64, drafter, k)
+    assert e.value.field == "num_draft_tokens"

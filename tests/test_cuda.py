@@ -201,7 +201,7 @@ def served():
 
 
 def test_served_greedy_equals_in_process(served, prompts, greedy):
-    from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+    from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 
     target, draft = served
     result, _ = generate_on_server(target, prompts[0], "", N)
@@ -215,7 +215,7 @@ def test_served_greedy_equals_in_process(served, prompts, greedy):
 
 
 def test_served_sampled_equals_in_process(served, pair, prompts):
-    from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+    from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 
     target, draft = served
     want = generate(pair[0], prompts[0], N, ModelDrafter(pair[1], SAMPLED), 4, SAMPLED)

@@ -20,7 +20,7 @@ from deltaspec.v1 import target_service_pb2_grpc
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
-from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.server import BackgroundServer, Service
 from deltaspec.target_service.servicer import NAME as TARGET_NAME, TargetServicer
 from deltaspec.shared.rpc.proxy import TcpProxy

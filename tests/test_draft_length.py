@@ -19,7 +19,7 @@ from deltaspec.shared.decoding.target import TargetSession
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
-from deltaspec.shared.rpc.client import generate_on_server
+from deltaspec.shared.rpc.generation import generate_on_server
 from deltaspec.shared.rpc.options import channel
 from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
 from deltaspec.shared.rpc.server import Service

@@ -35,7 +35,7 @@ from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
-from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.options import CHANNEL_OPTIONS
 from deltaspec.shared.rpc.proxy import TcpProxy
 from deltaspec.shared.rpc.remote_target import RemoteTargetSession

@@ -23,7 +23,7 @@ from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_m
 from deltaspec.shared.model.loader import CheckpointError, load_model
 from deltaspec.shared.model.moe import Experts, apply_experts, route
 from deltaspec.shared.model.tokenizer import load_tokenizer
-from deltaspec.shared.rpc.client import generate_on_server
+from deltaspec.shared.rpc.generation import generate_on_server
 from deltaspec.target_service import servicer as target_servicer
 from test_batching import assert_batched, run_threads
 from test_rpc_servers import Served, both_loops

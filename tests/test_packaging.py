@@ -52,6 +52,27 @@ def test_the_state_layer_imports_nothing_of_the_model_package():
     assert not offenders
 
 
+def test_the_package_root_exports_the_client_without_loading_torch():
+    """`from deltaspec import Client` is the public name; `import deltaspec.v1` (the gRPC code) stays light."""
+    code = ("import sys, deltaspec, deltaspec.v1.target_service_pb2; assert 'torch' not in sys.modules; "
+            "from deltaspec import AsyncClient, Client, DeltaspecRpcError, InvalidArgumentError; "
+            "import deltaspec.shared.client as c; "
+            "assert (Client, AsyncClient, DeltaspecRpcError) == (c.Client, c.AsyncClient, c.DeltaspecRpcError); "
+            "assert issubclass(InvalidArgumentError, DeltaspecRpcError); "
+            "assert set(deltaspec.__all__) == set(c.__all__); "
+            "assert not hasattr(deltaspec, 'Nothing')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_package_root_is_committed_and_only_v1_is_generated():
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "/deltaspec/v1/" in ignored and "/deltaspec/" not in ignored
+    assert (ROOT / "deltaspec" / "__init__.py").is_file() and (ROOT / "deltaspec" / "cli.py").is_file()
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"deltaspec": "deltaspec.cli:main"}
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """A fresh venv with only the built wheel installed; returns its bin directory."""
@@ -70,6 +91,7 @@ def installed(tmp_path_factory) -> Path:
                                                                   "deltaspec/target_service/"))}
     assert sources <= packed, sources - packed  # every module made it into the wheel
     assert "deltaspec/shared/assets/models/target/model.safetensors" in names
+    assert {"deltaspec/__init__.py", "deltaspec/cli.py", "deltaspec/v1/target_service_pb2.py"} <= set(names)
 
     env_dir = tmp / "venv"
     venv.create(env_dir, with_pip=False)
@@ -97,6 +119,8 @@ def test_wheel_generates_and_serves_outside_the_repository(installed, tmp_path):
     assert where.returncode == 0, where.stderr
     path, bare = where.stdout.split()
     assert not Path(path).is_relative_to(ROOT) and bare == "False"
+    models = run_outside([str(installed / "python"), "-m", "deltaspec.cli", "models", "--json"], cwd=tmp_path)
+    assert models.returncode == 0 and set(json.loads(models.stdout)) == {"target", "draft"}, models.stderr
 
     generate = [str(installed / "deltaspec"), "generate", "--prompt", "def main():", "--max-new-tokens", "12",
                 "--json"]

@@ -39,7 +39,7 @@ from deltaspec.shared.errors import FailedPrecondition, NotFound
 from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
-from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.proxy import TcpProxy
 from deltaspec.shared.rpc.server import answered_call
 from deltaspec.shared.rpc.remote_drafter import RemoteDrafter

@@ -17,7 +17,7 @@ import pytest
 
 from deltaspec.shared.client import AsyncClient
 from deltaspec.shared.decoding.sampling import SamplingParams
-from deltaspec.shared.rpc.client import Resume, generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.generation import Resume, generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.routing import HEADER, IDS, TEXT_CHARS, prefix_key
 from deltaspec.shared.rpc.server import BackgroundServer
 from deltaspec.shared.telemetry import Telemetry

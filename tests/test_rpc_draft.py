@@ -11,7 +11,7 @@ from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.decoding.session_table import Limits
 from deltaspec.shared.model.loader import load_model
-from deltaspec.shared.rpc.client import generate_on_server
+from deltaspec.shared.rpc.generation import generate_on_server
 from deltaspec.shared.rpc.convert import probs_from_proto
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
                               target_service)

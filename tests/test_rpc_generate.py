@@ -24,7 +24,7 @@ from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
-from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.options import channel
 from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
 from deltaspec.shared.rpc.server import BackgroundServer, Service

@@ -25,7 +25,7 @@ from deltaspec.shared.decoding.session_table import Limits
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
-from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.server import BackgroundServer
 from deltaspec.shared.state.prefix_cache import block_key
 from deltaspec.shared.telemetry import Telemetry

@@ -21,7 +21,7 @@ from deltaspec.draft_service.servicer import NAME as DRAFT_NAME
 from deltaspec.shared.cli import main as cli_main
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
-from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.options import channel
 from deltaspec.shared.rpc.server import BackgroundServer, Service
 from deltaspec.target_service.servicer import NAME as TARGET_NAME

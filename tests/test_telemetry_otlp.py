@@ -28,7 +28,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.telemetry import CLIENT, DRAFT, TARGET, Telemetry, setup_tracing
 from deltaspec.shared.telemetry import attributes as attr
 from test_rpc_support import PROMPT, pair  # noqa: F401

@@ -26,7 +26,7 @@ from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
-from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.options import channel
 from deltaspec.shared.rpc.server import BackgroundServer
 from deltaspec.shared.telemetry import CLIENT, DRAFT, TARGET, Telemetry, tracing

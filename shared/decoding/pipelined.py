@@ -46,7 +46,7 @@ from opentelemetry.trace import Span, Tracer, use_span
 
 from deltaspec.shared.decoding.drafters import Drafter, Proposal
 from deltaspec.shared.decoding.speculative import NO_TRACER, Session, Stats, _ids, drafts_kept
-from deltaspec.shared.decoding.target import Round
+from deltaspec.shared.decoding.target import Round, check_num_draft_tokens
 from deltaspec.shared.errors import FailedPrecondition, NotFound
 from deltaspec.shared.telemetry import attributes as attr
 
@@ -65,6 +65,7 @@ class _Planned:
 def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_tokens: int, eos: set[int],
                      stats: Stats, tracer: Tracer = NO_TRACER, metrics=None) -> Iterator[list[int]]:
     """Rounds until `max_new_tokens` or an EOS (included), pipelined; yields what each round commits."""
+    check_num_draft_tokens(num_draft_tokens)
     out = session.generated
     if len(out) >= max_new_tokens or (out and out[-1] in eos):
         return

@@ -16,7 +16,7 @@ from torch import Tensor
 from deltaspec.shared.decoding.draft_length import CostModelLength
 from deltaspec.shared.decoding.drafters import Drafter, NoDrafter, attach
 from deltaspec.shared.decoding.sampling import SamplingParams
-from deltaspec.shared.decoding.target import Round, TargetSession
+from deltaspec.shared.decoding.target import Round, TargetSession, check_num_draft_tokens
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.telemetry import attributes as attr
 from deltaspec.shared.telemetry.spans import generation_span, record_usage
@@ -113,6 +113,8 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
     `tracer` records); `metrics` (a `deltaspec.shared.telemetry.Metrics`) counts the round when given.
     """
     length = None if isinstance(num_draft_tokens, int) else num_draft_tokens
+    if length is None:
+        check_num_draft_tokens(num_draft_tokens)
     out = session.generated
     while len(out) < max_new_tokens and not (out and out[-1] in eos):
         room = max_new_tokens - len(out)

@@ -59,6 +59,13 @@ class Round:
     committed_tokens: list[int] = field(default_factory=list)  # what the commit appended
 
 
+def check_num_draft_tokens(k: int) -> None:
+    """Refuse a count of drafts a round (`num_draft_tokens`) outside 0 to `MAX_DRAFT_TOKENS`, naming the count asked
+    for: checked before any round, so a drafter's own, smaller ceiling is never what the caller reads."""
+    if not 0 <= k <= MAX_DRAFT_TOKENS:
+        raise InvalidArgument(f"num_draft_tokens = {k} is outside 0 to {MAX_DRAFT_TOKENS}", "num_draft_tokens")
+
+
 def check_tokens(tokens: list[int] | tuple[int, ...], vocab_size: int, field_name: str) -> None:
     if tokens and 0 <= min(tokens) and max(tokens) < vocab_size:  # the common case, without a Python loop
         return
