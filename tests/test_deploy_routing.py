@@ -4,7 +4,7 @@ In the cluster the target is a StatefulSet: a normal Service spreads new connect
 replicas (CreateSession goes there), and each replica advertises its stable pod DNS name through
 the headless Service (`--advertise-address`), which CreateSession returns; the client sends every
 later call of the session straight to that replica. Here two target replicas run on loopback, and
-`TcpProxy` (deltaspec.shared.rpc.proxy) stands in for the Service: a TCP proxy that sends each new connection
+`TcpProxy` (benchmarks.fault_proxy) stands in for the Service: a TCP proxy that sends each new connection
 to the next ready endpoint, round robin, and drops an endpoint when its pod goes (what kube-proxy does once
 the EndpointSlice controller removes it). The replica holding a session is killed mid-generation:
 the client opens the session again on the committed history through the Service, on the other
@@ -23,7 +23,7 @@ from deltaspec.shared.model.tokenizer import load_tokenizer
 from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.server import BackgroundServer, Service
 from deltaspec.target_service.servicer import NAME as TARGET_NAME, TargetServicer
-from deltaspec.shared.rpc.proxy import TcpProxy
+from benchmarks.fault_proxy import TcpProxy
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, refused, start, target_stub  # noqa: F401
 
 N = 24

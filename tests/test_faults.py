@@ -37,7 +37,7 @@ from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.options import CHANNEL_OPTIONS
-from deltaspec.shared.rpc.proxy import TcpProxy
+from benchmarks.fault_proxy import TcpProxy
 from deltaspec.shared.rpc.remote_target import RemoteTargetSession
 from deltaspec.v1 import target_service_pb2 as target_pb2
 from deltaspec.v1 import target_service_pb2_grpc as target_pb2_grpc

@@ -7,7 +7,7 @@ import inspect
 from deltaspec.shared.decoding import speculative
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.model.checkpoint import hf_config, random_model
-from deltaspec.shared.telemetry.overhead import (_StripTracing, decode_without_tracing, loop_seconds_per_round,
+from benchmarks.telemetry_overhead import (_StripTracing, decode_without_tracing, loop_seconds_per_round,
                                                  tracing_overhead)
 
 

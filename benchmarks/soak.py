@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltaspec.shared.bench.loopback import (PROMPTS, Server, check_greedy, percentile, start_pair, stop_all,
+from benchmarks.loopback import (PROMPTS, Server, check_greedy, percentile, start_pair, stop_all,
                                              target_only_outputs)
 
 KINDS = [("server", False), ("client", False), ("server", True), ("client", True)]  # (loop, sampled)

@@ -1,6 +1,6 @@
 """Load: what N concurrent sessions get from one target, over real loopback gRPC.
 
-`serve-target` + `serve-draft` run as child processes (`deltaspec.shared.bench.loopback`). For each
+`serve-target` + `serve-draft` run as child processes (`benchmarks.loopback`). For each
 concurrency N, each loop (`server`: one `Generate` stream the target drives; `client`: this process
 drives Propose/Verify/Commit) and k (4: speculative with the draft service; 0: target-only), N client
 threads start together and run greedy generations back to back until every thread has done its
@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from deltaspec.shared.bench.loopback import (PROMPTS, Server, check_greedy, percentile, start_pair, stop_all,
+from benchmarks.loopback import (PROMPTS, Server, check_greedy, percentile, start_pair, stop_all,
                                              target_only_outputs)
 
 LEVELS, QUICK_LEVELS = (1, 2, 4, 8, 16, 32), (1, 2, 4)

@@ -2,7 +2,7 @@
 
 All three run the same rounds (same models, same k, greedy), with both services on loopback in
 this process, so the ratio isolates serialisation, the loopback hop and the thread hand-offs.
-Run: `python -m deltaspec.shared.rpc.overhead [--max-new-tokens N] [--repeats R]`.
+Run: `python -m benchmarks.rpc_overhead [--max-new-tokens N] [--repeats R]`.
 """
 from __future__ import annotations
 
