@@ -17,13 +17,13 @@ import pytest
 
 from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.v1 import target_service_pb2_grpc
-from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
 from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.server import BackgroundServer, Service
 from deltaspec.target_service.servicer import NAME as TARGET_NAME, TargetServicer
 from benchmarks.fault_proxy import TcpProxy
+from support import reference  # noqa: F401 - a fixture
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, refused, start, target_stub  # noqa: F401
 
 N = 24
@@ -64,10 +64,6 @@ def start_replica(directory) -> tuple[Replica, BackgroundServer]:
     servicer.advertise_address = server.address  # in the cluster: POD.HEADLESS-SERVICE.NAMESPACE.svc...:PORT
     return servicer, server
 
-
-@pytest.fixture(scope="module")
-def reference(pair) -> list[int]:
-    return generate(load_model(pair[0]), PROMPT, N).token_ids
 
 
 @pytest.fixture
