@@ -36,7 +36,7 @@ import torch
 
 from benchmarks.moe_passes import break_even
 from benchmarks.rounds import (PREFIX, Stopwatch, draft_model, drawn_rounds, pass_times, random_model_on,
-                                           sessions, target_only, tokens_per_s)
+                               sessions, target_only, tokens_per_s)
 from benchmarks.shapes import DRAFT_08B_2L, QWEN35_08B, QWEN35_9B, QWEN35_27B, QWEN35_35B_A3B
 from deltaspec.shared.decoding.draft_length import PassCosts, best_k
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter

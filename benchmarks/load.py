@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.loopback import (PROMPTS, Server, check_greedy, percentile, start_pair, stop_all,
-                                             target_only_outputs)
+                                 target_only_outputs)
 
 LEVELS, QUICK_LEVELS = (1, 2, 4, 8, 16, 32), (1, 2, 4)
 LOOPS, KS = ("server", "client"), (4, 0)

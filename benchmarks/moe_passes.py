@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.rounds import (PREFIX, Stopwatch, draft_model, drawn_rounds, pass_times, sessions,
-                                           target_only, timed_pass, tokens_per_s)
+                               target_only, timed_pass, tokens_per_s)
 from benchmarks.shapes import QWEN3_NEXT_80B_A3B, QWEN35_35B_A3B, scaled
 from deltaspec.shared.decoding.draft_length import PassCosts, best_k
 from deltaspec.shared.decoding.speculative import generate

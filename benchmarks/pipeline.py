@@ -40,11 +40,11 @@ from pathlib import Path
 import torch
 
 from benchmarks import report
+from benchmarks.fault_proxy import TcpProxy
 from benchmarks.loopback import Server, check_greedy, pin_threads, target_only_outputs
 from benchmarks.speedup import heldout_prompts
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from deltaspec.shared.model.hybrid import HybridLM
-from benchmarks.fault_proxy import TcpProxy
 
 PROMPTS = [list(b"def fibonacci(n):\n"), list(b"import os\nimport sys\n\n"), list(b"class Stack:\n    def __init__")]
 LOOPS = ("client", "server")
@@ -378,7 +378,8 @@ def main() -> None:
                         help="also run pipelined rounds against a draft staging this many branches for likely "
                              "misses (serve-draft --branches; default 1, 0: not run)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--save", type=Path, help="write pipeline.txt and pipeline.png to this folder (the bench writes them to benchmarks/results/ and docs/figures/)")
+    parser.add_argument("--save", type=Path, help="write pipeline.txt and pipeline.png to this folder (the bench "
+                                                  "writes them to benchmarks/results/ and docs/figures/)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     prompts = heldout_prompts(args.heldout, 96) if args.heldout else PROMPTS[:2] if args.quick else PROMPTS

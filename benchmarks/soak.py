@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.loopback import (PROMPTS, Server, check_greedy, percentile, start_pair, stop_all,
-                                             target_only_outputs)
+                                 target_only_outputs)
 
 KINDS = [("server", False), ("client", False), ("server", True), ("client", True)]  # (loop, sampled)
 

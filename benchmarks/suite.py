@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks import (cost_model, generation, gpu, load, moe_passes as moe, pipeline, prefix, report, session_memory,
-                        steps as step_costs, wire)
+from benchmarks import (cost_model, generation, gpu, load, moe_passes as moe, pipeline, prefix, report,
+                        session_memory, steps as step_costs, wire)
 from benchmarks.report import FIGURES, RESULTS
 from benchmarks.rollback_cost import compare
 from benchmarks.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from benchmarks.load import (FIELDS, KS, LOOPS, MIN_GENERATIONS, goals, measure, print_rows, run_rows,
-                                         start_servers)
+                             start_servers)
 from benchmarks.loopback import PROMPTS, stop_all, target_only_outputs
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
