@@ -147,7 +147,7 @@ else
     if [[ $rc == 0 ]]; then
         timeout 60 "$PY" - "$OUT/bench_gpu.json" <<'EOF' 2>&1 | tee -a "$OUT/bench_gpu.log"
 import json, sys
-from deltaspec.shared.bench.suite import print_tables
+from benchmarks.suite import print_tables
 result = json.load(open(sys.argv[1]))
 if "gpu" not in result:
     sys.exit("the result has no gpu section")
@@ -163,9 +163,9 @@ fi
 
 # ---- 4. the pipeline bench on this machine's cores (CPU models; a core for each service, more for the client) ----
 STEP_START=$SECONDS
-echo "=== 4. pipelined vs serial rounds at 1 and 5 ms (deltaspec.shared.bench.pipeline, one repeat)"
+echo "=== 4. pipelined vs serial rounds at 1 and 5 ms (benchmarks.pipeline, one repeat)"
 t=$(limit 200)
-run "$OUT/pipeline.log" "$t" "$PY" -c "import torch; torch.set_num_threads(1); from deltaspec.shared.bench import pipeline; \
+run "$OUT/pipeline.log" "$t" "$PY" -c "import torch; torch.set_num_threads(1); from benchmarks import pipeline; \
 pipeline.print_rows(pipeline.compare(delays_ms=(1, 5), repeats=1))"
 rc=$?
 note pipeline "$(status $rc)" "$(awk '$2 ~ /^(client|server)$/ && $6 ~ /^[0-9]+$/ {printf "%s ms %s %sx; ", $1, $2, $5}' \

@@ -32,7 +32,7 @@ leaving out `site-packages`, the test suites (`test`, `tests`, `idle_test`), `py
 string of prose) and `encodings` (mostly generated code-page tables). A file is held out when sha1 of its
 path relative to that directory, read as an integer, is 0 mod 50 (about 2%, the same files on every
 machine and Python version that has them); the list goes
-to `docs/heldout_files.txt`, so benchmarks can take held-out text from it. Files are UTF-8 bytes (ids
+to `benchmarks/heldout_files.txt`, so benchmarks can take held-out text from it. Files are UTF-8 bytes (ids
 0..255) joined by EOS (id 256), like `deltaspec.shared.model.tokenizer.ByteTokenizer` and
 `deltaspec.shared.model.checkpoint.hf_config`'s `eos_token_id`.
 
@@ -52,7 +52,7 @@ ships. With the loss (1 - a) CE + a KL, a = 0.5, distillation won every full run
 (e.g. 0.80 against 0.63), hence off by default; a = 0.8 lost to CE alone, the teacher being too weak
 early on.
 
-Measuring (`deltaspec.shared.bench.pair_quality`, through the engine, on prompts from the held-out files): the
+Measuring (`benchmarks.pair_quality`, through the engine, on prompts from the held-out files): the
 target's held-out loss, and for greedy decoding and for the demo's default sampling (`deltaspec.shared.demo`)
 the acceptance at k = 4 and the share of distinct 4-grams in 256-token generations (a loop scores
 near 0), plus load checks against HF and the time per token of each model.
@@ -92,7 +92,7 @@ loss), with CE on x_{i+2} plus KL to the target's own distribution for that toke
 position i+1), so the shipped target is exactly the one trained without it.
 
 Outputs: shared/assets/models/{target,draft}/ (config.json + model.safetensors, MTP tensors inside the
-target's), docs/training_loss.png, docs/heldout_files.txt; a JSON summary on stdout.
+target's), docs/figures/training_loss.png, benchmarks/heldout_files.txt; a JSON summary on stdout.
 """
 from __future__ import annotations
 
@@ -117,7 +117,8 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from deltaspec.shared.bench.speedup import heldout_prompts  # noqa: E402
+from benchmarks.report import FIGURES, HELDOUT_LIST  # noqa: E402
+from benchmarks.speedup import heldout_prompts  # noqa: E402
 from deltaspec.shared.model.checkpoint import hf_config  # noqa: E402
 
 EOS, VOCAB = 256, 257
@@ -137,7 +138,6 @@ HELDOUT_MOD = 50
 EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "pydoc_data", "encodings", "__pycache__"}
 OUT_TARGET = REPO / "shared" / "assets" / "models" / "target"
 OUT_DRAFT = REPO / "shared" / "assets" / "models" / "draft"
-DOCS = REPO / "docs"
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -171,13 +171,12 @@ def load_corpus() -> tuple[Tensor, Tensor, list[str], Path]:
 
 
 def write_heldout_list(names: list[str], root: Path) -> None:
-    DOCS.mkdir(exist_ok=True)
     head = [
         "# Held-out validation files of scripts/train_default_pair.py (never trained on).",
         f"# Paths relative to the standard library directory, os.path.dirname(os.__file__) ({root.name} here,",
         f"# Python {sys.version.split()[0]}); held out when int(sha1(path), 16) % {HELDOUT_MOD} == 0.",
     ]
-    (DOCS / "heldout_files.txt").write_text("\n".join(head + names) + "\n")
+    HELDOUT_LIST.write_text("\n".join(head + names) + "\n")
 
 
 def batch(stream: Tensor, batch_size: int, seq: int, gen: torch.Generator) -> Tensor:
@@ -565,10 +564,10 @@ def save_pair(target, mtp, draft, target_dir: Path, draft_dir: Path) -> None:
 # ------------------------------------------------------------------------------------------ measuring
 def quality(target_dir: Path, draft_dir: Path, prompts: list[list[int]], texts: list[list[int]], new_tokens: int,
             k: int, greedy_only: bool = False) -> dict:
-    """`deltaspec.shared.bench.pair_quality` for greedy decoding and the demo's default sampling; two samples
+    """`benchmarks.pair_quality` for greedy decoding and the demo's default sampling; two samples
     decoded."""
     from deltaspec.shared import demo
-    from deltaspec.shared.bench.pair_quality import generation_quality, pair_quality
+    from benchmarks.pair_quality import generation_quality, pair_quality
     from deltaspec.shared.decoding.sampling import SamplingParams
     from deltaspec.shared.model.loader import load_model
 
@@ -649,7 +648,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out-target", type=Path, default=OUT_TARGET)
     p.add_argument("--out-draft", type=Path, default=OUT_DRAFT)
-    p.add_argument("--plot", type=Path, default=DOCS / "training_loss.png")
+    p.add_argument("--plot", type=Path, default=FIGURES / "training_loss.png")
     p.add_argument("--eval-only", action="store_true", help="measure the checkpoints already written")
     p.add_argument("--refine-draft", action="store_true",
                    help="train the written draft further against the written target, then measure the pair")

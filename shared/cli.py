@@ -434,27 +434,30 @@ def _add_client_security(p: argparse.ArgumentParser, prefix: str, peer: str):
     return g
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from deltaspec.shared.bench.suite import main as bench_main
-
-    return bench_main(args)
-
-
-def cmd_study(args: argparse.Namespace) -> int:
-    from deltaspec.shared.bench.no_rollback import main as study_main
-
-    return study_main(args)
+BENCHMARKS_FROM_A_CHECKOUT = ("`deltaspec {command}` runs from a source checkout only (the benchmarks are not "
+                              "installed): git clone the deltaspec repository, then in it `make setup && "
+                              ".venv/bin/deltaspec {command}` (`make bench` for the bench)")
 
 
-def cmd_soak(args: argparse.Namespace) -> int:
-    demo.quiet_grpc()
-    from deltaspec.shared.bench.soak import run
+def _checkout_benchmarks() -> Path | None:
+    """The benchmarks/ folder of the source checkout this package runs from, or None (an installed wheel). The
+    editable install maps `deltaspec.shared` to <checkout>/shared, so <checkout> is two folders above this file."""
+    found = Path(__file__).resolve().parents[1] / "benchmarks"
+    return found if (found / "__init__.py").is_file() else None
 
-    summary = run(Path(args.target or DEFAULT_TARGET), Path(args.draft or DEFAULT_DRAFT), args.sessions, args.seconds,
-                  args.report_every, args.max_new_tokens, args.num_draft_tokens)
-    if args.json:
-        print(json.dumps(summary))
-    return 0 if summary["errors"] == 0 else 1
+
+def cmd_benchmarks(args: argparse.Namespace) -> int:
+    """bench, study and soak: only dispatched from here. Their code lives in the checkout's benchmarks/ package,
+    imported here and nowhere else in the installed package (on sys.path only for these commands)."""
+    folder = _checkout_benchmarks()
+    if folder is None:
+        print(f"deltaspec: error: {BENCHMARKS_FROM_A_CHECKOUT.format(command=args.command)}", file=sys.stderr)
+        return 2
+    if str(folder.parent) not in sys.path:
+        sys.path.insert(0, str(folder.parent))
+    from benchmarks.cli import COMMANDS
+
+    return COMMANDS[args.command](args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -561,17 +564,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a shared 2-core machine)")
     p.add_argument("--only", type=lambda text: tuple(x.strip() for x in text.split(",") if x.strip()),
                    help="comma-separated sections to run: steps, acceptance, generations, grpc, tracing, rollback, "
-                        "memory, pipeline, load, sessions, moe, cost_model, prefix, compiled, gpu (default: all; docs/bench.txt and "
-                        "bench.png are written by full runs only)")
-    p.set_defaults(func=cmd_bench)
+                        "memory, pipeline, load, sessions, moe, cost_model, prefix, compiled, gpu (default: all; "
+                        "benchmarks/results/bench.txt and docs/figures/bench.png are written by full runs only)")
+    p.set_defaults(func=cmd_benchmarks)
 
-    p = sub.add_parser("study", help="no-GDN-rollback study: divergence and state error, plots under docs/ "
+    p = sub.add_parser("study", help="no-GDN-rollback study: divergence and state error, plots under docs/figures/ "
                                      "(benchmark-only strategy)")
     p.add_argument("--quick", action="store_true", help="3 prompts, k in (2, 4), 48 tokens (a few minutes)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out", help="directory for the PNG plots (default: the repository's docs/)")
+    p.add_argument("--out", help="directory for the PNG plots and the JSON (default: the repository's docs/figures/ "
+                                  "and benchmarks/results/)")
     p.add_argument("--threads", type=int, default=1)
-    p.set_defaults(func=cmd_study)
+    p.set_defaults(func=cmd_benchmarks)
 
     p = sub.add_parser("soak", help="concurrent sessions for a fixed time against serve-target and serve-draft "
                                     "processes on loopback, both loops, greedy and sampled: errors, round times, RSS")
@@ -583,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_count(1), default=32)
     p.add_argument("--num-draft-tokens", type=_count(0), default=4)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line at the end")
-    p.set_defaults(func=cmd_soak)
+    p.set_defaults(func=cmd_benchmarks)
     return parser
 
 

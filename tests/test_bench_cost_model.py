@@ -1,6 +1,6 @@
 """`deltaspec bench --only cost_model` at its smallest: real servers, a never-matching draft on a MoE target (the
 case the cost model must not lose in), every output checked against target-only decoding by the bench itself."""
-from deltaspec.shared.bench import cost_model
+from benchmarks import cost_model
 
 
 def test_served_rows_compare_the_three_runs(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The bench's GPU section (`deltaspec.shared.bench.gpu`) on the CPU at a tiny shape: every row it reports is there, the
+"""The bench's GPU section (`benchmarks.gpu`) on the CPU at a tiny shape: every row it reports is there, the
 bytes behind its floors are the ones counted here by hand, and HF's model shares our weights (the same tokens)."""
 import importlib.util
 from dataclasses import replace
@@ -6,10 +6,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from deltaspec.shared.bench import gpu, shapes
-from deltaspec.shared.bench.generation import fast_paths, print_fast_paths
-from deltaspec.shared.bench.moe import break_even
-from deltaspec.shared.bench.rounds import random_model_on
+from benchmarks import gpu, shapes
+from benchmarks.generation import fast_paths, print_fast_paths
+from benchmarks.moe_passes import break_even
+from benchmarks.rounds import random_model_on
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.hybrid import HybridLM

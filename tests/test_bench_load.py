@@ -1,4 +1,4 @@
-"""The load benchmark's machinery (`deltaspec.shared.bench.load`) at concurrency 2 on a tiny random pair.
+"""The load benchmark's machinery (`benchmarks.load`) at concurrency 2 on a tiny random pair.
 
 Real `serve-target` and `serve-draft` processes on loopback, both loops, speculative and
 target-only. Asserted: every output equals target-only decoding (a wrong expectation stops the
@@ -13,9 +13,9 @@ import os
 
 import pytest
 
-from deltaspec.shared.bench.load import (FIELDS, KS, LOOPS, MIN_GENERATIONS, goals, measure, print_rows, run_rows,
-                                         start_servers)
-from deltaspec.shared.bench.loopback import PROMPTS, stop_all, target_only_outputs
+from benchmarks.load import (FIELDS, KS, LOOPS, MIN_GENERATIONS, goals, measure, print_rows, run_rows,
+                             start_servers)
+from benchmarks.loopback import PROMPTS, stop_all, target_only_outputs
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
 from test_rpc_support import one_torch_thread, pair  # noqa: F401

@@ -1,4 +1,4 @@
-"""The prefix-cache benchmark's machinery (`deltaspec.shared.bench.prefix`) at its tiny size on the embedded pair.
+"""The prefix-cache benchmark's machinery (`benchmarks.prefix`) at its tiny size on the embedded pair.
 
 Asserted: cached outputs equal uncached ones (a difference stops the run), a hit serves every whole block of the
 shared prefix, to the target and to the draft, and prefills only the rest, speculation changes no cached count,
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from deltaspec.shared.bench.prefix import TINY, check_same, prefix, print_rows, side_name
+from benchmarks.prefix import TINY, check_same, prefix, print_rows, side_name
 
 
 def test_prefix_rows_exact_and_complete(capsys):

@@ -58,6 +58,16 @@ def test_generate_with_a_cost_model_draft_length():
     assert refused.returncode == 2 and "--draft-length cost needs a draft model" in refused.stderr
 
 
+def test_bench_runs_the_checkouts_benchmarks_from_any_directory(tmp_path):
+    """`deltaspec bench` imports benchmarks/ from this checkout (not installed), wherever it is run from: an unknown
+    `--only` section is the suite's own one-line error."""
+    out = subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", "bench", "--only", "nope"], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path, env={k: v for k, v in os.environ.items()
+                                                                     if k != "PYTHONPATH"})
+    assert out.returncode == 2, out.stderr
+    assert "--only: unknown section(s) nope" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_bad_checkpoint_is_one_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     out = run("generate", "--target", str(tmp_path), "--prompt", "x")

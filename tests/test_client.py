@@ -20,11 +20,10 @@ import grpc
 import pytest
 
 from deltaspec import AsyncClient, Client, InvalidArgumentError, UnauthenticatedError
-from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.rpc.security import ServerSecurity, TokenStore
 from deltaspec.shared.rpc.server import BackgroundServer
+from support import reference  # noqa: F401 - a fixture
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, start, target_service  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,11 +35,6 @@ def servers(pair):  # noqa: F811
     with start(draft_service(pair[1])) as draft:
         with start(target_service(pair[0], draft_address=draft.address)) as target:
             yield target.address, draft.address
-
-
-@pytest.fixture(scope="module")
-def reference(pair) -> list[int]:  # noqa: F811
-    return generate(load_model(pair[0]), PROMPT, N).token_ids
 
 
 def test_every_path_gives_the_target_only_tokens(servers, reference):

@@ -19,7 +19,7 @@ from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
 from test_fused import AWKWARD, assert_same_head, close
-from test_rpc_servers import Served, both_loops
+from support import Served, both_loops
 
 
 TARGET = hf_config(**{**AWKWARD, "layer_types": ["full_attention", "linear_attention", "linear_attention",

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from deltaspec.shared.bench.loopback import PROMPTS
+from benchmarks.loopback import PROMPTS
 from deltaspec.shared.decoding.drafters import make_drafter
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.sampling import SamplingParams

@@ -4,7 +4,7 @@ In the cluster the target is a StatefulSet: a normal Service spreads new connect
 replicas (CreateSession goes there), and each replica advertises its stable pod DNS name through
 the headless Service (`--advertise-address`), which CreateSession returns; the client sends every
 later call of the session straight to that replica. Here two target replicas run on loopback, and
-`TcpProxy` (deltaspec.shared.rpc.proxy) stands in for the Service: a TCP proxy that sends each new connection
+`TcpProxy` (benchmarks.fault_proxy) stands in for the Service: a TCP proxy that sends each new connection
 to the next ready endpoint, round robin, and drops an endpoint when its pod goes (what kube-proxy does once
 the EndpointSlice controller removes it). The replica holding a session is killed mid-generation:
 the client opens the session again on the committed history through the Service, on the other
@@ -17,13 +17,13 @@ import pytest
 
 from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.v1 import target_service_pb2_grpc
-from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
 from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.server import BackgroundServer, Service
 from deltaspec.target_service.servicer import NAME as TARGET_NAME, TargetServicer
-from deltaspec.shared.rpc.proxy import TcpProxy
+from benchmarks.fault_proxy import TcpProxy
+from support import reference  # noqa: F401 - a fixture
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, refused, start, target_stub  # noqa: F401
 
 N = 24
@@ -64,10 +64,6 @@ def start_replica(directory) -> tuple[Replica, BackgroundServer]:
     servicer.advertise_address = server.address  # in the cluster: POD.HEADLESS-SERVICE.NAMESPACE.svc...:PORT
     return servicer, server
 
-
-@pytest.fixture(scope="module")
-def reference(pair) -> list[int]:
-    return generate(load_model(pair[0]), PROMPT, N).token_ids
 
 
 @pytest.fixture

@@ -37,10 +37,11 @@ from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.options import CHANNEL_OPTIONS
-from deltaspec.shared.rpc.proxy import TcpProxy
+from benchmarks.fault_proxy import TcpProxy
 from deltaspec.shared.rpc.remote_target import RemoteTargetSession
 from deltaspec.v1 import target_service_pb2 as target_pb2
 from deltaspec.v1 import target_service_pb2_grpc as target_pb2_grpc
+from support import reference  # noqa: F401 - a fixture
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, start, target_service  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,11 +114,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def reference(pair) -> list[int]:
-    return generate(load_model(pair[0]), PROMPT, N).token_ids
 
 
 class _Fault(grpc.RpcError):

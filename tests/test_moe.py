@@ -26,7 +26,7 @@ from deltaspec.shared.model.tokenizer import load_tokenizer
 from deltaspec.shared.rpc.generation import generate_on_server
 from deltaspec.target_service import servicer as target_servicer
 from test_batching import assert_batched, run_threads
-from test_rpc_servers import Served, both_loops
+from support import Served, both_loops
 from test_rpc_support import start
 
 transformers = pytest.importorskip("transformers")

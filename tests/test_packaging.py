@@ -39,7 +39,7 @@ def test_every_package_folder_is_listed_in_pyproject():
 def test_code_imports_the_folders_only_through_the_namespace():
     """From the repository root `import shared` would also work, and load a second copy of every module."""
     bare = re.compile(r"^\s*(from|import) (shared|draft_service|target_service)\b|-m\W+(shared|draft_service)\.", re.M)
-    offenders = [str(p.relative_to(ROOT)) for folder in (*FOLDERS, "tests", "scripts")
+    offenders = [str(p.relative_to(ROOT)) for folder in (*FOLDERS, "benchmarks", "tests", "scripts")
                  for p in (ROOT / folder).rglob("*.py") if bare.search(p.read_text())]
     assert not offenders
 
@@ -92,6 +92,8 @@ def installed(tmp_path_factory) -> Path:
     assert sources <= packed, sources - packed  # every module made it into the wheel
     assert "deltaspec/shared/assets/models/target/model.safetensors" in names
     assert {"deltaspec/__init__.py", "deltaspec/cli.py", "deltaspec/v1/target_service_pb2.py"} <= set(names)
+    measurement = [n for n in names if re.search(r"(^|/)bench(marks)?(/|\.py$)|proxy|overhead", n)]
+    assert not measurement, measurement  # the benchmarks, the fault proxy and the overhead probes stay in the checkout
 
     env_dir = tmp / "venv"
     venv.create(env_dir, with_pip=False)
@@ -146,3 +148,12 @@ def test_wheel_generates_and_serves_outside_the_repository(installed, tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+def test_wheel_refuses_the_bench_commands_in_one_line(installed, tmp_path):
+    """`deltaspec bench|study|soak` need the checkout's benchmarks/, which the wheel does not hold."""
+    for command in ("bench", "study", "soak"):
+        out = run_outside([str(installed / "deltaspec"), command], cwd=tmp_path)
+        assert out.returncode == 2, (command, out.stdout, out.stderr)
+        assert out.stderr.count("\n") == 1 and "from a source checkout" in out.stderr, out.stderr
+        assert f"deltaspec {command}" in out.stderr and "Traceback" not in out.stderr

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deltaspec.shared import demo
-from deltaspec.shared.bench.pair_quality import distinct_ngrams, generation_quality, heldout_loss
+from benchmarks.pair_quality import distinct_ngrams, generation_quality, heldout_loss
 from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
 

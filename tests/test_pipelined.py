@@ -39,8 +39,8 @@ from deltaspec.shared.errors import FailedPrecondition, NotFound
 from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
+from benchmarks.fault_proxy import TcpProxy
 from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
-from deltaspec.shared.rpc.proxy import TcpProxy
 from deltaspec.shared.rpc.server import answered_call
 from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
 from deltaspec.shared.telemetry import Telemetry
@@ -924,7 +924,7 @@ def test_kept_rounds_study_reads_the_serial_rounds_off_the_output():
     """The pipeline bench's study of which rounds could be kept: with the target as its own draft every round is
     kept; with another draft every round is counted once, and its rounds are the serial loop's (all but the round
     the output ends in)."""
-    from deltaspec.shared.bench.pipeline import kept_rounds, serial_rounds
+    from benchmarks.pipeline import kept_rounds, serial_rounds
 
     n, k = 40, 3
     output = greedy(n)

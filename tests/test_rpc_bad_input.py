@@ -26,10 +26,9 @@ from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import sampling_pb2
 from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.shared.decoding.session_table import Limits
-from deltaspec.shared.decoding.speculative import generate
-from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.rpc.options import MAX_MESSAGE_BYTES
 from deltaspec.shared.rpc.status import field_of, reason_of
+from support import reference  # noqa: F401 - a fixture
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, start,  # noqa: F401
                               target_service, target_stub)
 
@@ -567,10 +566,6 @@ CASES = [
 tried: dict[str, str] = {}  # kinds that ran to the end, by service
 pytestmark = pytest.mark.xdist_group("bad_input")  # test_how_many_kinds counts what the others tried
 
-
-@pytest.fixture(scope="module")
-def reference(pair) -> list[int]:
-    return generate(load_model(pair[0]), PROMPT, N).token_ids
 
 
 @pytest.fixture(scope="module")

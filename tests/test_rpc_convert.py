@@ -6,7 +6,7 @@ import torch
 
 from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import target_service_pb2 as pb
-from deltaspec.shared.bench.wire import draft_probs_wire
+from benchmarks.wire import draft_probs_wire
 from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabilities
 from deltaspec.shared.rpc.convert import probs_from_proto, put_probs
 

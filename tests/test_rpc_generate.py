@@ -30,6 +30,7 @@ from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
 from deltaspec.shared.rpc.server import BackgroundServer, Service
 from deltaspec.target_service import servicer as target_servicer_module
 from deltaspec.target_service.servicer import NAME as TARGET_NAME, TargetServicer
+from support import reference  # noqa: F401 - a fixture
 from test_rpc_support import (PROMPT, one_torch_thread, pair, start, target_service,  # noqa: F401
                               target_stub)
 
@@ -74,11 +75,6 @@ def flaky(pair):
 def target(pair, flaky):
     with start(target_service(pair[0], draft_address=flaky[1], draft_timeout_s=0.3)) as server:
         yield server.address
-
-
-@pytest.fixture(scope="module")
-def reference(pair) -> list[int]:
-    return generate(load_model(pair[0]), PROMPT, N).token_ids
 
 
 def final_stats(address: str, **request) -> tuple[list[int], pb.GenerateResponse]:

@@ -43,7 +43,7 @@ from deltaspec.shared.rpc.server import BackgroundServer
 from deltaspec.target_service import servicer as target_servicer
 from deltaspec.target_service.servicer import NAME as TARGET_NAME
 from deltaspec.target_service.servicer import DraftPeer
-from test_rpc_servers import Served
+from support import Served
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, refused, target_service  # noqa: F401
 
 Code = grpc.StatusCode

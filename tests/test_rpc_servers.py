@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import filecmp
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -21,10 +20,10 @@ from deltaspec.draft_service.servicer import NAME as DRAFT_NAME
 from deltaspec.shared.cli import main as cli_main
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
-from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.options import channel
 from deltaspec.shared.rpc.server import BackgroundServer, Service
 from deltaspec.target_service.servicer import NAME as TARGET_NAME
+from support import Served
 from test_rpc_support import (PROMPT, draft_service, one_torch_thread, pair, refused, start,  # noqa: F401
                               target_service, target_stub)
 
@@ -69,43 +68,6 @@ def test_reflection_lists_the_services(pair):
         db = ProtoReflectionDescriptorDatabase(channel(server.address))
         assert {TARGET_NAME, "grpc.health.v1.Health"} <= set(db.get_services())
         assert db.FindFileContainingSymbol("deltaspec.v1.VerifyRequest").name == "deltaspec/v1/target_service.proto"
-
-
-class Served:
-    """`deltaspec serve-...` in a subprocess on a free port; `address` is known as soon as it listens."""
-
-    def __init__(self, command: str, model: Path, *extra: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "deltaspec.shared.cli", command, "--model", str(model),
-                                      "--port", "0", *extra], stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
-        self.address = self._wait_for("listening on").split()[-1]
-
-    def wait_serving(self) -> Served:
-        self._wait_for("serving")
-        return self
-
-    def __enter__(self) -> Served:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-    def _wait_for(self, prefix: str) -> str:
-        for line in self.proc.stderr:  # type: ignore[union-attr]
-            if line.startswith(prefix):
-                return line
-        raise AssertionError(f"exited with {self.proc.wait()} before {prefix!r}")
-
-
-def both_loops(target: Served, draft: Served, prompt: list[int], n: int, k: int) -> tuple[list[int], list[int]]:
-    """Greedy tokens through the target's own loop (`Generate`) and the client-driven one, once both serve; each
-    loop drafted."""
-    draft.wait_serving(), target.wait_serving()
-    on_server = generate_on_server(target.address, prompt, "", n, k)[0]
-    client = generate_client_driven(target.address, draft.address, prompt, "", n, k, draft_timeout_s=30.0)[0]
-    assert on_server.stats.drafted > 0 and client.stats.drafted > 0
-    return on_server.token_ids, client.token_ids
 
 
 def test_cli_paths_print_the_in_process_json_and_sigterm_drains(pair, capsys):

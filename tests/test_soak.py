@@ -1,13 +1,13 @@
 """The soak in CI: 60 s of 16 concurrent sessions against serve-target and serve-draft processes.
 
-Both loops, greedy and sampled (`deltaspec.shared.bench.soak`). Asserted: no errors (every greedy output
+Both loops, greedy and sampled (`benchmarks.soak`). Asserted: no errors (every greedy output
 equal to target-only decoding is part of that), every kind ran, no session left open on either
 server afterwards, and resident memory roughly flat. Timings are printed, never asserted; the
 5-minute, 64-session run is `deltaspec soak`.
 """
 from __future__ import annotations
 
-from deltaspec.shared.bench.soak import KINDS, run
+from benchmarks.soak import KINDS, run
 from test_rpc_support import one_torch_thread, pair  # noqa: F401
 
 

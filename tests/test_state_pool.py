@@ -21,7 +21,7 @@ import torch
 
 from deltaspec.v1 import draft_service_pb2 as dpb
 from deltaspec.v1 import target_service_pb2 as pb
-from deltaspec.shared.bench import session_memory
+from benchmarks import session_memory
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.pipelined import decode_pipelined
 from deltaspec.shared.decoding.session_table import Limits

@@ -12,13 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
-import queue
-import re
-import signal
-import subprocess
-import sys
 import threading
-import time
 import urllib.request
 from concurrent import futures
 from pathlib import Path
@@ -31,6 +25,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.telemetry import CLIENT, DRAFT, TARGET, Telemetry, setup_tracing
 from deltaspec.shared.telemetry import attributes as attr
+from support import Served
 from test_rpc_support import PROMPT, pair  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,31 +79,6 @@ def otel_env(port: int) -> dict:
     return env
 
 
-class Served:
-    """A `deltaspec serve-*` process; its stderr lines are read on a thread."""
-
-    def __init__(self, args: list[str], env: dict) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "deltaspec.shared.cli", *args], cwd=ROOT, env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [self.lines.put(x) for x in self.proc.stderr], daemon=True).start()  # type: ignore[union-attr]
-        self.found: dict[str, str] = {}  # "listening", "metrics": HOST:PORT from the announcements
-        deadline = time.monotonic() + 90
-        while "serving" not in self.found:
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                assert self.proc.poll() is None, f"server exited with {self.proc.returncode}"
-                continue
-            if m := re.match(r"(listening|metrics) on (\S+)|(serving) ", line):
-                self.found[m.group(1) or m.group(3)] = m.group(2) or ""
-
-    def terminate(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,18 +97,18 @@ def run(pair, receiver):
     target_dir, draft_dir = pair
     env = otel_env(receiver[1])
     draft_address = f"127.0.0.1:{free_port()}"
-    started = [futures.ThreadPoolExecutor(2).submit(Served, args, env) for args in (  # both at once: startup is slow
-        ["serve-draft", "--port", draft_address.split(":")[1], "--model", str(draft_dir), "--grace", "2"],
-        ["serve-target", "--port", "0", "--model", str(target_dir), "--metrics-port", "0", "--grace", "2",
-         "--draft-addr", draft_address, "--draft-timeout", "5"])]
-    draft, target = (f.result() for f in started)
+    draft = Served("serve-draft", draft_dir, "--grace", "2", port=draft_address.split(":")[1], env=env,
+                   start_timeout_s=90)  # both load at once: startup is slow
+    target = Served("serve-target", target_dir, "--metrics-port", "0", "--grace", "2", "--draft-addr", draft_address,
+                    "--draft-timeout", "5", env=env, start_timeout_s=90)
+    draft.wait_serving(), target.wait_serving()
     with mock.patch.dict(os.environ, env):
         client = Telemetry(setup_tracing(CLIENT, install=False))
     try:
-        address = target.found["listening"]
+        address = target.address
         server_loop = generate_on_server(address, PROMPT, "", N, telemetry=client)[0]
         client_loop = generate_client_driven(address, draft_address, PROMPT, "", N, telemetry=client)[0]
-        metrics = scrape(target.found["metrics"])
+        metrics = scrape(target.announced["metrics"])
     finally:
         client.shutdown()
         codes = [target.terminate(), draft.terminate()]

@@ -7,8 +7,8 @@ import inspect
 from deltaspec.shared.decoding import speculative
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.model.checkpoint import hf_config, random_model
-from deltaspec.shared.telemetry.overhead import (_StripTracing, decode_without_tracing, loop_seconds_per_round,
-                                                 tracing_overhead)
+from benchmarks.telemetry_overhead import (_StripTracing, decode_without_tracing, loop_seconds_per_round,
+                                           tracing_overhead)
 
 
 def test_compiled_out_loop_keeps_every_other_statement():

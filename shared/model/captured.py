@@ -1,7 +1,7 @@
 """Captured passes: a sequence's decode and verify passes replayed as CUDA graphs.
 
 On a GPU a step of these models costs kernel launches, not arithmetic: eager, each of a pass's hundreds of kernels
-is launched from Python (the embedded 12-layer target took 10.4 ms a step on an H200, `docs/gpu_check.txt`). A CUDA
+is launched from Python (the embedded 12-layer target took 10.4 ms a step on an H200, `benchmarks/results/gpu_check.txt`). A CUDA
 graph records a pass once and replays all of its kernels with one launch, but over the memory it recorded: the same
 input, state and output addresses every time. Two things make a sequence's passes fit that:
 - the pass recorded is the static form `compiled.py` compiles (`static_pass`: K/V and GDN logs written at index

@@ -1,6 +1,6 @@
 """Pipelined vs serial rounds over loopback gRPC with a network delay: tokens/s and bytes staged per round.
 
-Each service runs as its own `serve-draft` / `serve-target` process (`deltaspec.shared.bench.loopback`), as on
+Each service runs as its own `serve-draft` / `serve-target` process (`benchmarks.loopback`), as on
 its own host (the draft's work overlaps the target's only across processes). Where the machine has two
 cores or more, each service also gets cores of its own (`pin` of them each, 1 by default: the targets the
 first, the draft the next; the bench's own process, client and proxies, runs on the cores left, or on any
@@ -23,8 +23,8 @@ pair never trained on). Each row also gives the loop's own count of rounds whose
 A third configuration (`--branches N`, 1 by default, 0 skips it) runs pipelined rounds against a second draft service
 that stages branches for likely misses (`serve-draft --branches N`), alternated with the other two: its tokens/s
 over serial and over pipelining without branches, how its branches ended, and the draft's time making them.
-Run: `python -m deltaspec.shared.bench.pipeline [--quick] [--heldout N] [--placement both|pinned|unpinned]
-[--branches N] [--save docs]`.
+Run: `python -m benchmarks.pipeline [--quick] [--heldout N] [--placement both|pinned|unpinned]
+[--branches N] [--save DIR]`.
 """
 from __future__ import annotations
 
@@ -39,12 +39,12 @@ from pathlib import Path
 
 import torch
 
-from deltaspec.shared.bench import report
-from deltaspec.shared.bench.loopback import Server, check_greedy, pin_threads, target_only_outputs
-from deltaspec.shared.bench.speedup import heldout_prompts
+from benchmarks import report
+from benchmarks.fault_proxy import TcpProxy
+from benchmarks.loopback import Server, check_greedy, pin_threads, target_only_outputs
+from benchmarks.speedup import heldout_prompts
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.rpc.proxy import TcpProxy
 
 PROMPTS = [list(b"def fibonacci(n):\n"), list(b"import os\nimport sys\n\n"), list(b"class Stack:\n    def __init__")]
 LOOPS = ("client", "server")
@@ -60,7 +60,7 @@ def compare(target_dir: Path = DEFAULT_TARGET, draft_dir: Path = DEFAULT_DRAFT, 
     (0: none, all share), where there are that many for both; the bench's process then runs on the rest.
     `device="cuda"`: both services' models and states on the GPU."""
     from deltaspec.shared.model.loader import load_model
-    from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+    from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 
     prompts = prompts or PROMPTS
     target = load_model(target_dir)
@@ -378,7 +378,8 @@ def main() -> None:
                         help="also run pipelined rounds against a draft staging this many branches for likely "
                              "misses (serve-draft --branches; default 1, 0: not run)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--save", type=Path, help="write pipeline.txt and pipeline.png to this folder (e.g. docs)")
+    parser.add_argument("--save", type=Path, help="write pipeline.txt and pipeline.png to this folder (the bench "
+                                                  "writes them to benchmarks/results/ and docs/figures/)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     prompts = heldout_prompts(args.heldout, 96) if args.heldout else PROMPTS[:2] if args.quick else PROMPTS
@@ -388,7 +389,7 @@ def main() -> None:
                       compile=args.compile, device=args.device, branches=args.branches)
     print(json.dumps(rows)) if args.json else print_rows(rows)
     if args.save:
-        report.save(args.save, "pipeline", rows, print_rows, plot)
+        report.save("pipeline", rows, print_rows, plot, results=args.save, figures=args.save)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from deltaspec.shared.bench import report
-from deltaspec.shared.bench.load import measure
-from deltaspec.shared.bench.loopback import PROMPTS, Server, stop_all, target_only_outputs
-from deltaspec.shared.bench.moe import moe_config
+from benchmarks import report
+from benchmarks.load import measure
+from benchmarks.loopback import PROMPTS, Server, stop_all, target_only_outputs
+from benchmarks.moe_passes import moe_config
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
 from deltaspec.shared.model.loader import load_model

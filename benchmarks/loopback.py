@@ -25,7 +25,7 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "deltaspec.shared.cli", *argv, "--port", "0",
                                       "--metrics-port", "0"],
                                      stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                     cwd=Path(__file__).resolve().parents[2])
+                                     cwd=Path(__file__).resolve().parents[1])
         self.address, self.metrics, self.ready, self.serving = "", "", threading.Event(), False
         self.log: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -13,7 +13,8 @@ recurrent state's relative error ||S_stale - S_exact||_F / ||S_exact||_F after e
 S_exact comes from a shadow state fed, exactly, the tokens the stale session committed (so the
 error is measured on the stale run's own history, before and after its output diverges).
 
-    deltaspec study [--quick]     # a table on stdout, PNG plots under docs/
+    deltaspec study [--quick]     # a table on stdout, PNG plots under docs/figures/, the data in
+                                  # benchmarks/results/no_rollback_study.json
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.report import FIGURES, RESULTS
 from deltaspec.shared.decoding.drafters import Drafter, attach, make_drafter
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.drafters.mtp import MTPDrafter, MTPHead, random_mtp_weights
@@ -37,8 +39,6 @@ from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.state.rollback import ModelState
-
-DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 class StaleGDNState(ModelState):
@@ -114,7 +114,7 @@ class Setup:
 
 
 def embedded_setup(n_prompts: int, length: int) -> Setup:
-    from deltaspec.shared.bench.speedup import heldout_prompts
+    from benchmarks.speedup import heldout_prompts
 
     target, draft = load_model(DEFAULT_TARGET), load_model(DEFAULT_DRAFT)
     drafters: dict[str, Callable[[], Drafter]] = {"model": lambda: ModelDrafter(draft),
@@ -253,10 +253,12 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     study = run_study(args.quick, progress=lambda s: print(s, flush=True) if not args.json else None)
-    out_dir = Path(args.out) if args.out else DOCS
-    paths = plot(study, out_dir)
+    figures, results = (Path(args.out), Path(args.out)) if args.out else (FIGURES, RESULTS)
+    figures.mkdir(parents=True, exist_ok=True)
+    results.mkdir(parents=True, exist_ok=True)
+    paths = plot(study, figures)
     data = {**study, "curves": [{"model": m, "drafter": d, "k": k, "errors": e} for (m, d, k), e in study["curves"].items()]}
-    (out_dir / "no_rollback_study.json").write_text(json.dumps(data) + "\n")
+    (results / "no_rollback_study.json").write_text(json.dumps(data) + "\n")
     if args.json:
         print(json.dumps({"rows": study["rows"], "plots": [str(p) for p in paths]}))
         return 0
@@ -266,9 +268,11 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def replot(path: Path) -> list[Path]:
-    """Redraw the plots from a saved `no_rollback_study.json` (no model runs)."""
+def replot(path: Path = RESULTS / "no_rollback_study.json", out_dir: Path | None = None) -> list[Path]:
+    """Redraw the plots from a saved `no_rollback_study.json` (no model runs): into `out_dir`, by default beside the
+    JSON, or docs/figures/ for the one under benchmarks/results/."""
     data = json.loads(Path(path).read_text())
     data["curves"] = {(c["model"], c["drafter"], c["k"]): c["errors"] for c in data["curves"]}
     data["ks"] = tuple(data["ks"])
-    return plot(data, Path(path).parent)
+    default = FIGURES if Path(path).resolve().parent == RESULTS.resolve() else Path(path).parent
+    return plot(data, Path(out_dir) if out_dir else default)

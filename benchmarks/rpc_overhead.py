@@ -2,7 +2,7 @@
 
 All three run the same rounds (same models, same k, greedy), with both services on loopback in
 this process, so the ratio isolates serialisation, the loopback hop and the thread hand-offs.
-Run: `python -m deltaspec.shared.rpc.overhead [--max-new-tokens N] [--repeats R]`.
+Run: `python -m benchmarks.rpc_overhead [--max-new-tokens N] [--repeats R]`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
-from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.server import BackgroundServer
 from deltaspec.target_service.servicer import DraftPeer, service as target_service
 

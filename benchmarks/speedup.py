@@ -11,12 +11,12 @@ from typing import Callable
 
 import torch
 
+from benchmarks.report import HELDOUT_LIST
 from deltaspec.shared.decoding.drafters import Drafter
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.hybrid import HybridLM
 
-HELDOUT_LIST = Path(__file__).resolve().parents[2] / "docs" / "heldout_files.txt"
 
 
 def heldout_prompts(count: int = 4, length: int = 96) -> list[list[int]]:

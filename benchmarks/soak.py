@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltaspec.shared.bench.loopback import (PROMPTS, Server, check_greedy, percentile, start_pair, stop_all,
-                                             target_only_outputs)
+from benchmarks.loopback import (PROMPTS, Server, check_greedy, percentile, start_pair, stop_all,
+                                 target_only_outputs)
 
 KINDS = [("server", False), ("client", False), ("server", True), ("client", True)]  # (loop, sampled)
 
@@ -69,7 +69,7 @@ def run(target_dir: Path, draft_dir: Path, sessions: int = 64, seconds: float = 
     from deltaspec.shared.decoding.sampling import SamplingParams
     from deltaspec.shared.model.loader import load_model
     from deltaspec.shared.model.tokenizer import load_tokenizer
-    from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+    from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 
     torch.set_num_threads(1)
     out = out or sys.stdout

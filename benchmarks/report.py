@@ -1,4 +1,5 @@
-"""A bench section's record in docs/: its table as printed, its plot, and the line saying where and when it ran."""
+"""A bench section's record: its table as printed (under benchmarks/results/), its plot (under docs/figures/, where
+the documentation pages show it), and the line saying where and when it ran."""
 from __future__ import annotations
 
 import contextlib
@@ -13,19 +14,24 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]  # the source checkout: the benchmarks are not installed
+RESULTS = REPO / "benchmarks" / "results"  # raw outputs: tables (.txt) and data (.json)
+FIGURES = REPO / "docs" / "figures"  # plots the documentation displays (MkDocs serves only files inside docs/)
+HELDOUT_LIST = REPO / "benchmarks" / "heldout_files.txt"  # written by scripts/train_default_pair.py, read here
 
 
-def save(docs: Path, name: str, result: Any, print_rows: Callable[[Any], None],
-         plot: Callable[[Any, Path], None] | None = None) -> None:
-    """docs/<name>.txt (what `print_rows(result)` prints) and, with `plot`, docs/<name>.png (`plot(result, path)`)."""
+def save(name: str, result: Any, print_rows: Callable[[Any], None], plot: Callable[[Any, Path], None] | None = None,
+         results: Path = RESULTS, figures: Path = FIGURES) -> None:
+    """results/<name>.txt (what `print_rows(result)` prints) and, with `plot`, figures/<name>.png
+    (`plot(result, path)`)."""
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
         print_rows(result)
-    docs.mkdir(exist_ok=True)
-    (docs / f"{name}.txt").write_text(text.getvalue().lstrip("\n"))
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{name}.txt").write_text(text.getvalue().lstrip("\n"))
     if plot is not None:
-        plot(result, docs / f"{name}.png")
+        figures.mkdir(parents=True, exist_ok=True)
+        plot(result, figures / f"{name}.png")
 
 
 def header(command: str, started: float) -> str:

@@ -1,6 +1,6 @@
 """Load: what N concurrent sessions get from one target, over real loopback gRPC.
 
-`serve-target` + `serve-draft` run as child processes (`deltaspec.shared.bench.loopback`). For each
+`serve-target` + `serve-draft` run as child processes (`benchmarks.loopback`). For each
 concurrency N, each loop (`server`: one `Generate` stream the target drives; `client`: this process
 drives Propose/Verify/Commit) and k (4: speculative with the draft service; 0: target-only), N client
 threads start together and run greedy generations back to back until every thread has done its
@@ -30,8 +30,8 @@ import threading
 import time
 from pathlib import Path
 
-from deltaspec.shared.bench.loopback import (PROMPTS, Server, check_greedy, percentile, start_pair, stop_all,
-                                             target_only_outputs)
+from benchmarks.loopback import (PROMPTS, Server, check_greedy, percentile, start_pair, stop_all,
+                                 target_only_outputs)
 
 LEVELS, QUICK_LEVELS = (1, 2, 4, 8, 16, 32), (1, 2, 4)
 LOOPS, KS = ("server", "client"), (4, 0)
@@ -47,7 +47,7 @@ FIELDS = ("loop", "k", "concurrency", "torch_threads", "generations", "tokens", 
 def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list[list[int]], loop: str, k: int,
             concurrency: int, max_new_tokens: int, torch_threads: int) -> dict:
     """One row (see the module docstring); raises the first error or wrong output of any session."""
-    from deltaspec.shared.rpc.client import generate_client_driven, generate_on_server
+    from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 
     target, draft = servers["target"].address, servers["draft"].address
     per_thread = math.ceil(MIN_GENERATIONS / concurrency)

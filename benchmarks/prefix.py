@@ -31,10 +31,9 @@ from pathlib import Path
 
 import torch
 
-from deltaspec.shared.bench import report
-from deltaspec.shared.bench.generation import spread
-from deltaspec.shared.bench.session_memory import QWEN35_35B_A3B
-from deltaspec.shared.bench.speedup import HELDOUT_LIST
+from benchmarks import report
+from benchmarks.generation import spread
+from benchmarks.session_memory import QWEN35_35B_A3B
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.drafters import NoDrafter
 from deltaspec.shared.decoding.speculative import Stats, decode, generate
@@ -135,7 +134,7 @@ def with_own_cache(model: HybridLM, block: int, state_every: int = 1) -> HybridL
 def heldout_stream() -> list[int]:
     """The held-out files (never trained on) one after another, as byte-level token ids."""
     stdlib = Path(os.__file__).parent
-    names = [n.strip() for n in HELDOUT_LIST.read_text().splitlines() if n.strip() and not n.startswith("#")]
+    names = [n.strip() for n in report.HELDOUT_LIST.read_text().splitlines() if n.strip() and not n.startswith("#")]
     return [b for name in names if (stdlib / name).exists() for b in (stdlib / name).read_bytes()]
 
 
@@ -448,10 +447,10 @@ def print_rows(result: dict) -> None:
               f"{kv_only:>9.2f} {m['how'] + (' (= computed)' if m['how'] == 'measured' else '')}")
 
 
-def save(docs: Path, result: dict) -> None:
-    """docs/prefix_cache.txt: the table as printed."""
+def save(result: dict, results: Path = report.RESULTS) -> None:
+    """benchmarks/results/prefix_cache.txt: the table as printed."""
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
         print_rows(result)
-    docs.mkdir(exist_ok=True)
-    (docs / "prefix_cache.txt").write_text(text.getvalue().lstrip("\n"))
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "prefix_cache.txt").write_text(text.getvalue().lstrip("\n"))

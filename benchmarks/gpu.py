@@ -1,7 +1,7 @@
 """The GPU section of `deltaspec bench` (`--only gpu`): Qwen3.5 shapes at their real sizes, random weights, against
 the floor the memory bandwidth sets, HF transformers, and many sessions at once.
 
-For each shape in `SHAPES` (Qwen3.5-9B, 0.8B, 27B and 35B-A3B; `deltaspec.shared.bench.shapes` says where each one's
+For each shape in `SHAPES` (Qwen3.5-9B, 0.8B, 27B and 35B-A3B; `benchmarks.shapes` says where each one's
 numbers come from) whose weights and a margin fit the free device memory (else skipped, saying why):
 - ms per pass at batch 1 after `Plan.context` positions: a decode step (T = 1) and a verify of k+1 tokens
   (k = 1..8), against its floor: the bytes the pass must move (`pass_bytes`: the weights, of which the embedding
@@ -12,7 +12,7 @@ numbers come from) whose weights and a margin fit the free device memory (else s
 - our target-only decoding against HF transformers' `generate()` on the same weights (HF's model built on the meta
   device and pointed at our tensors, so no second copy), one sequence; without transformers the row says so;
 - many sessions at once (up to 256, or as many as fit): aggregate tokens/s target-only, with speculation at k = 2 and
-  4 with accept counts drawn at 0.6 and 0.8 (`deltaspec.shared.bench.rounds`: a round's cost is measured, not
+  4 with accept counts drawn at 0.6 and 0.8 (`benchmarks.rounds`: a round's cost is measured, not
   acceptance), and at the k the cost model (`draft_length.best_k`) picks from this batch's measured pass costs; the
   draft a small random model (Qwen3.5-0.8B's widths, two layers) on the same device.
 The goals of issue 31 are printed beside the figures, not asserted. Every path is warmed before it is timed; the
@@ -34,10 +34,10 @@ from datetime import datetime, timezone
 
 import torch
 
-from deltaspec.shared.bench.moe import break_even
-from deltaspec.shared.bench.rounds import (PREFIX, Stopwatch, draft_model, drawn_rounds, pass_times, random_model_on,
-                                           sessions, target_only, tokens_per_s)
-from deltaspec.shared.bench.shapes import DRAFT_08B_2L, QWEN35_08B, QWEN35_9B, QWEN35_27B, QWEN35_35B_A3B
+from benchmarks.moe_passes import break_even
+from benchmarks.rounds import (PREFIX, Stopwatch, draft_model, drawn_rounds, pass_times, random_model_on,
+                               sessions, target_only, tokens_per_s)
+from benchmarks.shapes import DRAFT_08B_2L, QWEN35_08B, QWEN35_9B, QWEN35_27B, QWEN35_35B_A3B
 from deltaspec.shared.decoding.draft_length import PassCosts, best_k
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.speculative import generate

@@ -5,6 +5,11 @@ is removed when its pod goes) and for a bad network between two processes: it ca
 chunk it passes on (a propagation delay: each chunk leaves `delay_s` after it arrived, in order,
 so chunks in flight overlap as on a real link), swallow everything (a black hole: connections look
 alive, nothing arrives), close every connection (drop) or abort them with a TCP reset.
+
+It lives in benchmarks/, not in the installed package (no server or client uses it) and not under tests/: the
+pipeline bench puts it between its processes for network delay, and the tests (routing, faults, pipelined rounds)
+import it from here as `benchmarks.fault_proxy`, with the checkout root on their path (pyproject's pytest
+`pythonpath`). The bench must not import from tests/, so the one copy sits on the bench's side.
 """
 from __future__ import annotations
 

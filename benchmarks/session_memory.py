@@ -4,7 +4,7 @@ A session's GDN state (committed state, spare, mark snapshot, conv windows, roun
 size at any context; its attention K/V grows by a fixed amount per token. The figures come from
 the configs (`deltaspec.shared.state.pool.gdn_bytes`, `kv_bytes_per_position`: what a `StatePool` charges),
 for the embedded target and draft and for configs shaped as Qwen3.5-0.8B, Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B
-(`deltaspec.shared.bench.shapes`; no weights needed: experts change the weights, not a session's state), and are
+(`benchmarks.shapes`; no weights needed: experts change the weights, not a session's state), and are
 checked against the bytes a real pooled session holds. A draft's round logs hold `CHAIN_LOG_CAPACITY`
 tokens (it speculates two rounds ahead), a target's `LOG_CAPACITY`.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from deltaspec.shared.bench.shapes import QWEN3_NEXT_80B_A3B, QWEN35_08B, QWEN35_35B_A3B
+from benchmarks.shapes import QWEN3_NEXT_80B_A3B, QWEN35_08B, QWEN35_35B_A3B
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.state.pool import MIN_CONTEXT, StatePool, gdn_bytes, kv_bytes_per_position

@@ -10,7 +10,7 @@ For a small random target of each family (32 experts, top-4, a shared expert, 4 
   (a dense 2-layer draft, measured at the same batch), and with a draft that costs nothing (n-gram lookup: the
   verify's own share);
 - rounds with a real draft model and accept counts drawn at a = 0.7 (round cost is measured here, not acceptance:
-  `deltaspec.shared.bench.rounds`, which the GPU section shares), at k = 4 and at the k the cost model picks from
+  `benchmarks.rounds`, which the GPU section shares), at k = 4 and at the k the cost model picks from
   this run's pass costs (`deltaspec.shared.decoding.draft_length`; 0 is decoding alone), against target-only
   decoding, batched 1, 4 and 8;
 - our target-only against HF `generate()` on the same checkpoint, one sequence;
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from deltaspec.shared.bench.rounds import (PREFIX, Stopwatch, draft_model, drawn_rounds, pass_times, sessions,
-                                           target_only, timed_pass, tokens_per_s)
-from deltaspec.shared.bench.shapes import QWEN3_NEXT_80B_A3B, QWEN35_35B_A3B, scaled
+from benchmarks.rounds import (PREFIX, Stopwatch, draft_model, drawn_rounds, pass_times, sessions,
+                               target_only, timed_pass, tokens_per_s)
+from benchmarks.shapes import QWEN3_NEXT_80B_A3B, QWEN35_35B_A3B, scaled
 from deltaspec.shared.decoding.draft_length import PassCosts, best_k
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model import moe as moe_layer

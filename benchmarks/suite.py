@@ -3,22 +3,22 @@
 Sections: the cost of one step (ATen calls and time, layer path vs fused path); acceptance and
 speed-up by drafter and k; long generations (96 to 1024 tokens: speculative, our target-only and
 HF transformers' generate(), alternated, with each round's phases); the gRPC path over in-process;
-draft distributions on the wire, dense and sparse, at Qwen3.5's vocabulary (`deltaspec.shared.bench.wire`);
+draft distributions on the wire, dense and sparse, at Qwen3.5's vocabulary (`benchmarks.wire`);
 tracing overhead; rollback strategies; the memory-bound regime (verify k+1 over decode 1);
 pipelined vs serial rounds over gRPC with 0, 1 and 5 ms of network delay, and what a round costs in CPU time
-and draft passes (`deltaspec.shared.bench.pipeline`); load
-(1 to 32 concurrent sessions over loopback gRPC, `deltaspec.shared.bench.load`); memory per session against
-context and sessions per GiB (`deltaspec.shared.bench.session_memory`, computed from the configs); sparse MoE
+and draft passes (`benchmarks.pipeline`); load
+(1 to 32 concurrent sessions over loopback gRPC, `benchmarks.load`); memory per session against
+context and sessions per GiB (`benchmarks.session_memory`, computed from the configs); sparse MoE
 targets of both families (verify cost against the distinct experts read, break-even acceptance, rounds at drawn
-accepts, against HF generate(): `deltaspec.shared.bench.moe`); the prefix cache (time to first token and prefilled
-tokens with it on and off, speculation on and off, and memory per cached prefix: `deltaspec.shared.bench.prefix`);
+accepts, against HF generate(): `benchmarks.moe_passes`); the prefix cache (time to first token and prefilled
+tokens with it on and off, speculation on and off, and memory per cached prefix: `benchmarks.prefix`);
 compiled passes (steps fused vs compiled, and the long generations again with both models compiled); and, only
 where CUDA is present, the GPU: Qwen3.5 shapes at their real sizes with random bf16 weights (passes against the
 floor the copy bandwidth sets, HF generate() on the same weights, up to 256 sessions at once with and without
-speculation: `deltaspec.shared.bench.gpu`), the load table with both servers on CUDA, and eager against captured and compiled
-generations (`generation.fast_paths`). `--only` runs some sections. Plots go to docs/; a full
-run's tables also go to docs/bench.txt (all sections) and docs/load.txt (the load section, whenever it runs in
-full; docs/prefix_cache.txt likewise).
+speculation: `benchmarks.gpu`), the load table with both servers on CUDA, and eager against captured and compiled
+generations (`generation.fast_paths`). `--only` runs some sections. Plots go to docs/figures/ (where the
+documentation pages show them); a full run's tables also go to benchmarks/results/bench.txt (all sections) and
+benchmarks/results/load.txt (the load section, whenever it runs in full; prefix_cache.txt likewise).
 """
 from __future__ import annotations
 
@@ -32,19 +32,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deltaspec.shared.bench import (cost_model, generation, gpu, load, moe, pipeline, prefix, report,
-                                    session_memory, steps as step_costs, wire)
-from deltaspec.shared.bench.rollback import compare
-from deltaspec.shared.bench.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
+from benchmarks import (cost_model, generation, gpu, load, moe_passes as moe, pipeline, prefix, report,
+                        session_memory, steps as step_costs, wire)
+from benchmarks.report import FIGURES, RESULTS
+from benchmarks.rollback_cost import compare
+from benchmarks.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
+from benchmarks.telemetry_overhead import tracing_overhead
 from deltaspec.shared.decoding.drafters import make_drafter
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY
-from deltaspec.shared.telemetry.overhead import tracing_overhead
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
 SECTIONS = ("steps", "acceptance", "generations", "grpc", "wire", "tracing", "rollback", "memory", "pipeline", "load",
             "sessions", "moe", "cost_model", "prefix", "compiled", "gpu")
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
             result["generations"] = generation.long_generations(target, DEFAULT_TARGET, draft, long_prompts, lengths,
                                                                 repeats, bar.update)
         if "grpc" in steps:
-            from deltaspec.shared.rpc.overhead import measure
+            from benchmarks.rpc_overhead import measure
 
             result["grpc"] = measure(max_new_tokens=new_tokens, repeats=2 if quick else 3)
             bar.update()
@@ -240,8 +240,8 @@ def plot(result: dict) -> None:
     right.set_title("Rollback memory per round (512-wide model)")
     right.legend()
     fig.tight_layout()
-    DOCS.mkdir(exist_ok=True)
-    fig.savefig(DOCS / "bench.png", dpi=110)
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    fig.savefig(FIGURES / "bench.png", dpi=110)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -254,20 +254,20 @@ def main(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(tables):
         print_tables(result)
     print(json.dumps(result) if args.json else tables.getvalue().rstrip("\n"))
-    if not args.quick and not args.only:  # the figures in docs/ come from full runs only
-        DOCS.mkdir(exist_ok=True)
-        (DOCS / "bench.txt").write_text(tables.getvalue())
+    if not args.quick and not args.only:  # bench.txt and bench.png come from full runs only
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "bench.txt").write_text(tables.getvalue())
         plot(result)
     if not args.quick and "pipeline" in result:
-        report.save(DOCS, "pipeline", result["pipeline"], pipeline.print_rows, pipeline.plot)
+        report.save("pipeline", result["pipeline"], pipeline.print_rows, pipeline.plot)
     if not args.quick and "load" in result:
-        report.save(DOCS, "load", result["load"], load.print_rows, load.plot)
+        report.save("load", result["load"], load.print_rows, load.plot)
     if not args.quick and "moe" in result:
-        report.save(DOCS, "moe", result["moe"], moe.print_rows, moe.plot)
+        report.save("moe", result["moe"], moe.print_rows, moe.plot)
     if not args.quick and "cost_model" in result:
-        report.save(DOCS, "cost_model", result["cost_model"], cost_model.print_rows)
+        report.save("cost_model", result["cost_model"], cost_model.print_rows)
     if not args.quick and "prefix" in result:
-        prefix.save(DOCS, result["prefix"])
+        prefix.save(result["prefix"])
     if "sessions" in result:  # computed, not timed: the same in quick runs
-        report.save(DOCS, "memory_per_session", result["sessions"], session_memory.print_rows, session_memory.plot)
+        report.save("memory_per_session", result["sessions"], session_memory.print_rows, session_memory.plot)
     return 0

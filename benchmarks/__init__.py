@@ -1,0 +1,2 @@
+"""Benchmarks: `deltaspec bench` runs them side by side (`benchmarks.suite`); some sections also run
+alone."""

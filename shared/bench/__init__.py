@@ -1,2 +1,0 @@
-"""Benchmarks: `deltaspec bench` runs them side by side (`deltaspec.shared.bench.suite`); some sections also run
-alone."""
