@@ -26,7 +26,7 @@ from deltaspec.shared.decoding.drafters.model_drafter import STOP_BELOW, ModelDr
 from deltaspec.shared.decoding.speculative import Generation, generate
 from deltaspec.shared.decoding.target import MAX_DRAFT_TOKENS
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY
+from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY
 
 PHASES = ("propose", "verify", "commit", "prefill")
 FIXED_K = 8

@@ -44,8 +44,8 @@ from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.captured import covers_experts
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.state.pool import gdn_bytes, kv_bytes_per_position, mib
-from deltaspec.shared.state.rollback import LOG_CAPACITY, GDNStates
+from deltaspec.shared.state.pool import mib
+from deltaspec.shared.state.spec import LOG_CAPACITY
 
 SHAPES = [("Qwen3.5-9B", QWEN35_9B), ("Qwen3.5-0.8B", QWEN35_08B), ("Qwen3.5-27B", QWEN35_27B),
           ("Qwen3.5-35B-A3B", QWEN35_35B_A3B)]  # the goals' shape first: the budget may not reach the last
@@ -147,7 +147,7 @@ def weight_bytes(model: HybridLM, tokens: int, experts: float) -> int:
 
 def gdn_bytes_by_buffer(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
     """Bytes of each of a sequence's GDN buffers, every GDN layer together; a log's hold `LOG_CAPACITY` tokens."""
-    buffers = GDNStates.buffers(cfg, cfg.layer_types.count("linear_attention"), dtype)
+    buffers = cfg.state_spec.recurrent_buffers(dtype)
     return {name: torch.Size(shape).numel() * kind.itemsize for name, (shape, kind) in buffers.items()}
 
 
@@ -174,7 +174,7 @@ def gdn_round_bytes(cfg: ModelConfig, dtype: torch.dtype, k: int) -> dict[str, i
 def pass_bytes(model: HybridLM, tokens: int, context: int, experts: float) -> dict[str, int]:
     """Bytes a pass of `tokens` tokens after `context` positions must move: weights, GDN states, attention K/V."""
     gdn = gdn_pass_bytes(model.config, model.dtype, tokens)
-    per_position = kv_bytes_per_position(model.config, model.dtype)
+    per_position = model.config.state_spec.kv_bytes_per_position(model.dtype)
     return {"weights": weight_bytes(model, tokens, experts), "gdn": gdn["read"] + gdn["written"] + gdn["logs"],
             "kv": (context + 2 * tokens) * per_position}  # read up to the last new position, the new ones written
 
@@ -322,8 +322,7 @@ def sessions_that_fit(model: HybridLM, draft: HybridLM, plan: Plan, capacity: in
         return None
     T, cfg = plan.cost_k_max + 1, model.config
     layer_state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    per_session = (sum(gdn_bytes(m.config, m.dtype) + capacity * kv_bytes_per_position(m.config, m.dtype)
-                       for m in (model, draft))
+    per_session = (sum(m.config.state_spec.bytes(m.dtype, capacity) for m in (model, draft))
                    + T * cfg.vocab_size * (4 + model.dtype.itemsize) + 2 * layer_state)
     return max(0, (free - RESERVE) // per_session)
 

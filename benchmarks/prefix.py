@@ -43,9 +43,7 @@ from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.state import prefix_cache
-from deltaspec.shared.state.pool import kv_bytes_per_position
 from deltaspec.shared.state.prefix_cache import Cursor, PrefixCache
-from deltaspec.shared.state.rollback import GDNStates
 
 BLOCK = 16  # tokens per cache entry
 NUM_DRAFT_TOKENS = 4
@@ -265,9 +263,9 @@ def rows(runs: list[list[dict[str, dict]]], requests: range) -> list[dict]:
 
 def entry_bytes(cfg: ModelConfig, dtype: torch.dtype, block: int) -> dict:
     """Computed: an entry's GDN conv windows and states at its end, and its positions' K/V."""
-    shapes = GDNStates.buffers(cfg, cfg.layer_types.count("linear_attention"), dtype)
+    shapes = cfg.state_spec.recurrent_buffers(dtype)
     gdn = sum(torch.Size(shape).numel() * kind.itemsize for shape, kind in (shapes["conv"], shapes["recurrent"]))
-    return {"gdn": gdn, "kv": block * kv_bytes_per_position(cfg, dtype)}
+    return {"gdn": gdn, "kv": block * cfg.state_spec.kv_bytes_per_position(dtype)}
 
 
 def measured_prefix(model: HybridLM, ids: list[int]) -> tuple[int, int, int]:

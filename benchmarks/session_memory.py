@@ -2,7 +2,7 @@
 
 A session's GDN state (committed state, spare, mark snapshot, conv windows, round logs) is the same
 size at any context; its attention K/V grows by a fixed amount per token. The figures come from
-the configs (`deltaspec.shared.state.pool.gdn_bytes`, `kv_bytes_per_position`: what a `StatePool` charges),
+the configs' state specs (`StateSpec.bytes`: what a `StatePool` charges),
 for the embedded target and draft and for configs shaped as Qwen3.5-0.8B, Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B
 (`benchmarks.shapes`; no weights needed: experts change the weights, not a session's state), and are
 checked against the bytes a real pooled session holds. A draft's round logs hold `CHAIN_LOG_CAPACITY`
@@ -17,8 +17,8 @@ import torch
 from benchmarks.shapes import QWEN3_NEXT_80B_A3B, QWEN35_08B, QWEN35_35B_A3B
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from deltaspec.shared.model.config import ModelConfig
-from deltaspec.shared.state.pool import MIN_CONTEXT, StatePool, gdn_bytes, kv_bytes_per_position
-from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, LOG_CAPACITY
+from deltaspec.shared.state.pool import MIN_CONTEXT, StatePool
+from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY, LOG_CAPACITY
 
 CONTEXTS = (256, 1024, 4096, 16384, 32768, 131072)
 GIB = 2**30
@@ -36,8 +36,8 @@ def models() -> dict[str, tuple[ModelConfig, torch.dtype, int]]:
 
 def measured_bytes(cfg: ModelConfig, dtype: torch.dtype, positions: int, log_capacity: int = LOG_CAPACITY) -> int:
     """Bytes one real pooled session holds at `positions` of K/V capacity: its slot's share of the pool and its K/V."""
-    budget = gdn_bytes(cfg, dtype, log_capacity) + positions * kv_bytes_per_position(cfg, dtype)
-    pool = StatePool(cfg, budget, 1, dtype=dtype, log_capacity=log_capacity)
+    spec = cfg.state_spec
+    pool = StatePool(spec, spec.bytes(dtype, positions, log_capacity), 1, dtype=dtype, log_capacity=log_capacity)
     state = pool.new_state(capacity=positions)
     slot = sum(t.nbytes for t in pool.tensors.values()) // pool.slots
     return slot + sum(t.nbytes for layer in state.attn for t in (layer.k, layer.v))
@@ -46,14 +46,14 @@ def measured_bytes(cfg: ModelConfig, dtype: torch.dtype, positions: int, log_cap
 def rows() -> list[dict]:
     out = []
     for name, (cfg, dtype, log_capacity) in models().items():
-        gdn, per_token = gdn_bytes(cfg, dtype, log_capacity), kv_bytes_per_position(cfg, dtype)
+        spec = cfg.state_spec
+        gdn, per_token = spec.recurrent_bytes(dtype, log_capacity), spec.kv_bytes_per_position(dtype)
         out.append({"model": name, "dtype": str(dtype).removeprefix("torch."),
                     "measured_mib": measured_bytes(cfg, dtype, MIN_CONTEXT, log_capacity) / 2**20,  # = session_mib[256]
-                    "gdn_layers": cfg.layer_types.count("linear_attention"),
-                    "attention_layers": cfg.layer_types.count("full_attention"),
+                    "gdn_layers": spec.n_recurrent, "attention_layers": spec.n_attention,
                     "gdn_mib": gdn / 2**20, "kv_kib_per_token": per_token / 2**10,
-                    "session_mib": {n: (gdn + n * per_token) / 2**20 for n in CONTEXTS},
-                    "sessions_per_gib": {n: GIB / (gdn + n * per_token) for n in CONTEXTS}})
+                    "session_mib": {n: spec.bytes(dtype, n, log_capacity) / 2**20 for n in CONTEXTS},
+                    "sessions_per_gib": {n: GIB / spec.bytes(dtype, n, log_capacity) for n in CONTEXTS}})
     return out
 
 

@@ -43,7 +43,7 @@ from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.loader import load_model
-from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY
+from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY
 
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
 SECTIONS = ("steps", "acceptance", "generations", "grpc", "wire", "tracing", "rollback", "memory", "pipeline", "load",

@@ -98,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from deltaspec.shared.decoding.speculative import generate
     from deltaspec.shared.model.loader import load_model
     from deltaspec.shared.model.tokenizer import encode_chat, load_tokenizer
-    from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY
+    from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY
     from deltaspec.shared.telemetry import CLIENT, Telemetry
 
     target_dir = Path(args.target or DEFAULT_TARGET)
@@ -309,7 +309,7 @@ def cmd_serve_draft(args: argparse.Namespace) -> int:
     from deltaspec.draft_service.servicer import service
     from deltaspec.shared.model.loader import load_model
     from deltaspec.shared.rpc.server import serve
-    from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY
+    from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY
     from deltaspec.shared.telemetry import DRAFT, Telemetry
 
     model_dir = Path(args.model or DEFAULT_DRAFT)

@@ -55,7 +55,7 @@ from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
 from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
-from deltaspec.shared.state.pool import StatePool, attach, gdn_bytes, kv_bytes_per_position
+from deltaspec.shared.state.pool import StatePool, attach
 from deltaspec.shared.state.rollback import ModelState
 from deltaspec.target_service import servicer as target_servicer
 from test_model_vs_hf import hf_model
@@ -373,7 +373,7 @@ def test_state_over_its_memory_budget_fails_alone(monkeypatch):
     good = [Item(5, 3), Item(12, 1)]
     over = Item(248, 10, staged=2)  # 260 positions, paid for 256 with nothing left; a round staged already
     cfg = pooled.config
-    attach(pooled, StatePool(cfg, 3 * (gdn_bytes(cfg, pooled.dtype) + 256 * kv_bytes_per_position(cfg, pooled.dtype))))
+    attach(pooled, StatePool(cfg.state_spec, 3 * cfg.state_spec.bytes(pooled.dtype, 256)))
     singles = [prepared(TARGET, item, seed) for seed, item in enumerate(good)] + [prepared(TARGET, over, 7)]
     want = [TARGET(ids, state) for ids, state in singles]
     with closing(BatchedModel(pooled, BatchConfig(max_batch=8, max_wait_ms=5.0))) as model:

@@ -21,7 +21,8 @@ from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.state import prefix_cache
-from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
+from deltaspec.shared.state.rollback import ModelState
+from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY
 from deltaspec.shared.telemetry import Telemetry
 from test_rpc_support import PROMPT, draft_service, one_torch_thread, pair, start, target_service  # noqa: F401
 
@@ -189,12 +190,11 @@ def test_both_loops_with_branches_equal_target_only(pair):
 def test_branches_never_take_the_last_free_state_slot(slots, staged):
     """On a server the draft's states come from its pool: a branch takes a slot while it lives, never the last free
     one (a new session's)."""
-    from deltaspec.shared.state.pool import StatePool, attach, gdn_bytes, kv_bytes_per_position
+    from deltaspec.shared.state.pool import StatePool, attach
 
     model = random_model(CFG, seed=21)
-    per_session = gdn_bytes(model.config, model.dtype, CHAIN_LOG_CAPACITY) + 512 * kv_bytes_per_position(
-        model.config, model.dtype)
-    attach(model, StatePool(model.config, 8 * per_session, slots, log_capacity=CHAIN_LOG_CAPACITY))
+    per_session = model.config.state_spec.bytes(model.dtype, 512, CHAIN_LOG_CAPACITY)
+    attach(model, StatePool(model.config.state_spec, 8 * per_session, slots, log_capacity=CHAIN_LOG_CAPACITY))
     drafter = ModelDrafter(model)
     drafter.branching = True
     drafter.start([3, 1, 4, 1, 5, 9])

@@ -97,7 +97,7 @@ def test_pooled_sessions_one_after_another(models):
 
     eager, _ = models
     pooled = copy.deepcopy(eager).capture()
-    attach(pooled, StatePool(pooled.config, 64 * 2**20, max_slots=2))
+    attach(pooled, StatePool(pooled.config.state_spec, 64 * 2**20, max_slots=2))
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
         prompt = torch.randint(0, eager.config.vocab_size, (7,), generator=gen).tolist()

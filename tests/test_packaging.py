@@ -45,8 +45,8 @@ def test_code_imports_the_folders_only_through_the_namespace():
 
 
 def test_the_state_layer_imports_nothing_of_the_model_package():
-    """The state takes its shapes from the config (`StateShapes`): model and state do not import each other, so a
-    new model family touches no state code."""
+    """The state takes its shapes from the state spec a family declares (`StateSpec`): the state imports nothing of
+    the model package, so a new model family touches no state code."""
     offenders = [p.name for p in (ROOT / "shared" / "state").glob("*.py") if "deltaspec.shared.model" in
                  re.sub(r'""".*?"""|#.*', "", p.read_text(), flags=re.S)]
     assert not offenders

@@ -233,9 +233,8 @@ def test_a_state_pool_pays_entries_and_evicts_them_before_refusing_a_session(pai
     refused only when the sessions alone fill the budget."""
     target_dir, _ = pair
     model = load_model(target_dir).fuse()
-    per_session = state_pool.gdn_bytes(model.config, model.dtype) + 256 * state_pool.kv_bytes_per_position(
-        model.config, model.dtype)
-    pool = state_pool.StatePool(model.config, 3 * per_session, max_slots=2)
+    per_session = model.config.state_spec.bytes(model.dtype, 256)
+    pool = state_pool.StatePool(model.config.state_spec, 3 * per_session, max_slots=2)
     state_pool.attach(model, pool)
     cache = prefix_cache.attach(model, BLOCK)
     assert pool.reclaim == cache.reclaim

@@ -21,7 +21,8 @@ from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.decoding.target import TargetSession
 from deltaspec.shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from deltaspec.shared.model.checkpoint import hf_config, random_model
-from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, GDNSlot, ModelState
+from deltaspec.shared.state.rollback import GDNSlot, ModelState
+from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY
 
 TOL = 1e-5  # rollback of one layer on identical inputs
 MODEL_RTOL = 1e-4  # whole model: verify pass vs one-token run

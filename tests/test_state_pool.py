@@ -31,8 +31,9 @@ from deltaspec.shared.errors import ResourceExhausted
 from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
-from deltaspec.shared.state.pool import MIN_CONTEXT, StatePool, attach, gdn_bytes, kv_bytes_per_position
-from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, LOG_CAPACITY, GDNStates, ModelState
+from deltaspec.shared.state.pool import MIN_CONTEXT, StatePool, attach
+from deltaspec.shared.state.rollback import ModelState
+from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY, LOG_CAPACITY
 from deltaspec.shared.telemetry.metrics import Metrics
 from test_rpc_support import (PROMPT, draft_service, draft_stub, one_torch_thread, pair, refused, start,  # noqa: F401
                               target_service, target_stub)
@@ -46,17 +47,16 @@ NOISY = random_model(CFG, seed=3)  # the draft: the target with 5 % noise, so ro
 with torch.no_grad():
     for p in NOISY.parameters():
         p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.05 * p.abs().mean())
-GDN_NAMES = tuple(GDNStates.buffers(PLAIN.config, 2, torch.float32))
+GDN_NAMES = tuple(PLAIN.config.state_spec.recurrent_buffers(torch.float32))
 PROMPT_A = [int(t) for t in torch.randint(0, 113, (120,), generator=torch.Generator().manual_seed(0))]
 
 
 def pooled(source: HybridLM, sessions: int, extra_positions: int = 0) -> tuple[HybridLM, StatePool]:
     """A copy of `source` with a pool of `sessions` slots, K/V for 256 positions each plus `extra_positions`."""
     model = copy.deepcopy(source)
-    cfg = model.config
-    budget = sessions * (gdn_bytes(cfg, torch.float32) + MIN_CONTEXT * kv_bytes_per_position(cfg, torch.float32)) \
-        + extra_positions * kv_bytes_per_position(cfg, torch.float32)
-    pool = StatePool(cfg, budget, sessions)
+    spec = model.config.state_spec
+    budget = sessions * spec.bytes(torch.float32, MIN_CONTEXT) + extra_positions * spec.kv_bytes_per_position(torch.float32)
+    pool = StatePool(spec, budget, sessions)
     attach(model, pool)
     return model, pool
 
@@ -83,7 +83,7 @@ def test_what_the_pool_charges_is_what_a_pooled_session_holds(name):
     """The bench's figures (embedded pair, Qwen3.5-0.8B shape) are the bytes real pooled sessions hold."""
     cfg, dtype, log_capacity = session_memory.models()[name]
     for positions in (MIN_CONTEXT, 1000):
-        charged = gdn_bytes(cfg, dtype, log_capacity) + positions * kv_bytes_per_position(cfg, dtype)
+        charged = cfg.state_spec.bytes(dtype, positions, log_capacity)
         assert session_memory.measured_bytes(cfg, dtype, positions, log_capacity) == charged
 
 
@@ -130,7 +130,7 @@ def test_pool_metrics_follow_admissions_releases_and_refusals():
 def test_pooled_state_stages_commits_marks_and_grows_as_an_unpooled_one():
     model, pool = pooled(PLAIN, sessions=1, extra_positions=64)
     gen = torch.Generator().manual_seed(7)
-    mine, ref = model.new_state(capacity=4), ModelState(PLAIN.config, capacity=4)  # small: K/V grows
+    mine, ref = model.new_state(capacity=4), ModelState(PLAIN.config.state_spec, capacity=4)  # small: K/V grows
     steps = [("forward", 9), ("commit", 9), ("forward", 4), ("commit", 2), ("forward", 3), ("revert", 0),
              ("forward", 5), ("mark", 0), ("forward", 3), ("commit_marked", 0), ("forward", 2), ("mark", 0),
              ("forward", 4), ("drop_marked", 0), ("commit", 3), ("forward", 30), ("commit", 30), ("forward", 1)]
@@ -197,8 +197,7 @@ def session_budget(directory, sessions: int, log_capacity: int = LOG_CAPACITY) -
     """Bytes for exactly `sessions` sessions of a server's model with short prompts (256 positions each); a draft
     server's logs hold `CHAIN_LOG_CAPACITY` tokens."""
     cfg = load_model(directory).config
-    return sessions * (gdn_bytes(cfg, torch.float32, log_capacity)
-                       + MIN_CONTEXT * kv_bytes_per_position(cfg, torch.float32))
+    return sessions * cfg.state_spec.bytes(torch.float32, MIN_CONTEXT, log_capacity)
 
 
 def open_session(stub) -> str:
@@ -270,8 +269,8 @@ def test_full_draft_pool_refuses_and_a_closed_session_frees_its_slot(pair):
 
 def test_kv_growth_refused_over_grpc_leaves_the_session_usable(pair):
     want = generate(load_model(pair[0]), PROMPT, 330, None, 0).token_ids
-    cfg = load_model(pair[0]).config
-    limits = Limits(state_memory_bytes=session_budget(pair[0], 2) + 40 * kv_bytes_per_position(cfg, torch.float32))
+    spec = load_model(pair[0]).config.state_spec
+    limits = Limits(state_memory_bytes=session_budget(pair[0], 2) + 40 * spec.kv_bytes_per_position(torch.float32))
     with start(target_service(pair[0], limits)) as server:
         stub = target_stub(server.address)
         sid, other = open_session(stub), open_session(stub)

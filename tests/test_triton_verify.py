@@ -16,7 +16,7 @@ from deltaspec.shared.state import access
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.state.pool import StatePool, attach, gdn_bytes, kv_bytes_per_position
+from deltaspec.shared.state.pool import StatePool, attach
 from deltaspec.shared.state.rollback import GDNSlot, ModelState
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,8 +99,8 @@ def model_pair(fuse: bool, slots: int = 0, log_capacity: int = 8) -> list[tuple[
         model = random_model(CFG, seed=7).fuse(fuse).to(DEVICE)
         if slots:
             cfg, dtype = model.config, model.dtype
-            budget = slots * (gdn_bytes(cfg, dtype, log_capacity) + 256 * kv_bytes_per_position(cfg, dtype))
-            pool = StatePool(cfg, budget, slots, DEVICE, dtype, log_capacity)
+            budget = slots * cfg.state_spec.bytes(dtype, 256, log_capacity)
+            pool = StatePool(cfg.state_spec, budget, slots, DEVICE, dtype, log_capacity)
             gen = torch.Generator().manual_seed(11)
             for t in pool.tensors.values():
                 t.copy_(torch.randn(t.shape, generator=gen))

@@ -42,7 +42,8 @@ from deltaspec.shared.model.batched import BatchRefused, forward_batch
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.state import prefix_cache
 from deltaspec.shared.state.pool import attach, server_pool
-from deltaspec.shared.state.rollback import LOG_CAPACITY, ModelState
+from deltaspec.shared.state.rollback import ModelState
+from deltaspec.shared.state.spec import LOG_CAPACITY
 from deltaspec.shared.telemetry.metrics import Metrics
 
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from deltaspec.shared.model.config import ModelConfig
-from deltaspec.shared.model.family import family_of
+from deltaspec.shared.model.families import family_of
 from deltaspec.shared.model.hybrid import HybridLM
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

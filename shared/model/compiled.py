@@ -32,7 +32,8 @@ from torch import Tensor
 
 from deltaspec.shared.model import fused
 from deltaspec.shared.state.access import GDN_BUFFERS, StaticAccess
-from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, LOG_CAPACITY, ModelState
+from deltaspec.shared.state.rollback import ModelState
+from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY, LOG_CAPACITY
 
 if TYPE_CHECKING:
     from deltaspec.shared.model.hybrid import HybridLM

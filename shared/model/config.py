@@ -1,17 +1,19 @@
 """Model configuration: the hybrid GDN/attention text architecture, read from a HF `config.json`.
 
-The family comes from `model_type` through one registry (`deltaspec.shared.model.family`): Qwen3.5 dense and MoE
+The family comes from `model_type` through one registry (`deltaspec.shared.model.families`): Qwen3.5 dense and MoE
 (`qwen3_5_text`, `qwen3_5_moe_text`, or their multimodal wrappers `qwen3_5`, `qwen3_5_moe` with a `text_config`)
 and Qwen3-Next (`qwen3_next`). Anything else, or a field of the wrong kind, raises `ConfigError` naming the field.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deltaspec.shared.model.family import FAMILIES, family_of
+from deltaspec.shared.model.families import FAMILIES, family_named, family_of
+from deltaspec.shared.state.spec import StateSpec
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 
@@ -77,6 +79,11 @@ class ModelConfig:
         `decoder_sparse_step`-th layer); the MTP head's layers are sparse whenever the model has experts."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @functools.cached_property
+    def state_spec(self) -> StateSpec:
+        """The state a model of this config holds, as its family declares it."""
+        return family_named(self.family).state_spec(self)
 
     @property
     def conv_dim(self) -> int:

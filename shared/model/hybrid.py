@@ -13,7 +13,8 @@ from deltaspec.shared.model.compiled import CompiledPasses
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
 from deltaspec.shared.state.access import SequenceAccess
-from deltaspec.shared.state.rollback import LOG_CAPACITY, ModelState
+from deltaspec.shared.state.rollback import ModelState
+from deltaspec.shared.state.spec import LOG_CAPACITY
 
 if TYPE_CHECKING:
     from deltaspec.shared.state.pool import StatePool
@@ -59,7 +60,7 @@ class HybridLM(nn.Module):
         (`deltaspec.shared.state.pool`), whose logs are the pool's size."""
         if self.state_pool is not None:
             return self.state_pool.new_state(capacity)
-        return ModelState(self.config, device=self.device, dtype=self.dtype, capacity=capacity,
+        return ModelState(self.config.state_spec, device=self.device, dtype=self.dtype, capacity=capacity,
                           log_capacity=log_capacity)
 
     def fuse(self, enable: bool = True) -> HybridLM:

@@ -1,4 +1,4 @@
-"""Load a HF checkpoint directory into a `HybridLM`, for every family in `deltaspec.shared.model.family`.
+"""Load a HF checkpoint directory into a `HybridLM`, for every family in `deltaspec.shared.model.families`.
 
 Reads `config.json` and `model.safetensors` or its shards (`model.safetensors.index.json`); weight prefixes
 `model.` and `model.language_model.`; float32, bfloat16, float16. Routed experts come per expert
@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from deltaspec.shared.model.config import ConfigError, ModelConfig
-from deltaspec.shared.model.family import family_of
+from deltaspec.shared.model.families import family_of
 from deltaspec.shared.model.hybrid import HybridLM
 
 log = logging.getLogger(__name__)

@@ -2,9 +2,10 @@
 budget that also pays for every sequence's attention K/V.
 
 A sequence's GDN state does not grow with its context: committed state, spare, mark snapshot, conv
-windows and round logs (`GDNStates.buffers`) are `gdn_bytes` whatever its length. Attention K/V grows
-by `kv_bytes_per_position` a token. So the pool preallocates its slots, one tensor per buffer with a
-leading slot axis, and leaves the rest of the budget to K/V:
+windows and round logs (`RecurrentSpec.buffers`) are `StateSpec.recurrent_bytes` whatever its length.
+Attention K/V grows by `StateSpec.kv_bytes_per_position` a token (`StateSpec.bytes`: a session's whole
+state). So the pool preallocates its slots, one tensor per buffer with a leading slot axis, and leaves the
+rest of the budget to K/V:
 
 - admission (`new_state(capacity)`) takes a free slot and pays K/V for `capacity` positions (a target
   session asks for twice its prompt, at least 256), or raises `ResourceExhausted` naming the budget,
@@ -34,7 +35,8 @@ import torch
 from torch import nn
 
 from deltaspec.shared.errors import ResourceExhausted
-from deltaspec.shared.state.rollback import LOG_CAPACITY, GDNStates, LogRows, ModelState, StateShapes
+from deltaspec.shared.state.rollback import LogRows, ModelState
+from deltaspec.shared.state.spec import LOG_CAPACITY, StateSpec
 
 if TYPE_CHECKING:
     from deltaspec.shared.decoding.session_table import Limits
@@ -42,17 +44,6 @@ if TYPE_CHECKING:
 MIN_CONTEXT = 256  # the smallest K/V capacity a session asks for (TargetSession, ModelDrafter: max(256, 2 x prompt))
 FIELD = "state_memory"  # what a refusal names (QuotaFailure subject)
 COLLECT_INTERVAL_S = 1.0  # a full pool collects reference cycles at most this often (a flood of refusals costs no more)
-
-
-def gdn_bytes(cfg: StateShapes, dtype: torch.dtype, log_capacity: int = LOG_CAPACITY) -> int:
-    """Bytes of one sequence's GDN state: constant, whatever the context length."""
-    shapes = GDNStates.buffers(cfg, cfg.layer_types.count("linear_attention"), dtype, log_capacity).values()
-    return sum(torch.Size(shape).numel() * kind.itemsize for shape, kind in shapes)
-
-
-def kv_bytes_per_position(cfg: StateShapes, dtype: torch.dtype) -> int:
-    """Bytes of attention K/V one more position costs a sequence, all attention layers together."""
-    return cfg.layer_types.count("full_attention") * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
 
 def mib(n: float) -> str:
@@ -78,12 +69,12 @@ class StatePool:
     """Slots for up to `max_slots` sequences of one model shape within `budget` bytes (GDN slots + K/V); each slot's
     round logs hold `log_capacity` staged tokens."""
 
-    def __init__(self, config: StateShapes, budget: int, max_slots: int | None = None,
+    def __init__(self, spec: StateSpec, budget: int, max_slots: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  log_capacity: int = LOG_CAPACITY) -> None:
-        self.config, self.device, self.dtype, self.budget = config, device, dtype, budget
-        self.gdn_bytes = gdn_bytes(config, dtype, log_capacity)
-        self.kv_per_position = kv_bytes_per_position(config, dtype)
+        self.spec, self.device, self.dtype, self.budget, self.log_capacity = spec, device, dtype, budget, log_capacity
+        self.gdn_bytes = spec.recurrent_bytes(dtype, log_capacity)
+        self.kv_per_position = spec.kv_bytes_per_position(dtype)
         session = self.gdn_bytes + MIN_CONTEXT * self.kv_per_position
         self.slots = budget // session if max_slots is None else min(max_slots, budget // session)
         if self.slots < 1:
@@ -92,7 +83,7 @@ class StatePool:
         self.kv_budget = budget - self.slots * self.gdn_bytes
         self.kv_used = 0
         self.refusals = 0  # admissions and growths refused (a metric)
-        shapes = GDNStates.buffers(config, config.layer_types.count("linear_attention"), dtype, log_capacity)
+        shapes = spec.recurrent_buffers(dtype, log_capacity)
         with torch.inference_mode(False):  # normal tensors: a slot is zeroed outside inference mode
             self.tensors = {name: torch.empty(self.slots, *shape, device=device, dtype=kind)
                             for name, (shape, kind) in shapes.items()}
@@ -109,13 +100,13 @@ class StatePool:
         return self.slots - len(self._free)
 
     def session_bytes(self, positions: int) -> int:
-        return self.gdn_bytes + positions * self.kv_per_position
+        return self.spec.bytes(self.dtype, positions, self.log_capacity)
 
     def new_state(self, capacity: int = MIN_CONTEXT) -> ModelState:
         """A fresh sequence state in a free slot, K/V paid for `capacity` positions; `ResourceExhausted` if none."""
         lease = self._admit(capacity)
         try:
-            state = ModelState(self.config, self.device, self.dtype, capacity, lease)
+            state = ModelState(self.spec, self.device, self.dtype, capacity, lease)
         except BaseException:
             self._release(lease)
             raise
@@ -204,12 +195,10 @@ def attach(model: nn.Module, pool: StatePool) -> None:
 def server_pool(model: nn.Module, limits: Limits, log_capacity: int = LOG_CAPACITY) -> StatePool:
     """The pool a server attaches: `limits.state_memory_bytes` for at most `limits.max_sessions` sessions, or
     (0) room for `max_sessions` sessions of `auto_context(max_prompt_tokens)` positions each."""
-    budget, cfg, dtype = limits.state_memory_bytes, model.config, model.dtype
+    budget, spec, dtype = limits.state_memory_bytes, model.config.state_spec, model.dtype
     if budget == 0:
-        positions = auto_context(limits.max_prompt_tokens)
-        budget = limits.max_sessions * (gdn_bytes(cfg, dtype, log_capacity)
-                                        + positions * kv_bytes_per_position(cfg, dtype))
-    return StatePool(cfg, budget, limits.max_sessions, model.device, dtype, log_capacity)
+        budget = limits.max_sessions * spec.bytes(dtype, auto_context(limits.max_prompt_tokens), log_capacity)
+    return StatePool(spec, budget, limits.max_sessions, model.device, dtype, log_capacity)
 
 
 def auto_context(max_prompt_tokens: int) -> int:

@@ -38,36 +38,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from deltaspec.shared.kernels import VerifyLogs
+from deltaspec.shared.state.spec import LOG_CAPACITY, RECURRENT, RecurrentSpec, StateSpec
 
 if TYPE_CHECKING:
     from deltaspec.shared.state.pool import Lease
-
-class StateShapes(Protocol):
-    """What the state layer reads of a model's config (`deltaspec.shared.model.config.ModelConfig` has it all): the
-    state takes its shapes from the config alone and imports nothing from the model package, whatever the family."""
-
-    layer_types: tuple[str, ...]
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    num_key_value_heads: int
-    head_dim: int
-
-    @property
-    def conv_dim(self) -> int: ...
-
-
-LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one on top) of k <= 16 drafts plus inputs
-CHAIN_LOG_CAPACITY = 51  # a draft's: its open round and two speculations on top, 3 x (k + 1) for k <= 16 (a third
-# fits for k <= 11; beyond, the draft refuses it or does not make it ahead)
-
 
 class CommitPlan(NamedTuple):
     """Views and buffers of a commit of n staged tokens: the logs' first n slots, and where the decays go."""
@@ -98,29 +78,13 @@ class LogRows(NamedTuple):
 class GDNStates:
     """The GDN state of every linear-attention layer of one sequence, stacked on a leading layer axis."""
 
-    @staticmethod
-    def buffers(cfg: StateShapes, n_layers: int, dtype: torch.dtype,
-                log_capacity: int = LOG_CAPACITY) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of every buffer one sequence's GDN state holds, the mark snapshot included; the logs
-        hold `log_capacity` staged tokens."""
-        H, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        window = ((n_layers, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype)
-        state = ((n_layers, H, Dk, Dv), torch.float32)
-        return {"conv": window, "window": window, "marked_window": window,
-                "recurrent": state, "spare": state, "marked_state": state,
-                "x": ((n_layers, log_capacity, cfg.conv_dim), dtype),
-                # logs laid out so the commit matmul reads them as they are: (L, H, Dk, T) and (L, H, T, Dv)
-                "k": ((n_layers, H, Dk, log_capacity), torch.float32),
-                "delta": ((n_layers, H, log_capacity, Dv), torch.float32),
-                "g": ((n_layers, H, log_capacity), torch.float32)}
-
-    def __init__(self, cfg: StateShapes, n_layers: int, device: torch.device | str, dtype: torch.dtype,
+    def __init__(self, spec: RecurrentSpec, n_layers: int, device: torch.device | str, dtype: torch.dtype,
                  slot: dict[str, Tensor] | None = None, log_capacity: int = LOG_CAPACITY,
                  rows: LogRows | None = None) -> None:
-        """`slot`: preallocated buffers, one per name of `buffers` (a `deltaspec.shared.state.pool.StatePool`
+        """`slot`: preallocated buffers, one per name of `spec.buffers` (a `deltaspec.shared.state.pool.StatePool`
         slot), zeroed and used in place of fresh tensors, the mark snapshot's too (its logs' size wins over `log_capacity`);
         without one `mark` allocates that snapshot. `rows`: the slot's logs as rows of the pool's (`Lease.rows`)."""
-        shapes = self.buffers(cfg, n_layers, dtype, log_capacity)
+        shapes = spec.buffers(n_layers, dtype, log_capacity)
 
         def buffer(name: str) -> Tensor:
             if slot is not None:
@@ -426,23 +390,26 @@ class AttnLayerState:
 class ModelState:
     """One sequence's state for a whole hybrid stack: the committed head and at most one staged round."""
 
-    def __init__(self, config: StateShapes, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    def __init__(self, spec: StateSpec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  capacity: int = 256, lease: Lease | None = None, log_capacity: int = LOG_CAPACITY) -> None:
-        """`lease`: a slot of a `deltaspec.shared.state.pool.StatePool` (GDN buffers, K/V paid for `capacity`
+        """`spec`: what the state holds, as the model's family declares it (`ModelConfig.state_spec`). `lease`: a slot of a `deltaspec.shared.state.pool.StatePool` (GDN buffers, K/V paid for `capacity`
         positions; its logs' size is the pool's); `log_capacity`: staged tokens a partial commit can keep (`CHAIN_LOG_CAPACITY`
         for a draft that speculates rounds ahead)."""
         self.length = 0  # tokens in the committed head
         self.staged = 0  # tokens staged on top of it
         self.marked = 0  # with `mark`: staged tokens the snapshot covers (a chained round stages after them)
-        self.kinds = config.layer_types
-        self.gdn = GDNStates(config, self.kinds.count("linear_attention"), device, dtype,
+        if spec.recurrent is None or spec.recurrent.kind != "gdn":
+            raise ValueError(f"ModelState holds Gated DeltaNet states; the spec's recurrent kind is "
+                             f"{spec.recurrent.kind if spec.recurrent else None!r}")
+        self.spec = spec
+        self.gdn = GDNStates(spec.recurrent, spec.n_recurrent, device, dtype,
                              lease.buffers if lease is not None else None, log_capacity,
                              lease.rows if lease is not None else None)
-        shape = (config.num_key_value_heads, capacity, config.head_dim)
+        shape = (spec.kv_heads, capacity, spec.head_dim)
         with torch.inference_mode(False):
             self.attn = [AttnLayerState(torch.zeros(shape, device=device, dtype=dtype),
                                         torch.zeros(shape, device=device, dtype=dtype), lease)
-                         for kind in self.kinds if kind == "full_attention"]
+                         for _ in range(spec.n_attention)]
 
     def load_head(self, length: int, window: Tensor, state: Tensor, kv: Tensor) -> None:
         """Make a fresh state's head the one after `length` tokens: GDN windows `(L, K-1, C)` and states
@@ -489,8 +456,8 @@ class ModelState:
     def layer_views(self) -> list[GDNSlot | AttnLayerState]:
         """Per-layer state for one forward pass, in layer order."""
         gdn, attn = iter(range(len(self.gdn.conv))), iter(self.attn)
-        return [GDNSlot(self.gdn, next(gdn), self.staged) if kind == "linear_attention" else next(attn)
-                for kind in self.kinds]
+        return [GDNSlot(self.gdn, next(gdn), self.staged) if kind == RECURRENT else next(attn)
+                for kind in self.spec.layers]
 
     def commit(self, n: int) -> None:
         """Keep the first n staged tokens, drop the rest. All layers move together or none does."""

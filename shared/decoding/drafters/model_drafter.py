@@ -36,7 +36,8 @@ from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabiliti
 from deltaspec.shared.errors import ResourceExhausted
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.state.prefix_cache import Cursor, PrefixCache, commit_head
-from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY, ModelState
+from deltaspec.shared.state.rollback import ModelState
+from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY
 
 # Dynamic draft length with k up to 16: the best threshold on the embedded pair (`deltaspec bench --only
 # generations` compares it with k = 8: ahead at every length in each run). `deltaspec generate` drafts this way by

@@ -11,12 +11,24 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from deltaspec.shared.state.spec import ATTENTION, RECURRENT, RecurrentSpec, StateSpec
+
 if TYPE_CHECKING:
     from deltaspec.shared.model.config import ModelConfig
 
 TEXT_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 WRAPPER_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 ALWAYS_NORM_TOPK = True  # HF's Qwen3_5MoeTopKRouter renormalises the top-k weights; its config has no switch
+
+
+def state_spec(cfg: ModelConfig) -> StateSpec:
+    """Gated DeltaNet layers (`linear_attention`: a conv window over q, k and v, one state per value head) between
+    full attention layers (grouped K/V heads)."""
+    gdn = RecurrentSpec("gdn", conv_dim=cfg.conv_dim, conv_width=cfg.linear_conv_kernel_dim,
+                        heads=cfg.linear_num_value_heads, key_dim=cfg.linear_key_head_dim,
+                        value_dim=cfg.linear_value_head_dim)
+    layers = tuple(RECURRENT if kind == "linear_attention" else ATTENTION for kind in cfg.layer_types)
+    return StateSpec(layers, gdn, cfg.num_key_value_heads, cfg.head_dim)
 
 
 def convert(tensors: dict[str, Tensor], cfg: ModelConfig) -> None:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from deltaspec.shared.model.families.qwen3_5 import state_spec  # noqa: F401 - Qwen3.5's hybrid stack and state
+
 if TYPE_CHECKING:
     from deltaspec.shared.model.config import ModelConfig
 

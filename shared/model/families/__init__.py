@@ -1,10 +1,11 @@
 """The model families deltaspec loads, chosen by `config.json`'s `model_type` from one registry (`FAMILIES`).
 
-A family is one module under `deltaspec.shared.model` that says which `model_type`s it covers and how its published
-tensors map onto the shared layers (`deltaspec.shared.model.layers`): Qwen3.5, dense and MoE, is the layout the layers
-use; Qwen3-Next packs its GDN input projections per key head and is unpacked at load. A family module defines
-`TEXT_TYPES`, `WRAPPER_TYPES`, `ALWAYS_NORM_TOPK`, `convert` and its inverse `publish`; adding one is that module
-and a line here, with no decoding, state or service code touched.
+A family is one module here, holding only what sets it apart, as HF's modular files do: the `model_type`s it
+covers, the state it declares (`state_spec`: which layers are recurrent, their kind and shapes, the attention K/V),
+and how its published tensors map onto the shared layers (`deltaspec.shared.model.layers`; Qwen3.5, dense and MoE,
+is the layout the layers use; Qwen3-Next packs its GDN input projections per key head and is unpacked at load). A
+family module defines `TEXT_TYPES`, `WRAPPER_TYPES`, `ALWAYS_NORM_TOPK`, `state_spec`, `convert` and its inverse
+`publish`; adding one is that module and a line here, with no decoding, state or service code touched.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from deltaspec.shared.model import qwen3_5, qwen3_next
+from deltaspec.shared.model.families import qwen3_5, qwen3_next
+from deltaspec.shared.state.spec import StateSpec
 
 if TYPE_CHECKING:
     from deltaspec.shared.model.config import ModelConfig
@@ -27,13 +29,14 @@ class Family:
     text_types: tuple[str, ...]  # model_type of a text config
     wrapper_types: dict[str, str]  # multimodal wrapper model_type -> its text_config's model_type
     always_norm_topk: bool  # top-k routing weights renormalised whatever the config says (no `norm_topk_prob`)
+    state_spec: Callable[[ModelConfig], StateSpec]  # the state a model of this family holds
     convert: Callable[[dict[str, Tensor], ModelConfig], None]  # published tensor names -> the layers', in place
     publish: Callable[[dict[str, Tensor], ModelConfig], None]  # and back, for saving
 
     @classmethod
     def of(cls, module: ModuleType) -> Family:
         return cls(module.__name__.rsplit(".", 1)[-1], module.TEXT_TYPES, module.WRAPPER_TYPES,
-                   module.ALWAYS_NORM_TOPK, module.convert, module.publish)
+                   module.ALWAYS_NORM_TOPK, module.state_spec, module.convert, module.publish)
 
 
 FAMILIES = tuple(Family.of(module) for module in (qwen3_5, qwen3_next))
@@ -41,3 +44,7 @@ FAMILIES = tuple(Family.of(module) for module in (qwen3_5, qwen3_next))
 
 def family_of(model_type: object) -> Family | None:
     return next((f for f in FAMILIES if model_type in f.text_types or model_type in f.wrapper_types), None)
+
+
+def family_named(name: str) -> Family:
+    return next(f for f in FAMILIES if f.name == name)

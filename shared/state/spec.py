@@ -1,0 +1,95 @@
+"""What a model's state is made of, as its family declares it (`deltaspec.shared.model.families`).
+
+A `StateSpec` lists the layers in order as recurrent or attention, the recurrent kind with its shapes, and the
+attention K/V's shape. The state floor sizes, allocates and counts every buffer from it alone and imports nothing
+of the model, so the engine never asks which family it serves: a new family declares its spec, and a new
+recurrent kind adds its buffers here and its closed-form commit beside GDN's (`rollback.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+RECURRENT, ATTENTION = "recurrent", "attention"  # the layer kinds the state knows
+RECURRENT_KINDS = ("gdn",)  # recurrent state kinds with a closed-form commit (Gated DeltaNet)
+
+LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one on top) of k <= 16 drafts plus inputs
+CHAIN_LOG_CAPACITY = 51  # a draft's: its open round and two speculations on top, 3 x (k + 1) for k <= 16 (a third
+# fits for k <= 11; beyond, the draft refuses it or does not make it ahead)
+
+Buffers = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype)
+
+
+@dataclass(frozen=True)
+class RecurrentSpec:
+    """One recurrent layer's state: a short conv window of `conv_width - 1` rows of `conv_dim` channels before the
+    mixer, and `heads` recurrent states of `key_dim x value_dim`, evolving by the algebra of `kind`."""
+
+    kind: str
+    conv_dim: int
+    conv_width: int
+    heads: int
+    key_dim: int
+    value_dim: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in RECURRENT_KINDS:
+            raise ValueError(f"unknown recurrent state kind {self.kind!r} (expected one of {RECURRENT_KINDS})")
+
+    def buffers(self, n_layers: int, dtype: torch.dtype, log_capacity: int = LOG_CAPACITY) -> Buffers:
+        """Shape and dtype of every buffer one sequence's recurrent layers hold, stacked on a leading layer axis:
+        committed and staged windows and states, the mark snapshot, and the logs of `log_capacity` staged tokens
+        (GDN: pre-conv input x, key k, delta-rule correction delta, log decay g), laid out so that the commit's
+        matmul reads them as they are. The recurrent state is float32 whatever the weights."""
+        H, Dk, Dv = self.heads, self.key_dim, self.value_dim
+        window = ((n_layers, self.conv_width - 1, self.conv_dim), dtype)
+        state = ((n_layers, H, Dk, Dv), torch.float32)
+        return {"conv": window, "window": window, "marked_window": window,
+                "recurrent": state, "spare": state, "marked_state": state,
+                "x": ((n_layers, log_capacity, self.conv_dim), dtype),
+                "k": ((n_layers, H, Dk, log_capacity), torch.float32),
+                "delta": ((n_layers, H, log_capacity, Dv), torch.float32),
+                "g": ((n_layers, H, log_capacity), torch.float32)}
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A model's whole state: `layers` says, layer by layer, RECURRENT or ATTENTION; `recurrent` is every recurrent
+    layer's spec (None for a model without one); attention K/V holds `kv_heads x head_dim` per position."""
+
+    layers: tuple[str, ...]
+    recurrent: RecurrentSpec | None
+    kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        bad = [kind for kind in self.layers if kind not in (RECURRENT, ATTENTION)]
+        if bad:
+            raise ValueError(f"unknown layer kind {bad[0]!r} in a state spec (expected {RECURRENT!r} or {ATTENTION!r})")
+        if self.recurrent is None and RECURRENT in self.layers:
+            raise ValueError("a state spec with recurrent layers needs their RecurrentSpec")
+
+    @property
+    def n_recurrent(self) -> int:
+        return self.layers.count(RECURRENT)
+
+    @property
+    def n_attention(self) -> int:
+        return self.layers.count(ATTENTION)
+
+    def recurrent_buffers(self, dtype: torch.dtype, log_capacity: int = LOG_CAPACITY) -> Buffers:
+        return {} if self.recurrent is None else self.recurrent.buffers(self.n_recurrent, dtype, log_capacity)
+
+    def recurrent_bytes(self, dtype: torch.dtype, log_capacity: int = LOG_CAPACITY) -> int:
+        """Bytes of one sequence's recurrent state, logs and snapshot included: constant, whatever the context."""
+        return sum(torch.Size(shape).numel() * kind.itemsize
+                   for shape, kind in self.recurrent_buffers(dtype, log_capacity).values())
+
+    def kv_bytes_per_position(self, dtype: torch.dtype) -> int:
+        """Bytes of attention K/V one more position costs a sequence, all attention layers together."""
+        return self.n_attention * 2 * self.kv_heads * self.head_dim * dtype.itemsize
+
+    def bytes(self, dtype: torch.dtype, positions: int, log_capacity: int = LOG_CAPACITY) -> int:
+        """Bytes of one sequence's whole state with K/V for `positions` positions: what a state pool charges."""
+        return self.recurrent_bytes(dtype, log_capacity) + positions * self.kv_bytes_per_position(dtype)

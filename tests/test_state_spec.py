@@ -1,0 +1,40 @@
+"""The state spec a family declares (`shared/state/spec.py`): what the state floor sizes everything from."""
+import pytest
+import torch
+
+from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config
+from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.state.rollback import ModelState
+from deltaspec.shared.state.spec import ATTENTION, RECURRENT, RecurrentSpec, StateSpec
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_a_family_declares_its_layers_and_the_state_holds_what_it_declares(family):
+    raw = hf_config(layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
+                    linear_value_head_dim=20) if family == "qwen3_5_text" else hf_moe_config("qwen3_next")
+    cfg = ModelConfig.from_dict(raw)
+    spec = cfg.state_spec
+    assert spec.layers == tuple(RECURRENT if t == "linear_attention" else ATTENTION for t in cfg.layer_types)
+    assert (spec.recurrent.kind, spec.recurrent.heads, spec.recurrent.key_dim, spec.recurrent.value_dim) == (
+        "gdn", cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    state = ModelState(spec, capacity=7)
+    assert state.gdn.recurrent.shape == (spec.n_recurrent, spec.recurrent.heads, spec.recurrent.key_dim,
+                                         spec.recurrent.value_dim)
+    assert state.gdn.conv.shape == (spec.n_recurrent, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
+    # the mark snapshot (allocated on first use here, preallocated in a pool slot) counts as a pool charges it
+    held = sum(t.nbytes for t in (state.gdn.conv, state.gdn.window, state.gdn.recurrent, state.gdn.spare,
+                                  state.gdn.x, state.gdn.k, state.gdn.delta, state.gdn.g))
+    snapshot = state.gdn.conv.nbytes + state.gdn.recurrent.nbytes
+    kv = sum(t.nbytes for layer in state.attn for t in (layer.k, layer.v))
+    assert spec.bytes(torch.float32, 7) == held + snapshot + kv
+
+
+def test_bad_specs_are_refused_naming_the_problem():
+    gdn = RecurrentSpec("gdn", conv_dim=8, conv_width=4, heads=2, key_dim=4, value_dim=4)
+    with pytest.raises(ValueError, match="unknown recurrent state kind 'mamba3'"):
+        RecurrentSpec("mamba3", conv_dim=8, conv_width=4, heads=2, key_dim=4, value_dim=4)
+    with pytest.raises(ValueError, match="unknown layer kind 'linear_attention'"):
+        StateSpec(("linear_attention",), gdn, 1, 8)
+    with pytest.raises(ValueError, match="needs their RecurrentSpec"):
+        StateSpec((RECURRENT, ATTENTION), None, 1, 8)
