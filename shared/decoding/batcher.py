@@ -41,7 +41,7 @@ from deltaspec.shared.errors import ResourceExhausted
 from deltaspec.shared.model.batched import BatchRefused, forward_batch
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.state import prefix_cache
-from deltaspec.shared.state.pool import attach, server_pool
+from deltaspec.shared.state.pool import StatePool, attach
 from deltaspec.shared.state.rollback import ModelState
 from deltaspec.shared.state.spec import LOG_CAPACITY
 from deltaspec.shared.telemetry.metrics import Metrics
@@ -84,6 +84,20 @@ class BatchStats:
 
 ACTIVE_S = 0.2  # a sequence that has not called for this long is not waited for
 REFUSALS = (BatchRefused, ResourceExhausted)  # raised before a pass stages anything
+
+
+def server_pool(model: HybridLM, limits: Limits, log_capacity: int = LOG_CAPACITY) -> StatePool:
+    """The pool a server attaches: `limits.state_memory_bytes` for at most `limits.max_sessions` sessions, or
+    (0) room for `max_sessions` sessions of `auto_context(max_prompt_tokens)` positions each."""
+    budget, spec, dtype = limits.state_memory_bytes, model.config.state_spec, model.dtype
+    if budget == 0:
+        budget = limits.max_sessions * spec.bytes(dtype, auto_context(limits.max_prompt_tokens), log_capacity)
+    return StatePool(spec, budget, limits.max_sessions, model.device, dtype, log_capacity)
+
+
+def auto_context(max_prompt_tokens: int) -> int:
+    """Positions per session the default budget pays for: a whole prompt and as many generated tokens, 4096 at least."""
+    return max(4096, 2 * max_prompt_tokens)
 
 
 def serving(model: HybridLM, limits: Limits, batching: BatchConfig | None, metrics: Metrics,

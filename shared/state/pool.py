@@ -29,7 +29,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,9 +36,6 @@ from torch import nn
 from deltaspec.shared.errors import ResourceExhausted
 from deltaspec.shared.state.rollback import LogRows, ModelState
 from deltaspec.shared.state.spec import LOG_CAPACITY, StateSpec
-
-if TYPE_CHECKING:
-    from deltaspec.shared.decoding.session_table import Limits
 
 MIN_CONTEXT = 256  # the smallest K/V capacity a session asks for (TargetSession, ModelDrafter: max(256, 2 x prompt))
 FIELD = "state_memory"  # what a refusal names (QuotaFailure subject)
@@ -190,17 +186,3 @@ def attach(model: nn.Module, pool: StatePool) -> None:
         raise ValueError("the model has a state pool already")
     model.state_pool = pool
     model.register_forward_pre_hook(_reserve_positions, with_kwargs=True)
-
-
-def server_pool(model: nn.Module, limits: Limits, log_capacity: int = LOG_CAPACITY) -> StatePool:
-    """The pool a server attaches: `limits.state_memory_bytes` for at most `limits.max_sessions` sessions, or
-    (0) room for `max_sessions` sessions of `auto_context(max_prompt_tokens)` positions each."""
-    budget, spec, dtype = limits.state_memory_bytes, model.config.state_spec, model.dtype
-    if budget == 0:
-        budget = limits.max_sessions * spec.bytes(dtype, auto_context(limits.max_prompt_tokens), log_capacity)
-    return StatePool(spec, budget, limits.max_sessions, model.device, dtype, log_capacity)
-
-
-def auto_context(max_prompt_tokens: int) -> int:
-    """Positions per session the default budget pays for: a whole prompt and as many generated tokens, 4096 at least."""
-    return max(4096, 2 * max_prompt_tokens)

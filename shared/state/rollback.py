@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -46,8 +46,18 @@ from torch import Tensor
 from deltaspec.shared.kernels import VerifyLogs
 from deltaspec.shared.state.spec import LOG_CAPACITY, RECURRENT, RecurrentSpec, StateSpec
 
-if TYPE_CHECKING:
-    from deltaspec.shared.state.pool import Lease
+
+class Lease(Protocol):
+    """What a sequence's state takes of a pool's slot (`deltaspec.shared.state.pool.Lease`): the slot's preallocated
+    recurrent buffers, its logs as rows of the pool's, and K/V growth paid from the pool's budget."""
+
+    buffers: dict[str, Tensor]
+    rows: LogRows
+
+    def grow(self, needed: int, preferred: int) -> int:
+        """K/V positions granted for `needed` (at most `preferred`), or `ResourceExhausted` before anything changes."""
+        ...
+
 
 class CommitPlan(NamedTuple):
     """Views and buffers of a commit of n staged tokens: the logs' first n slots, and where the decays go."""
