@@ -18,11 +18,13 @@ def recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sta
     state `(B..., H, Dk, Dv)` with as many (sequence, head) pairs; returns the output and delta shaped like v, and the
     state after, written into `out` (shaped like `state`) when given. A handful of batched matmuls over the pairs."""
     Dk, Dv = state.shape[-2:]
-    s = state.reshape(-1, Dk, Dv) * g.reshape(-1, 1, 1).exp()
+    flat = state.dim() == 3  # one sequence's (H, Dk, Dv): no reshapes (a decode step counts every call)
+    s = (state if flat else state.reshape(-1, Dk, Dv)) * g.reshape(-1, 1, 1).exp()
     k = k.reshape(-1, 1, Dk)
     delta = (v.reshape(-1, 1, Dv) - torch.bmm(k, s)) * beta.reshape(-1, 1, 1)  # (B H, 1, Dv)
-    s = torch.baddbmm(s, k.transpose(1, 2), delta, out=None if out is None else out.view(-1, Dk, Dv))
-    return torch.bmm(q.reshape(-1, 1, Dk), s).view(v.shape), delta.view(v.shape), s.view(state.shape)
+    s = torch.baddbmm(s, k.transpose(1, 2), delta, out=out if out is None or flat else out.view(-1, Dk, Dv))
+    return (torch.bmm(q.reshape(-1, 1, Dk), s).view(v.shape), delta.view(v.shape),
+            s if flat else s.view(state.shape))
 
 
 def recurrent_gated_delta_rule(

@@ -40,16 +40,18 @@ class StateAccess(Protocol):
         ...
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, query_at: Tensor | None) -> Tensor:
-    """q `(B, T, H, D)` at positions `query_at` `(T,)` or `(B, T)` over keys and values `(B, Hkv, L, D)` at positions
-    0..L-1: each query sees the keys up to its own position (None: every key). Returns `(B, T, H, D)`."""
-    mask = None
-    if query_at is not None:  # (T, L), or (B, 1, T, L): SDPA's CPU kernels round as before only with these shapes
-        mask = torch.arange(k.shape[-2], device=q.device) <= query_at[..., None]
-        if mask.ndim == 3:
-            mask = mask[:, None]
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """q `(B, T, H, D)` over keys and values `(B, Hkv, L, D)` under `mask` (`(T, L)` or `(B, 1, T, L)`, True where a
+    query sees a key; None: every key). Returns `(B, T, H, D)`."""
     return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                           enable_gqa=q.shape[2] != k.shape[1]).transpose(1, 2)
+
+
+def position_mask(query_at: Tensor, L: int) -> Tensor:
+    """Each query at its position `query_at` (`(T,)`, or `(B, T)`) sees the keys at positions up to its own among
+    0..L-1: `(T, L)`, or `(B, 1, T, L)` (SDPA's CPU kernels round as the single-sequence form only with these)."""
+    mask = torch.arange(L, device=query_at.device) <= query_at[..., None]
+    return mask[:, None] if mask.ndim == 3 else mask
 
 
 def attend(st: AttnLayerState, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
@@ -60,8 +62,10 @@ def attend(st: AttnLayerState, q: Tensor, k: Tensor, v: Tensor, start: int) -> T
     st.ensure_capacity(end)
     st.k[:, start:end] = k.transpose(0, 1)
     st.v[:, start:end] = v.transpose(0, 1)
-    query_at = torch.arange(start, end, device=q.device) if T > 1 else None
-    return causal_attention(q[None], st.k[None, :, :end], st.v[None, :, :end], query_at)[0]
+    mask = None  # one query sees every key; query i of several sits at start + i
+    if T > 1:
+        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(start)
+    return causal_attention(q[None], st.k[None, :, :end], st.v[None, :, :end], mask)[0]
 
 
 class SequenceAccess:
@@ -127,7 +131,8 @@ class StaticAccess:
         k_cache, v_cache = self.kv[j]
         k_cache.index_copy_(1, self.positions, k.transpose(0, 1))
         v_cache.index_copy_(1, self.positions, v.transpose(0, 1))
-        return causal_attention(q[None], k_cache[None], v_cache[None], self.positions)[0]
+        mask = position_mask(self.positions, k_cache.shape[1])
+        return causal_attention(q[None], k_cache[None], v_cache[None], mask)[0]
 
 
 @dataclass
@@ -258,7 +263,7 @@ class BatchAccess:
                              [st.k[:, :end] for st, end in zip(states, ends)]
                              + [st.v[:, :end] for st, end in zip(states, ends)])
         query_at = torch.tensor(starts, device=q.device)[:, None] + torch.arange(T, device=q.device)  # (G, T)
-        out = causal_attention(g.take(q), torch.stack(cache_k), torch.stack(cache_v), query_at)  # (G, T, H, D)
+        out = causal_attention(g.take(q), torch.stack(cache_k), torch.stack(cache_v), position_mask(query_at, L))
         return out.reshape(G * T, *out.shape[2:])
 
 
