@@ -39,6 +39,20 @@ def _count(minimum: int):
     return parse
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds, 0 or more (inf: no limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return value
+
+
+_seconds.__name__ = "seconds"  # what argparse calls the type in its messages
+
+
 def _ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -193,7 +207,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     prompt = dict(prompt_ids=args.prompt_ids, prompt_text="" if messages else args.prompt or "", messages=messages,
                   max_new_tokens=args.max_new_tokens,
                   num_draft_tokens=FIXED_DRAFT_TOKENS if args.num_draft_tokens is None else args.num_draft_tokens,
-                  sampling=_sampling(args), timeout_s=args.timeout,
+                  sampling=_sampling(args), timeout_s=args.timeout, recovery_window_s=args.recovery_window,
                   security=security, telemetry=(telemetry := Telemetry.from_env(CLIENT)))
     try:
         if args.draft_addr:
@@ -498,6 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-addr", help="HOST:PORT of a target service: generate there instead of in process")
     p.add_argument("--draft-addr", help="HOST:PORT of a draft service: drive the loop from here (with --target-addr)")
     p.add_argument("--timeout", type=float, help="deadline in seconds for the whole generation over gRPC")
+    p.add_argument("--recovery-window", type=_seconds, metavar="SECONDS",
+                   help="with --target-addr: how long a target that is gone, restarting or still loading its model is "
+                        "waited for (its health watched between tries) before the generation fails UNAVAILABLE "
+                        "(default: until --timeout, or 300 s without one)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="with --draft-addr: serial rounds (default: the draft proposes round r+1 while the target "
                         "verifies round r)")

@@ -18,23 +18,31 @@ the target renders with its checkpoint's chat template; `stop_strings=` end a ge
 text first contains one (the text stops before it). Every refusal is raised as a `DeltaspecRpcError` subclass
 carrying the status code, the stable reason and the field at fault (see protos/deltaspec/v1/target_service.proto
 for the contract).
+
+A target that is gone, restarting or still loading its model (a rollout, a crash) is waited for, on every path:
+until the generation's deadline (`timeout_s`), or the recovery window when there is none (`recovery_window_s`, 300 s
+by default; a given window ends at the deadline if that comes first), watching the target's grpc.health.v1 status
+between tries (`deltaspec.shared.rpc.recovery`). Past it the call raises `UnavailableError` saying how long it waited.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2_grpc
 from grpc_status import rpc_status
 
 from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.speculative import Generation
 from deltaspec.shared.rpc.generation import (Messages, Resume, StreamTotals, generate_client_driven,
                                              generate_on_server, server_stream)
+from deltaspec.shared.rpc.recovery import check_window
 from deltaspec.shared.rpc.security import ClientSecurity
 from deltaspec.shared.rpc.status import error_info, field_of
 from deltaspec.v1 import target_service_pb2, target_service_pb2_grpc
@@ -131,24 +139,26 @@ _BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError, grpc.StatusC
 
 @dataclass(frozen=True)
 class _Options:
-    """What both clients share: where to dial, how, and how long a call may take."""
+    """What both clients share: where to dial, how, how long a call may take and a target's outage is waited out."""
 
     target: str
     draft: str | None
     security: ClientSecurity
     timeout_s: float | None
+    recovery_window_s: float | None = None
 
     @staticmethod
     def make(target: str, draft: str | None, ca: str | Path | None, cert: str | Path | None,
              key: str | Path | None, token: str | None, server_name: str | None, insecure: bool,
-             timeout_s: float | None) -> _Options:
+             timeout_s: float | None, recovery_window_s: float | None = None) -> _Options:
+        check_window(recovery_window_s)
         path = lambda p: None if p is None else Path(p)  # noqa: E731
         security = ClientSecurity(ca=path(ca), cert=path(cert), key=path(key), token=token,
                                   server_name=server_name, insecure=insecure)
         security.check(target)
         if draft:
             security.check(draft)
-        return _Options(target, draft, security, timeout_s)
+        return _Options(target, draft, security, timeout_s, recovery_window_s)
 
     def deadline(self) -> float | None:
         return None if self.timeout_s is None else time.monotonic() + self.timeout_s
@@ -169,14 +179,20 @@ def _completion(generation: Generation, text: str) -> Completion:
 
 
 class Client:
-    """A synchronous client of a target service (and optionally a draft service for client-driven rounds)."""
+    """A synchronous client of a target service (and optionally a draft service for client-driven rounds).
+
+    `timeout_s`: a deadline for each generation; `recovery_window_s`: how long a target that is gone, restarting or
+    loading is waited for (None: until the deadline, or 300 s without one; 0 or more, else ValueError)."""
 
     def __init__(self, target: str, *, draft: str | None = None, ca: str | Path | None = None,
                  cert: str | Path | None = None, key: str | Path | None = None, token: str | None = None,
-                 server_name: str | None = None, insecure: bool = False, timeout_s: float | None = None) -> None:
-        self._options = _Options.make(target, draft, ca, cert, key, token, server_name, insecure, timeout_s)
+                 server_name: str | None = None, insecure: bool = False, timeout_s: float | None = None,
+                 recovery_window_s: float | None = None) -> None:
+        self._options = _Options.make(target, draft, ca, cert, key, token, server_name, insecure, timeout_s,
+                                      recovery_window_s)
         self._channel = self._options.security.channel(target)
         self._stub = target_service_pb2_grpc.TargetServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def stream(self, prompt: Prompt = None, *, max_new_tokens: int, messages: Messages | None = None,
                stop_strings: Sequence[str] = (), num_draft_tokens: int = 4, temperature: float = 0.0, top_k: int = 0,
@@ -186,7 +202,9 @@ class Client:
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         try:
             for msg in server_stream(self._stub, ids, text, max_new_tokens, num_draft_tokens, sampling,
-                                     self._options.deadline(), messages=messages, stop_strings=list(stop_strings)):
+                                     self._options.deadline(), self._options.recovery_window_s, messages=messages,
+                                     stop_strings=list(stop_strings), health=self._health,
+                                     address=self._options.target):
                 if msg.token_ids or msg.text:
                     yield Piece(list(msg.token_ids), msg.text)
         except grpc.RpcError as e:
@@ -205,10 +223,12 @@ class Client:
             if self._options.draft:
                 generation, out = generate_client_driven(
                     self._options.target, self._options.draft, ids, text, max_new_tokens, num_draft_tokens,
-                    sampling, self._options.timeout_s, security=self._options.security, messages=messages)
+                    sampling, self._options.timeout_s, security=self._options.security, messages=messages,
+                    recovery_window_s=self._options.recovery_window_s)
             else:
                 generation, out = generate_on_server(self._options.target, ids, text, max_new_tokens,
                                                      num_draft_tokens, sampling, self._options.timeout_s,
+                                                     recovery_window_s=self._options.recovery_window_s,
                                                      security=self._options.security, messages=messages,
                                                      stop_strings=list(stop_strings))
         except grpc.RpcError as e:
@@ -226,15 +246,21 @@ class Client:
 
 
 class AsyncClient:
-    """`Client` for asyncio: `async for piece in client.stream(...)`, `await client.generate(...)`."""
+    """`Client` for asyncio: `async for piece in client.stream(...)`, `await client.generate(...)`. A target's outage
+    is waited out as `Client` does, backing off with jitter between tries (no health Watch on the event loop).
+    `max_attempts` is no longer read (the wait is bounded by time: `recovery_window_s`); passing it warns."""
 
     def __init__(self, target: str, *, ca: str | Path | None = None, cert: str | Path | None = None,
                  key: str | Path | None = None, token: str | None = None, server_name: str | None = None,
-                 insecure: bool = False, timeout_s: float | None = None, max_attempts: int = 8) -> None:
-        self._options = _Options.make(target, None, ca, cert, key, token, server_name, insecure, timeout_s)
+                 insecure: bool = False, timeout_s: float | None = None, recovery_window_s: float | None = None,
+                 max_attempts: int | None = None) -> None:
+        if max_attempts is not None:
+            warnings.warn("AsyncClient(max_attempts=) is ignored: a target's outage is waited out for a time, "
+                          "recovery_window_s", DeprecationWarning, stacklevel=2)
+        self._options = _Options.make(target, None, ca, cert, key, token, server_name, insecure, timeout_s,
+                                      recovery_window_s)
         self._channel = self._options.security.aio_channel(target)
         self._stub = target_service_pb2_grpc.TargetServiceStub(self._channel)
-        self._max_attempts = max_attempts
 
     async def stream(self, prompt: Prompt = None, *, max_new_tokens: int, messages: Messages | None = None,
                      stop_strings: Sequence[str] = (), num_draft_tokens: int = 4, temperature: float = 0.0,
@@ -258,19 +284,19 @@ class AsyncClient:
                         stop_strings: Sequence[str]) -> AsyncIterator[target_service_pb2.GenerateResponse]:
         """`server_stream` for asyncio: reopened after a break on the prompt plus the tokens received."""
         resume = Resume(*_prompt(prompt), max_new_tokens, num_draft_tokens, sampling, self._options.deadline(),
-                        self._max_attempts, messages, list(stop_strings))
+                        self._options.recovery_window_s, messages, list(stop_strings), address=self._options.target)
         while True:
             try:
                 async for msg in self._stub.Generate(resume.request(), timeout=resume.timeout(),
-                                                     wait_for_ready=True, metadata=resume.metadata):
+                                                     wait_for_ready=resume.wait_for_ready(), metadata=resume.metadata):
                     resume.seen(msg)
                     yield msg
                 return
             except grpc.RpcError as e:
                 try:
                     delay = resume.after_break(e)
-                except grpc.RpcError:
-                    raise DeltaspecRpcError.from_rpc_error(e) from e
+                except grpc.RpcError as final:
+                    raise DeltaspecRpcError.from_rpc_error(final) from e
                 await asyncio.sleep(delay)
 
     async def close(self) -> None:

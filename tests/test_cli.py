@@ -140,6 +140,7 @@ def test_bad_prefix_cache_settings_are_refused(flag, value, message):
     ("--max-new-tokens", "0", "argument --max-new-tokens: must be 1 or more, got 0"),  # a generation of nothing
     ("--num-draft-tokens", "-1", "argument --num-draft-tokens: must be 0 or more, got -1"),
     ("--max-new-tokens", "many", "argument --max-new-tokens: must be an integer, got 'many'"),
+    ("--recovery-window", "-1", "argument --recovery-window: must be 0 or more seconds, got -1"),
 ])
 def test_bad_counts_are_refused_naming_the_flag_and_value(flag, value, message):
     out = run("generate", "--prompt", "x", flag, value)

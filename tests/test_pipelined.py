@@ -753,7 +753,7 @@ def test_speculations_no_longer_wanted_never_fail_the_draft(servers, monkeypatch
             assert drafter.propose(0).tokens == []  # waits for the speculation, which fails at its deadline
             assert speculation.result(timeout=5) is None
         time.sleep(0.05)  # its failure handled on gRPC's threads
-        assert (drafter.failures, drafter.skip) == (0, 0), end
+        assert (drafter.failures, drafter.paused_s) == (0, 0.0), end
     assert "draft failed" not in caplog.text
 
 
@@ -975,7 +975,7 @@ def test_a_speculation_failing_before_its_plain_propose_answers_counts_as_a_fail
     drafter.start([1, 2, 3])
     proposal, speculation, _ = drafter.propose_and_speculate(2, 2)
     assert proposal.tokens == [1, 2] and speculation.result() is None
-    assert drafter.failures == 1 and drafter.skip == 1  # the next round goes without the draft
+    assert drafter.failures == 1 and drafter.paused_s > 0  # the next rounds (10 ms) go without the draft
 
 
 def test_every_draft_speculation_is_told_kept_or_dropped():

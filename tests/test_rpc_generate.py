@@ -24,6 +24,7 @@ from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.tokenizer import load_tokenizer
+from deltaspec.shared.rpc import recovery
 from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 from deltaspec.shared.rpc.options import channel
 from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
@@ -103,7 +104,14 @@ def test_sampled_paths_equal_in_process_speculation(pair, target, flaky):
     assert generate_client_driven(target, flaky[1], PROMPT, "", N, 4, sampling)[0].token_ids == expected.token_ids
 
 
-def test_draft_outage_costs_speculation_not_tokens(pair, target, flaky, reference):
+@pytest.fixture
+def no_draft_pause(monkeypatch):
+    """A failed draft is tried again the next round: the pause after a failure is a time (10 ms, doubling), here
+    as long as a few of the whole generation's ~15 ms rounds, so each queued fault would not surely meet a proposal."""
+    monkeypatch.setattr(recovery, "DRAFT_PAUSE_START_S", 0.0)
+
+
+def test_draft_outage_costs_speculation_not_tokens(pair, target, flaky, reference, no_draft_pause):
     servicer, address = flaky
     before = len(servicer.sessions)
     servicer.faults = ["slow", "garbage", "error"]
@@ -128,7 +136,7 @@ def test_draft_outage_costs_speculation_not_tokens(pair, target, flaky, referenc
         assert generate_client_driven(lonely.address, dead, PROMPT, "", N)[0].token_ids == reference
 
 
-def test_draft_garbage_probabilities_cost_speculation_when_sampling(target, flaky):
+def test_draft_garbage_probabilities_cost_speculation_when_sampling(target, flaky, no_draft_pause):
     servicer, _ = flaky
     servicer.faults = ["bad-probs", "bad-probs"]
     sampling = sampling_pb2.SamplingParams(temperature=0.9, seed=4)

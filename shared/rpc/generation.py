@@ -2,14 +2,16 @@
 
 - `generate_on_server`: one `Generate` stream; the target runs the loop against its own draft
   peer. If the stream breaks (the target restarted, the network reset it), it is opened again on the
-  prompt plus the tokens received so far, for the tokens still missing; it gives up after
-  `max_attempts` breaks in a row that brought no token.
+  prompt plus the tokens received so far, for the tokens still missing, for as long as the recovery rule allows
+  (`deltaspec.shared.rpc.recovery`: the generation's deadline, or a window of 300 s by default from the first break
+  that brought no token, `recovery_window_s`; between tries it waits on the target's grpc.health.v1 `Watch`).
 - `generate_client_driven`: this process runs the loop (`deltaspec.shared.decoding.speculative.decode`)
   with the target and the draft as remote peers: one Propose, one Verify and one Commit a round.
   A session is opened through `target_address` (which may be a load-balanced service) and its
   later calls go straight to the replica that holds it when that replica advertises an address.
   With a draft and `pipeline` (the default) the rounds are pipelined
   (`deltaspec.shared.decoding.pipelined`): the draft proposes round r+1 while the target verifies round r.
+  A target that is gone, restarting or loading is waited out under the same recovery rule (`RemoteTargetSession`).
 
 Both paths send the prompt's routing key (`deltaspec.shared.rpc.routing`) on `Generate` and `CreateSession`, so a
 balancer that hashes it sends requests sharing a prefix to the replica whose prefix cache holds it.
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from deltaspec.v1 import draft_service_pb2_grpc, target_service_pb2, target_service_pb2_grpc
 from deltaspec.shared.decoding.drafters import NoDrafter
@@ -32,6 +35,7 @@ from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.speculative import Generation, Stats, decode
 from deltaspec.shared.rpc.convert import sampling_to_proto, stats_from_proto
 from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
+from deltaspec.shared.rpc.recovery import Recovery, check_window, gone
 from deltaspec.shared.rpc.remote_target import RemoteTargetSession
 from deltaspec.shared.rpc.routing import prefix_metadata
 from deltaspec.shared.rpc.security import ClientSecurity
@@ -49,11 +53,13 @@ def chat_messages(messages: Messages | None) -> list[target_service_pb2.ChatMess
 def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt_text: str, max_new_tokens: int,
                        num_draft_tokens: int = 4, sampling: SamplingParams = SamplingParams(),
                        timeout_s: float | None = None, on_tokens: OnTokens | None = None,
-                       max_attempts: int = 8, telemetry: Telemetry | None = None,
+                       recovery_window_s: float | None = None, telemetry: Telemetry | None = None,
                        model: str = "deltaspec-target", security: ClientSecurity = ClientSecurity(),
                        messages: Messages | None = None, stop_strings: list[str] = ()) -> tuple[Generation, str]:
     """`messages` is the prompt as a conversation (instead of ids or text), rendered by the target's chat
-    template; the generation ends where its text reaches one of `stop_strings`."""
+    template; the generation ends where its text reaches one of `stop_strings`. `recovery_window_s`: how long a
+    target that is gone, restarting or loading is waited for (None: until the deadline, or 300 s without one)."""
+    check_window(recovery_window_s)
     telemetry = telemetry or Telemetry()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     totals = StreamTotals(prompt_ids)
@@ -61,7 +67,8 @@ def generate_on_server(target_address: str, prompt_ids: list[int] | None, prompt
             telemetry.channel(security.channel(target_address)) as ch:
         stub = target_service_pb2_grpc.TargetServiceStub(ch)
         for msg in server_stream(stub, prompt_ids, prompt_text, max_new_tokens, num_draft_tokens, sampling,
-                                 deadline, max_attempts, messages, stop_strings):
+                                 deadline, recovery_window_s, messages, stop_strings,
+                                 health=health_pb2_grpc.HealthStub(ch), address=target_address):
             totals.add(msg)
             if on_tokens and (msg.token_ids or msg.text):
                 on_tokens(list(msg.token_ids), msg.text)
@@ -95,22 +102,25 @@ class Resume:
     """What reopening a broken `Generate` stream needs, for the sync and asyncio loops alike: the request for
     the tokens still missing (the prompt, text or messages until the server has tokenized it, followed by what
     arrived), its routing header (the original prompt's, so a reopened stream is routed as the first one was),
-    the time left, and the back-off after a break. Draws are keyed by (seed, position), so a resumed generation
+    the time left, and the wait after a break (`deltaspec.shared.rpc.recovery`: an outage begins at a break and ends
+    with the first token a reopened stream brings; it is waited out until the deadline or the recovery window). Draws are keyed by (seed, position), so a resumed generation
     is the one an unbroken stream would have made, sampled too (a stop string that straddles the break is not
     seen: the reopened stream searches the new text only)."""
 
     def __init__(self, prompt_ids: list[int] | None, prompt_text: str, max_new_tokens: int, num_draft_tokens: int,
-                 sampling: SamplingParams, deadline: float | None, max_attempts: int,
-                 messages: Messages | None = None, stop_strings: list[str] = ()) -> None:
+                 sampling: SamplingParams, deadline: float | None, recovery_window_s: float | None = None,
+                 messages: Messages | None = None, stop_strings: list[str] = (),
+                 health: health_pb2_grpc.HealthStub | None = None, address: str = "") -> None:
         self.prompt, self.out, self.prompt_text = list(prompt_ids or []), [], prompt_text
         self.messages, self.stop_strings = chat_messages(messages), list(stop_strings)
         self.metadata = prefix_metadata(prompt_ids, prompt_text, messages)
         self.max_new_tokens, self.num_draft_tokens, self.sampling = max_new_tokens, num_draft_tokens, sampling
-        self.deadline, self.max_attempts = deadline, max_attempts
-        self.failures, self.received = 0, 0  # breaks in a row that brought no token; tokens before this opening
+        self.deadline, self.recovery_window_s = deadline, check_window(recovery_window_s)
+        self.health, self.address = health, address
+        self.outage: Recovery | None = None  # the target's outage being waited out: from a break to the next token
+        self.outages: list[float] = []  # how long each outage lasted, seconds
 
     def request(self) -> target_service_pb2.GenerateRequest:
-        self.received = len(self.out)
         return target_service_pb2.GenerateRequest(
             prompt_ids=self.prompt + self.out, prompt_text="" if self.prompt else self.prompt_text,
             messages=[] if self.prompt else self.messages, sampling=sampling_to_proto(self.sampling),
@@ -120,36 +130,58 @@ class Resume:
     def timeout(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
+    def wait_for_ready(self) -> bool:
+        """Whether the stream may wait for the channel: not during an outage, whose own waiting is bounded by its
+        window (a stream that waited for a target that never listens again would wait for ever)."""
+        return self.outage is None
+
     def seen(self, msg: target_service_pb2.GenerateResponse) -> None:
         self.prompt = self.prompt or list(msg.prompt_ids)
         self.out += msg.token_ids
+        if msg.token_ids and self.outage is not None:  # the target is back
+            self.outages.append(time.monotonic() - self.outage.started)
+            self.outage = None
+
+    def _outage(self, err: grpc.RpcError) -> Recovery:
+        """The outage a break belongs to, or `err` raised again where waiting will not help."""
+        code = err.code()  # type: ignore[attr-defined]
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise err
+        if not gone(err) and not (code == grpc.StatusCode.DEADLINE_EXCEEDED and self.outage is not None):
+            raise err
+        if self.outage is None:
+            self.outage = Recovery(target_service_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name,
+                                   self.address, self.recovery_window_s, self.deadline, self.health)
+        return self.outage
+
+    def wait_after_break(self, err: grpc.RpcError) -> None:
+        """Before reopening: until the target's health service says SERVING, or a jittered back-off; `err` raised
+        again where waiting will not help (`RecoveryExhausted` past the window)."""
+        self._outage(err).wait(err)
 
     def after_break(self, err: grpc.RpcError) -> float:
-        """The delay before reopening, or `err` raised again: not `UNAVAILABLE`, or `max_attempts` breaks in a
-        row without a token. No delay after a stream that brought tokens, then 50 ms doubling to 1 s (a
-        restarted target listens before it has loaded)."""
-        self.failures = 0 if len(self.out) > self.received else self.failures + 1
-        if err.code() != grpc.StatusCode.UNAVAILABLE or self.failures == self.max_attempts:  # type: ignore
-            raise err
-        return min(0.05 * 2 ** self.failures, 1.0) if self.failures else 0.0
+        """`wait_after_break` for asyncio: the delay before reopening (a jittered back-off, no health Watch)."""
+        return self._outage(err).delay(err)
 
 
 def server_stream(stub: target_service_pb2_grpc.TargetServiceStub, prompt_ids: list[int] | None, prompt_text: str,
                   max_new_tokens: int, num_draft_tokens: int, sampling: SamplingParams, deadline: float | None,
-                  max_attempts: int = 8, messages: Messages | None = None,
-                  stop_strings: list[str] = ()) -> Iterator[target_service_pb2.GenerateResponse]:
-    """`Generate`'s messages, the stream opened again after a break (`UNAVAILABLE`, see `Resume`)."""
-    resume = Resume(prompt_ids, prompt_text, max_new_tokens, num_draft_tokens, sampling, deadline, max_attempts,
-                    messages, stop_strings)
+                  recovery_window_s: float | None = None, messages: Messages | None = None,
+                  stop_strings: list[str] = (), health: health_pb2_grpc.HealthStub | None = None,
+                  address: str = "") -> Iterator[target_service_pb2.GenerateResponse]:
+    """`Generate`'s messages, the stream opened again after a break (`UNAVAILABLE`, see `Resume`); `health`: the
+    grpc.health.v1 stub on `stub`'s channel, asked between tries."""
+    resume = Resume(prompt_ids, prompt_text, max_new_tokens, num_draft_tokens, sampling, deadline, recovery_window_s,
+                    messages, stop_strings, health, address)
     while True:
         try:
-            for msg in stub.Generate(resume.request(), timeout=resume.timeout(), wait_for_ready=True,
+            for msg in stub.Generate(resume.request(), timeout=resume.timeout(), wait_for_ready=resume.wait_for_ready(),
                                      metadata=resume.metadata):
                 resume.seen(msg)
                 yield msg
             return
         except grpc.RpcError as e:
-            time.sleep(resume.after_break(e))
+            resume.wait_after_break(e)
 
 
 def generate_client_driven(target_address: str, draft_address: str | None, prompt_ids: list[int] | None,
@@ -158,7 +190,11 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
                            draft_timeout_s: float = 1.0, on_tokens: OnTokens | None = None,
                            telemetry: Telemetry | None = None, model: str = "deltaspec-target",
                            security: ClientSecurity = ClientSecurity(), pipeline: bool = True,
-                           messages: Messages | None = None) -> tuple[Generation, str]:
+                           messages: Messages | None = None,
+                           recovery_window_s: float | None = None) -> tuple[Generation, str]:
+    """`recovery_window_s`: how long a target that is gone, restarting or loading is waited for (None: until the
+    deadline, or 300 s without one; `deltaspec.shared.rpc.recovery`)."""
+    check_window(recovery_window_s)
     telemetry = telemetry or Telemetry()
     started = time.perf_counter()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -167,7 +203,9 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
         target_ch = stack.enter_context(telemetry.channel(security.channel(target_address)))
         replicas = stack.enter_context(_ReplicaChannels(telemetry, security))  # closed after the session, which may use one
         session = RemoteTargetSession(target_service_pb2_grpc.TargetServiceStub(target_ch), prompt_ids, prompt_text,
-                                      sampling, deadline, dial=replicas.stub, messages=chat_messages(messages))
+                                      sampling, deadline, recovery_window_s=recovery_window_s, dial=replicas.stub,
+                                      messages=chat_messages(messages), health=health_pb2_grpc.HealthStub(target_ch),
+                                      address=target_address)
         stack.callback(session.close)
         remote = None
         if draft_address:

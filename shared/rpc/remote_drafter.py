@@ -2,8 +2,10 @@
 
 Failure never stops decoding. When the peer is unreachable, slower than its per-round timeout,
 or answers something malformed, the round runs without drafts (target-only rounds give the same
-tokens), and the next attempts wait 1, 2, 4 ... up to `max_backoff_rounds` rounds so a dead or
-slow draft costs little. The draft session is then rebuilt from the committed history, which
+tokens), and the rounds of the next 10 ms go without the draft, the pause doubling with each failure in a row up
+to `max_backoff_s` (4 s; a time, not a count of rounds, so it is the same on a fast and a slow target;
+`deltaspec.shared.rpc.recovery`), so a dead or slow draft costs little, and one that comes back is tried again at
+most 4 s later. The draft session is then rebuilt from the committed history, which
 this class keeps, so speculation resumes exactly where the sequence is.
 
 Each round costs one Propose: it carries the previous round's outcome. The session is asked for at
@@ -43,6 +45,7 @@ from deltaspec.shared.decoding.pipelined import resolved
 from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.errors import InvalidArgument
 from deltaspec.shared.rpc.convert import probs_from_proto, sampling_to_proto
+from deltaspec.shared.rpc import recovery
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +77,13 @@ class _Speculation:
 
 class RemoteDrafter:
     def __init__(self, stub: draft_service_pb2_grpc.DraftServiceStub, sampling: SamplingParams, vocab_size: int,
-                 timeout_s: float = 1.0, deadline: float | None = None, max_backoff_rounds: int = 32,
+                 timeout_s: float = 1.0, deadline: float | None = None, max_backoff_s: float = recovery.DRAFT_PAUSE_CAP_S,
                  open_early: bool = True) -> None:
         """`open_early`: ask for the peer's session at `start` (its round trip overlaps the target's prefill); else
         at the first proposal, for a loop that may draft nothing for a while (a cost model's k = 0)."""
         self.stub, self.sampling, self.vocab_size = stub, sampling, vocab_size
         self.open_early = open_early
-        self.timeout_s, self.deadline, self.max_backoff_rounds = timeout_s, deadline, max_backoff_rounds
+        self.timeout_s, self.deadline, self.max_backoff_s = timeout_s, deadline, max_backoff_s
         self.failures = 0  # rounds in which the peer failed
         self.lock = threading.RLock()  # replies are folded in on gRPC's threads
         self.closing: set[grpc.Future] = set()  # CloseSession calls in flight: gRPC cancels a call it collects
@@ -100,7 +103,8 @@ class RemoteDrafter:
         self.opened_by: draft_service_pb2.RoundOutcome | None = None  # the outcome the open round was proposed with
         self.speculations: list[_Speculation] = []  # sent on top of the open round, each on the one before
         self.abandoned: list[_Speculation] = []  # in flight, no longer wanted: answered before the next Propose
-        self.skip = self.consecutive_failures = 0
+        self.consecutive_failures = 0
+        self.paused_until = 0.0  # time.monotonic() before which rounds go without the draft (after a failure)
         timeout = self._timeout()  # the session is asked for at once: its round trip overlaps the target's prefill
         if self.history and timeout > 0 and self.open_early:
             self.opening = self.stub.CreateSession.future(self._create_request(), timeout=timeout)
@@ -131,8 +135,7 @@ class RemoteDrafter:
         self.rounds += 1
         self.round_id, self.proposed = None, []
         timeout = self._timeout()
-        if k == 0 or self.skip or timeout <= 0:
-            self.skip = max(0, self.skip - 1)
+        if k == 0 or self.paused_s > 0 or timeout <= 0:
             self.close()  # it misses this round's outcome: free it now (a dropped id would hold a slot until
             # its TTL; the last round of every generation has k = 0), rebuild it next time
             return Proposal([]), resolved(None), resolved(None)
@@ -265,12 +268,18 @@ class RemoteDrafter:
                 self.abandoned += [s for s in self.speculations if not s.done.done()]
                 self.speculations = []
 
+    @property
+    def paused_s(self) -> float:
+        """Seconds left before the draft is tried again (0: it is tried this round)."""
+        return max(0.0, self.paused_until - time.monotonic())
+
     def _failed(self, e: Exception) -> None:
         self.failures += 1
         self.consecutive_failures += 1
-        self.skip = min(2 ** (self.consecutive_failures - 1), self.max_backoff_rounds)
+        pause = min(recovery.DRAFT_PAUSE_START_S * 2 ** (self.consecutive_failures - 1), self.max_backoff_s)
+        self.paused_until = time.monotonic() + pause
         self.close(wait=False)  # a session is rebuilt later: free this one now (else it holds a slot to its TTL)
-        log.warning("draft failed (%s); %d round(s) without speculation", _describe(e), self.skip)
+        log.warning("draft failed (%s); no speculation for %.2f s", _describe(e), pause)
 
     def _create_request(self) -> draft_service_pb2.DraftServiceCreateSessionRequest:
         return draft_service_pb2.DraftServiceCreateSessionRequest(token_ids=self.history, sparse_probs=True,

@@ -1,7 +1,10 @@
 """A TargetService session behind the loop's `Session` protocol, surviving a target restart.
 
-Calls are retried on UNAVAILABLE, backing off from 50 ms to 1 s (safe: every call is idempotent under
-its round id; a restarted target listens before it serves). When the target no longer knows the session
+Calls are retried on UNAVAILABLE and CANCELLED (safe: every call is idempotent under its round id) for as long as
+the recovery rule allows (`deltaspec.shared.rpc.recovery`): until the generation's deadline, or the recovery window
+(300 s by default, `recovery_window_s`) from the outage's first failure, waiting on the target's grpc.health.v1
+`Watch` (`health`) between tries, or backing off with jitter where it cannot be asked; a restarted target listens
+before its model is loaded and answers UNAVAILABLE meanwhile. When the target no longer knows the session
 (it restarted, or the session expired), a new one is opened on the committed history this class keeps,
 the round in flight is verified again, and the call goes on; with greedy decoding the final tokens are
 exactly those of an uninterrupted run.
@@ -31,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 import torch
+from grpc_health.v1 import health_pb2_grpc
 from torch import Tensor
 
 from deltaspec.v1 import target_service_pb2 as pb
@@ -40,6 +44,7 @@ from deltaspec.shared.decoding.target import Round
 from deltaspec.shared.decoding.verify import Verdict
 from deltaspec.shared.errors import FailedPrecondition, NotFound
 from deltaspec.shared.rpc.convert import put_probs, sampling_to_proto
+from deltaspec.shared.rpc.recovery import Recovery, check_window, gone
 from deltaspec.shared.rpc.routing import prefix_metadata
 from deltaspec.shared.rpc.status import field_of
 
@@ -47,15 +52,22 @@ from deltaspec.shared.rpc.status import field_of
 class RemoteTargetSession:
     def __init__(self, stub: target_service_pb2_grpc.TargetServiceStub, prompt_ids: list[int] | None = None,
                  prompt_text: str = "", sampling: SamplingParams = SamplingParams(), deadline: float | None = None,
-                 call_timeout_s: float = 30.0, max_attempts: int = 8,
+                 call_timeout_s: float = 30.0, recovery_window_s: float | None = None,
                  dial: Callable[[str], target_service_pb2_grpc.TargetServiceStub] | None = None,
-                 messages: Sequence[pb.ChatMessage] = ()) -> None:
+                 messages: Sequence[pb.ChatMessage] = (), health: health_pb2_grpc.HealthStub | None = None,
+                 address: str = "") -> None:
+        """`recovery_window_s`: how long an outage of the target is waited out (None: until `deadline`, or 300 s
+        without one; see `deltaspec.shared.rpc.recovery`); `health`: the grpc.health.v1 stub on the channel of
+        `stub` (the address sessions are opened through, named `address` in errors), asked between tries."""
         self.stub, self.sampling, self.prompt_text, self.messages = stub, sampling, prompt_text, list(messages)
         self.entry_stub, self.dial = stub, dial  # the address sessions are opened through; a stub for a replica
         self.pinned: str | None = None  # the replica holding the session, when it advertised one
         self.routing = prefix_metadata(prompt_ids, prompt_text, [{"role": m.role, "content": m.content}
                                                                  for m in self.messages[:1]])
-        self.deadline, self.call_timeout_s, self.max_attempts = deadline, call_timeout_s, max_attempts
+        self.deadline, self.call_timeout_s = deadline, call_timeout_s
+        self.recovery_window_s, self.health, self.address = check_window(recovery_window_s), health, address
+        self._outage: Recovery | None = None  # the target's outage being waited out, if any
+        self.outages: list[float] = []  # how long each outage waited out lasted, seconds
         self.tokens: list[int] = list(prompt_ids or [])  # committed history, prompt first
         self.session_id: str | None = None
         self.version = 0
@@ -201,24 +213,43 @@ class RemoteTargetSession:
                 raise
 
     def _call(self, rpc: Callable):
-        for attempt in range(self.max_attempts):
-            try:
-                if self.session_id is None:
-                    self._open()
-                return rpc()
-            except grpc.RpcError as e:
-                # CANCELLED: the server stopped with the call in flight (this class cancels only pipelined verifies,
-                # which do not come here)
-                gone = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-                if e.code() == grpc.StatusCode.NOT_FOUND and field_of(e) == "session_id":
-                    self.session_id = None
-                elif gone and self.pinned is not None and attempt < self.max_attempts - 1:
-                    self.session_id = None  # the replica holding the session is gone or draining
-                elif not gone or attempt == self.max_attempts - 1:
-                    raise
-                else:  # a restarted target listens (and answers UNAVAILABLE) before its model is loaded
-                    time.sleep(min(0.05 * 2 ** attempt, 1.0))
+        lost = 0  # sessions found lost in a row (NOT_FOUND): a target that forgets every new one at once is an error
+        try:
+            while True:
+                try:
+                    if self.session_id is None:
+                        self._open()
+                    result = rpc()
+                    if self._outage is not None:
+                        self.outages.append(time.monotonic() - self._outage.started)
+                    return result
+                except grpc.RpcError as e:
+                    code = e.code()
+                    outage = self._outage
+                    if code == grpc.StatusCode.NOT_FOUND and field_of(e) == "session_id" and lost < 8:
+                        lost += 1
+                        self.session_id = None
+                    elif gone(e) and self.pinned is not None:
+                        self.session_id = None  # the replica holding the session is gone or draining: open it again
+                    elif gone(e) or (code == grpc.StatusCode.DEADLINE_EXCEEDED and outage is not None
+                                     and not self._past_deadline()):
+                        # gone, restarting or loading (a restarted target listens, and answers UNAVAILABLE, before its
+                        # model is loaded); a call of the outage that ran out of time: the target did not come back
+                        if outage is None:
+                            outage = self._outage = Recovery(pb.DESCRIPTOR.services_by_name["TargetService"].full_name,
+                                                             self.address, self.recovery_window_s, self.deadline,
+                                                             self.health)
+                        outage.wait(e)
+                    else:
+                        raise
+        finally:
+            self._outage = None
+
+    def _past_deadline(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def _opts(self) -> dict:
         timeout = self.call_timeout_s if self.deadline is None else self.deadline - time.monotonic()
+        if self._outage is not None:  # the calls that find out whether the target is back end with the outage's window
+            timeout = self._outage.timeout(timeout)
         return {"timeout": max(timeout, 0.0), "wait_for_ready": self.pinned is None}
