@@ -18,7 +18,7 @@ from deltaspec.shared.decoding.draft_session import DraftSession, Outcome
 from deltaspec.shared.decoding.session_table import Limits, SessionTable
 from deltaspec.shared.decoding.target import MAX_DRAFT_TOKENS
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.state.rollback import CHAIN_LOG_CAPACITY
+from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY
 from deltaspec.shared.rpc.convert import put_probs, sampling_from_proto
 from deltaspec.shared.rpc.security import caller
 from deltaspec.shared.rpc.server import Service, answered_call
