@@ -35,7 +35,7 @@ from deltaspec.shared.state.access import StaticAccess
 from deltaspec.shared.state.rollback import ModelState
 
 if TYPE_CHECKING:
-    from deltaspec.shared.model.hybrid import HybridLM
+    from deltaspec.shared.model.fused import Model
 
 MAX_CAPTURED_TOKENS = 17  # a decode step up to a verify of 16 drafts (`MAX_DRAFT_TOKENS`)
 MAX_GRAPHS = 96  # graphs kept per model: a few sequences' worth of token counts x buffer sets
@@ -44,7 +44,7 @@ MAX_GRAPHS = 96  # graphs kept per model: a few sequences' worth of token counts
 class _Recorded:
     """One pass of T tokens over one set of state buffers: its static inputs and, once recorded, its graph."""
 
-    def __init__(self, model: HybridLM, state: ModelState, T: int) -> None:
+    def __init__(self, model: Model, state: ModelState, T: int) -> None:
         device = model.device
         self.ids = torch.zeros(T, dtype=torch.long, device=device)
         self.first = torch.zeros((), dtype=torch.long, device=device)  # position of the first token
@@ -93,7 +93,7 @@ class _Recorded:
         return self.out[0].clone(), self.out[1].clone()  # the next replay writes the same outputs
 
 
-def covers_experts(model: HybridLM) -> bool:
+def covers_experts(model: Model) -> bool:
     """Whether captured passes take the model's experts: a dense model has none; a sparse MoE model's are recorded as
     grouped matmuls, which a CUDA graph holds only where they are one kernel (off a GPU nothing is recorded)."""
     cfg = model.config
@@ -104,7 +104,7 @@ def covers_experts(model: HybridLM) -> bool:
 class CapturedPasses:
     """The captured passes of one model (`HybridLM.capture`); thread-safe."""
 
-    def __init__(self, model: HybridLM, max_tokens: int = MAX_CAPTURED_TOKENS, max_graphs: int = MAX_GRAPHS) -> None:
+    def __init__(self, model: Model, max_tokens: int = MAX_CAPTURED_TOKENS, max_graphs: int = MAX_GRAPHS) -> None:
         if model.fused is None:
             raise ValueError("capture() needs the fused path: call fuse() first")
         if not covers_experts(model):
@@ -132,7 +132,7 @@ class CapturedPasses:
         return (T, state.gdn.log_capacity, *(t.data_ptr() for t in gdn.values()),
                 *((layer.k.data_ptr(), layer.v.data_ptr(), layer.k.shape[1]) for layer in state.attn))
 
-    def __call__(self, model: HybridLM, ids: Tensor, state: ModelState) -> tuple[Tensor, Tensor]:
+    def __call__(self, model: Model, ids: Tensor, state: ModelState) -> tuple[Tensor, Tensor]:
         """Stage `ids` on `state` (which `fits`): logits and last hidden states, as `HybridLM.forward` returns them;
         the caller counts the staged tokens."""
         T = ids.numel()

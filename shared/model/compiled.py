@@ -25,19 +25,15 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from deltaspec.shared.model import fused
+from deltaspec.shared.model.layers import DecoderLayer
 from deltaspec.shared.state.access import GDN_BUFFERS, StaticAccess
 from deltaspec.shared.state.rollback import ModelState
 from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY, LOG_CAPACITY
-
-if TYPE_CHECKING:
-    from deltaspec.shared.model.hybrid import HybridLM
-    from deltaspec.shared.model.layers import DecoderLayer
 
 WHOLE_GRAPH_LAYERS = 4  # deeper stacks compile per layer kind (a whole 12-layer graph was not compiled after 15 min)
 # A pass's most tokens, for every state: one range, whatever a state's log capacity (`fits` keeps each pass within
@@ -64,7 +60,7 @@ def _static_layer(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, cos: Tens
     return fused.decoder_layer(layer, f, x, (cos, signed_sin), access, 0)
 
 
-def static_pass(model: HybridLM, x: Tensor, cos: Tensor, signed_sin: Tensor, positions: Tensor, slots: Tensor,
+def static_pass(model: fused.Model, x: Tensor, cos: Tensor, signed_sin: Tensor, positions: Tensor, slots: Tensor,
                 gdn: dict[str, Tensor], kv: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """`HybridLM.forward` on the fused path from the embeddings, every state write in the pass: tokens at
     `positions`, logged at `slots`, on the buffers `StaticAccess.gdn_buffers` names and the K/V buffers `kv`. What a
@@ -96,14 +92,14 @@ class CompiledPasses:
         takes heads inside it (`BlockHeads`: eager passes only)."""
         return state.gdn.logged and state.staged + T <= state.gdn.log_capacity and state.gdn.block_heads is None
 
-    def __call__(self, model: HybridLM, x: Tensor, state: ModelState, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    def __call__(self, model: fused.Model, x: Tensor, state: ModelState, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         T, start = x.shape[0], state.length + state.staged
         state.ensure_positions(start + T)
         positions = torch.arange(start, start + T, device=x.device)
         return self.run(model, x, rope, positions, positions - state.length,
                         StaticAccess.gdn_buffers(state, self.per_layer), [(layer.k, layer.v) for layer in state.attn])
 
-    def run(self, model: HybridLM, x: Tensor, rope: tuple[Tensor, Tensor], positions: Tensor, slots: Tensor,
+    def run(self, model: fused.Model, x: Tensor, rope: tuple[Tensor, Tensor], positions: Tensor, slots: Tensor,
             gdn: dict, kv: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         """The compiled pass over given buffers (`static_pass`'s arguments; `gdn` per layer when `per_layer`)."""
         if x.shape[0] > 1:  # one graph for every verify length
@@ -127,7 +123,7 @@ class CompiledPasses:
         return self.layer_graphs[layer.kind](layer, f, x, *rope, access.positions, access.slots, *buffers)
 
     @staticmethod
-    def warm_up(model: HybridLM, log_capacity: int = LOG_CAPACITY) -> None:
+    def warm_up(model: fused.Model, log_capacity: int = LOG_CAPACITY) -> None:
         """Compile every graph now (a server does this before it serves): one and several tokens, from the head
         and on top of a staging, for states whose logs hold `log_capacity` tokens."""
         state = model.new_state(log_capacity=log_capacity)

@@ -19,20 +19,44 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deltaspec.shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, RMSNorm, SparseMoE
+from deltaspec.shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, HybridStack, RMSNorm, SparseMoE
 from deltaspec.shared.model.moe import apply_experts, route
 from deltaspec.shared.state.access import StateAccess
+from deltaspec.shared.state.rollback import ModelState
 
 if TYPE_CHECKING:
-    from deltaspec.shared.model.hybrid import HybridLM, HybridStack
+    from deltaspec.shared.model.config import ModelConfig
 
 L2NORM_EPS = 1e-6  # the GDN's l2norm of q and k (HF's default, not the config's rms_norm_eps)
+
+
+class Model(Protocol):
+    """What the passes (fused, compiled, captured) read of the model that runs them, `hybrid.HybridLM`: typed by
+    shape here, so that they import nothing of it and it alone imports them."""
+
+    config: ModelConfig
+    model: HybridStack
+    fused: FusedStack | None
+    lm_head: nn.Linear
+    compiled: Any  # its `compiled.CompiledPasses` while compile() is on
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def rope(self, start: int, end: int, like: Tensor) -> tuple[Tensor, Tensor, Tensor]: ...
+
+    def new_state(self, capacity: int = ..., log_capacity: int = ...) -> ModelState: ...
+
+    def __call__(self, ids: Tensor, state: ModelState) -> tuple[Tensor, Tensor]: ...
 
 
 @dataclass
@@ -244,7 +268,7 @@ def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, rope: tuple[Ten
 LayerFn = Callable[[DecoderLayer, FusedLayer, Tensor, tuple[Tensor, Tensor], StateAccess, int], Tensor]
 
 
-def forward(model: HybridLM, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
+def forward(model: Model, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
             run_layer: LayerFn = decoder_layer) -> tuple[Tensor, Tensor]:
     """The one forward pass, from the embeddings `x (N, hidden)`: every layer through `run_layer` (a compiled
     layer, or `decoder_layer`), then the head. Returns float32 logits `(N, vocab)` and the last layer's hidden states
@@ -256,6 +280,6 @@ def forward(model: HybridLM, x: Tensor, rope: tuple[Tensor, Tensor], access: Sta
     return head(model, x), x
 
 
-def head(model: HybridLM, x: Tensor) -> Tensor:
+def head(model: Model, x: Tensor) -> Tensor:
     """The final norm and the LM head: float32 logits."""
     return model.lm_head(F.rms_norm(x, x.shape[-1:], model.fused.final_norm, model.model.norm.eps)).float()

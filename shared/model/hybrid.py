@@ -11,7 +11,7 @@ from deltaspec.shared.model import fused
 from deltaspec.shared.model.captured import MAX_CAPTURED_TOKENS, CapturedPasses
 from deltaspec.shared.model.compiled import CompiledPasses
 from deltaspec.shared.model.config import ModelConfig
-from deltaspec.shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
+from deltaspec.shared.model.layers import HybridStack, rotary_cos_sin
 from deltaspec.shared.state.access import SequenceAccess
 from deltaspec.shared.state.rollback import ModelState
 from deltaspec.shared.state.spec import LOG_CAPACITY
@@ -19,14 +19,6 @@ from deltaspec.shared.state.spec import LOG_CAPACITY
 if TYPE_CHECKING:
     from deltaspec.shared.state.pool import StatePool
     from deltaspec.shared.state.prefix_cache import PrefixCache
-
-
-class HybridStack(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, kind, cfg.sparse(i)) for i, kind in enumerate(cfg.layer_types))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class HybridLM(nn.Module):

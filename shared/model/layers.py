@@ -189,3 +189,13 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, st, start, rope)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridStack(nn.Module):
+    """The embeddings, the decoder layers and the final norm (HF's `model.*` tensors)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kind, cfg.sparse(i)) for i, kind in enumerate(cfg.layer_types))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -12,15 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from deltaspec.shared.model.families import qwen3_5, qwen3_next
+from deltaspec.shared.model.families.qwen3_5 import ConfigFields
 from deltaspec.shared.state.spec import StateSpec
-
-if TYPE_CHECKING:
-    from deltaspec.shared.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -29,9 +26,9 @@ class Family:
     text_types: tuple[str, ...]  # model_type of a text config
     wrapper_types: dict[str, str]  # multimodal wrapper model_type -> its text_config's model_type
     always_norm_topk: bool  # top-k routing weights renormalised whatever the config says (no `norm_topk_prob`)
-    state_spec: Callable[[ModelConfig], StateSpec]  # the state a model of this family holds
-    convert: Callable[[dict[str, Tensor], ModelConfig], None]  # published tensor names -> the layers', in place
-    publish: Callable[[dict[str, Tensor], ModelConfig], None]  # and back, for saving
+    state_spec: Callable[[ConfigFields], StateSpec]  # the state a model of this family holds
+    convert: Callable[[dict[str, Tensor], ConfigFields], None]  # published tensor names -> the layers', in place
+    publish: Callable[[dict[str, Tensor], ConfigFields], None]  # and back, for saving
 
     @classmethod
     def of(cls, module: ModuleType) -> Family:

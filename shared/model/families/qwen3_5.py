@@ -7,21 +7,35 @@ vision tower the loader skips.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch import Tensor
 
 from deltaspec.shared.state.spec import ATTENTION, RECURRENT, RecurrentSpec, StateSpec
 
-if TYPE_CHECKING:
-    from deltaspec.shared.model.config import ModelConfig
+
+class ConfigFields(Protocol):
+    """The fields of `deltaspec.shared.model.config.ModelConfig` a family reads (the config imports the families, so
+    they name its shape, not the class)."""
+
+    layer_types: tuple[str, ...]
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_key_value_heads: int
+    head_dim: int
+
+    @property
+    def conv_dim(self) -> int: ...
 
 TEXT_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 WRAPPER_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 ALWAYS_NORM_TOPK = True  # HF's Qwen3_5MoeTopKRouter renormalises the top-k weights; its config has no switch
 
 
-def state_spec(cfg: ModelConfig) -> StateSpec:
+def state_spec(cfg: ConfigFields) -> StateSpec:
     """Gated DeltaNet layers (`linear_attention`: a conv window over q, k and v, one state per value head) between
     full attention layers (grouped K/V heads)."""
     gdn = RecurrentSpec("gdn", conv_dim=cfg.conv_dim, conv_width=cfg.linear_conv_kernel_dim,
@@ -31,9 +45,9 @@ def state_spec(cfg: ModelConfig) -> StateSpec:
     return StateSpec(layers, gdn, cfg.num_key_value_heads, cfg.head_dim)
 
 
-def convert(tensors: dict[str, Tensor], cfg: ModelConfig) -> None:
+def convert(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:
     """Nothing to rename: the shared layers carry Qwen3.5's names."""
 
 
-def publish(tensors: dict[str, Tensor], cfg: ModelConfig) -> None:
+def publish(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:
     """Nothing to rename for saving either."""

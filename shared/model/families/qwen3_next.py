@@ -10,22 +10,17 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-from deltaspec.shared.model.families.qwen3_5 import state_spec  # noqa: F401 - Qwen3.5's hybrid stack and state
-
-if TYPE_CHECKING:
-    from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.model.families.qwen3_5 import ConfigFields, state_spec  # noqa: F401 - Qwen3.5's stack and state
 
 TEXT_TYPES = ("qwen3_next",)
 WRAPPER_TYPES: dict[str, str] = {}
 ALWAYS_NORM_TOPK = False
 
 
-def convert(tensors: dict[str, Tensor], cfg: ModelConfig) -> None:
+def convert(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:
     """Unpack every `linear_attn.in_proj_qkvz` / `in_proj_ba` (main layers and any others) into Qwen3.5's four."""
     n_k, d_k, d_v = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     r = cfg.linear_num_value_heads // n_k
@@ -44,7 +39,7 @@ def convert(tensors: dict[str, Tensor], cfg: ModelConfig) -> None:
         tensors[prefix + "in_proj_a.weight"] = a.flatten(0, 1).contiguous()
 
 
-def publish(tensors: dict[str, Tensor], cfg: ModelConfig) -> None:
+def publish(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:
     """`convert`'s inverse, in place: the four projections packed back per key head, as HF's Qwen3-Next loads them."""
     n_k, d_k, d_v = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     r = cfg.linear_num_value_heads // n_k
