@@ -18,7 +18,7 @@ For a small random target of each family (32 experts, top-4, a shared expert, 4 
   widths / 8, 4 layers, every weight's share of a decode's reads kept, 256 experts top-8 and 512 top-10): the toy
   above has experts as wide as its hidden size, these the published quarter, and as many experts as published, so
   the distinct experts a verify reads grow as on the real models; and there, verify(5) at 4 and 8 sessions with the
-  experts as grouped matmuls (what a CPU picks for such passes, `moe.CPU_GROUPED_PAIRS_PER_EXPERT`) against the
+  experts as grouped matmuls (what a CPU picks for such passes, `kernels.experts.CPU_GROUPED_PAIRS_PER_EXPERT`) against the
   loop over the experts used, the two forms alternated pass by pass.
 Passes are timed alternately (every T in turn, repeated), medians with their spread.
 """
@@ -36,7 +36,7 @@ from benchmarks.rounds import (PREFIX, Stopwatch, draft_model, drawn_rounds, pas
 from benchmarks.shapes import QWEN3_NEXT_80B_A3B, QWEN35_35B_A3B, scaled
 from deltaspec.shared.decoding.draft_length import PassCosts, best_k
 from deltaspec.shared.decoding.speculative import generate
-from deltaspec.shared.model import moe as moe_layer
+from deltaspec.shared.kernels import experts as expert_kernels
 from deltaspec.shared.model.checkpoint import hf_moe_config, random_model, save_checkpoint
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
@@ -86,16 +86,16 @@ def grouped_vs_loop(model: HybridLM, repeats: int) -> list[dict]:
     for batch in (4, 8):
         states = sessions(model, batch, gen)
         times: dict[str, list[float]] = {"grouped": [], "loop": []}
-        rule = moe_layer.CPU_GROUPED_PAIRS_PER_EXPERT
+        rule = expert_kernels.CPU_GROUPED_PAIRS_PER_EXPERT
         try:
             for r in range(2 * repeats + 1):
                 for form in ("grouped", "loop") if r % 2 else ("loop", "grouped"):
-                    moe_layer.CPU_GROUPED_PAIRS_PER_EXPERT = rule if form == "grouped" else 0
+                    expert_kernels.CPU_GROUPED_PAIRS_PER_EXPERT = rule if form == "grouped" else 0
                     seconds = timed_pass(model, states, 5, gen, watch)
                     if r:
                         times[form].append(seconds)
         finally:
-            moe_layer.CPU_GROUPED_PAIRS_PER_EXPERT = rule
+            expert_kernels.CPU_GROUPED_PAIRS_PER_EXPERT = rule
         grouped, loop = (statistics.median(times[f]) for f in ("grouped", "loop"))
         rows.append({"batch": batch, "grouped_ms": 1000 * grouped, "loop_ms": 1000 * loop,
                      "saving": 1 - grouped / loop})

@@ -312,7 +312,8 @@ def test_bfloat16_moe_target_groups_its_experts_and_captures_on_cuda():
     a target whose tokens take every expert (so bf16 rounding cannot flip a route) give the CPU's logits to bf16
     rounding; captured speculation on a 16-expert top-4 target gives its target-only tokens. Elsewhere capture
     refuses such a model and says why."""
-    from deltaspec.shared.model.moe import Experts, apply_experts, grouped_gemm_fast, route
+    from deltaspec.shared.kernels.experts import apply_experts, grouped_gemm_fast
+    from deltaspec.shared.model.moe import Experts, route
 
     def on(config: dict, device: str, compiled: bool = False, captured: bool = False):
         model = random_model(config, seed=9).to(torch.bfloat16).to(device).fuse()
@@ -332,8 +333,8 @@ def test_bfloat16_moe_target_groups_its_experts_and_captures_on_cuda():
     for T in (1, 5, 40):
         x = torch.randn(T, 64, generator=gen).to(torch.bfloat16)
         weights, chosen = route(torch.randn(T, 12, generator=gen).to(torch.bfloat16), 3, renormalise=True)
-        want, read = apply_experts(experts, x, weights, chosen, grouped=False)
-        got, counted = apply_experts(on_gpu, x.cuda(), weights.cuda(), chosen.cuda())
+        want, read = apply_experts(experts.gate_up_proj, experts.down_proj, x, weights, chosen, grouped=False)
+        got, counted = apply_experts(on_gpu.gate_up_proj, on_gpu.down_proj, x.cuda(), weights.cuda(), chosen.cuda())
         assert (got.cpu().float() - want.float()).norm() / want.float().norm() < 1e-2 and int(counted) == read
     every = hf_moe_config("qwen3_next", num_experts=4, num_experts_per_tok=4)
     want, _ = rounds(on(every, "cpu"))

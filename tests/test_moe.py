@@ -21,7 +21,8 @@ from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
 from deltaspec.shared.model.loader import CheckpointError, load_model
-from deltaspec.shared.model.moe import Experts, apply_experts, route
+from deltaspec.shared.kernels.experts import apply_experts
+from deltaspec.shared.model.moe import Experts, route
 from deltaspec.shared.model.tokenizer import load_tokenizer
 from deltaspec.shared.rpc.generation import generate_on_server
 from deltaspec.target_service import servicer as target_servicer
@@ -142,8 +143,8 @@ def test_grouped_experts_equal_the_loop_over_used_ones(dtype):
         weights, chosen = route(torch.randn(T, 12, generator=gen).to(dtype), 3, renormalise=True)
         if T == 6:
             chosen = torch.full_like(chosen, 7)
-        want, read = apply_experts(experts, x, weights, chosen, grouped=False)
-        got, counted = apply_experts(experts, x, weights, chosen, grouped=True)
+        want, read = apply_experts(experts.gate_up_proj, experts.down_proj, x, weights, chosen, grouped=False)
+        got, counted = apply_experts(experts.gate_up_proj, experts.down_proj, x, weights, chosen, grouped=True)
         assert relative(got, want) < 1e-6 and int(counted) == read == len(set(chosen.flatten().tolist()))
 
 

@@ -1,4 +1,5 @@
-"""Gated delta rule kernels and the one place that picks among them (`gated_delta_rule`).
+"""The kernels, each beside the one place that picks among its forms: the gated delta rule here
+(`gated_delta_rule`), the routed experts of a sparse MoE block in `experts` (`apply_experts`).
 
 `naive` is the float32 reference loop; `recurrent_step` serves single-token decode on the CPU and in static passes
 (compiled or CUDA-graph), the chunked form (`one_chunk_gated_delta_rule`) multi-token verify there and prefill in

@@ -14,7 +14,7 @@ input, state and output addresses every time. Two things make a sequence's passe
   the graphs recorded for them. Beyond `max_graphs` the least recently used graph is dropped.
 A pass the graphs do not cover runs eagerly: more than `max_tokens` tokens (prefill), a staging past the logs, a
 prefix cache taking heads inside the pass, K/V that must grow first. A sparse MoE model's experts are recorded as
-grouped matmuls (`moe.apply_experts`), which need no host sync only in bfloat16 on an sm90/sm100 GPU: elsewhere on
+grouped matmuls (`kernels.experts.apply_experts`), which need no host sync only in bfloat16 on an sm90/sm100 GPU: elsewhere on
 a GPU such a model is refused. With `compile()` on as well, the compiled pass is what is recorded.
 
 Eager stays the truth: on CUDA `tests/test_cuda.py` compares captured passes with eager ones; on the CPU, where there
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from deltaspec.shared.model.compiled import static_pass
-from deltaspec.shared.model.moe import grouped_gemm_fast
+from deltaspec.shared.kernels.experts import grouped_gemm_fast
 from deltaspec.shared.state.access import StaticAccess
 from deltaspec.shared.state.rollback import ModelState
 

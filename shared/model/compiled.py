@@ -13,7 +13,7 @@ log capacity (one chunk; a draft's states log more than a target's, so it has gr
 pass from the head and one on top of a staging (the two read different GDN buffers: an attention layer kind
 has just the first two). Passes longer than the logs (prefill) take the eager path. The fused path stays the truth: `tests/test_compiled.py`
 compares logits and every state buffer of both on random weights. A sparse MoE model compiles in bfloat16, its
-experts as grouped matmuls (`moe.apply_experts`): fixed shapes whatever the routing.
+experts as grouped matmuls (`kernels.experts.apply_experts`): fixed shapes whatever the routing.
 
 A shallow model (the 2-layer embedded draft) runs each pass as one graph. A whole graph's compile time grows
 with depth (Inductor's passes over all of it: the 12-layer target's had not finished after 15 minutes), so a

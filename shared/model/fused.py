@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deltaspec.shared.model.layers import Attention, DecoderLayer, GatedDeltaNet, HybridStack, RMSNorm, SparseMoE
-from deltaspec.shared.model.moe import apply_experts, route
+from deltaspec.shared.kernels.experts import apply_experts
+from deltaspec.shared.model.moe import route
 from deltaspec.shared.state.access import StateAccess
 from deltaspec.shared.state.rollback import ModelState
 
@@ -245,7 +246,7 @@ def _moe(m: SparseMoE, f: FusedMoE, h: Tensor, residual: Tensor) -> Tensor:
     """`SparseMoE.forward` with the router and the shared expert's input projections in one matmul."""
     logits, gate_up, shared_gate = F.linear(h, f.w_in).split(f.splits, dim=-1)
     weights, chosen = route(logits, m.top_k, m.renormalise)
-    routed, touched = apply_experts(m.experts, h, weights, chosen)
+    routed, touched = apply_experts(m.experts.gate_up_proj, m.experts.down_proj, h, weights, chosen)
     if not torch.compiler.is_compiling():  # a graph's count would be one of its own buffers
         m.touched = touched
     gate, up = gate_up.chunk(2, dim=-1)

@@ -13,7 +13,8 @@ from torch import Tensor, nn
 
 from deltaspec.shared.kernels import gated_delta_rule
 from deltaspec.shared.model.config import ModelConfig
-from deltaspec.shared.model.moe import Experts, apply_experts, route
+from deltaspec.shared.kernels.experts import apply_experts
+from deltaspec.shared.model.moe import Experts, route
 from deltaspec.shared.state.access import attend
 from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot
 
@@ -72,7 +73,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weights, chosen = route(self.gate(x), self.top_k, self.renormalise)
-        routed, self.touched = apply_experts(self.experts, x, weights, chosen)
+        routed, self.touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, x, weights, chosen)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
