@@ -210,3 +210,41 @@ def test_the_client_library_and_the_cli_take_the_window(pair, draft, capsys):
         with pytest.raises(SystemExit):
             main(["generate", "--target-addr", "127.0.0.1:1", "--prompt", "x", "--recovery-window", bad])
         assert f"argument --recovery-window: {message}" in capsys.readouterr().err
+
+
+
+def test_a_target_not_listening_for_longer_than_a_call_is_waited_out(pair):
+    """A target that takes longer than a call's timeout to listen again (a pod rescheduled, an image pulled): the call
+    runs out of time waiting for a connection and the health service cannot be reached either, so that is an outage
+    to wait out, not a slow answer. The target is a real process started 2 s after the session's first call."""
+    import socket
+
+    from grpc_health.v1 import health_pb2_grpc
+
+    from deltaspec.shared.rpc.options import channel
+    from deltaspec.shared.rpc.remote_target import RemoteTargetSession
+    from deltaspec.v1 import target_service_pb2_grpc
+    from support import Served
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    started: list[Served] = []
+    later = threading.Timer(2.0, lambda: started.append(Served("serve-target", pair[0], port=port)))
+    with channel(address) as ch:
+        begun = time.monotonic()
+        later.start()
+        try:  # the session opens in its constructor: its first call
+            session = RemoteTargetSession(target_service_pb2_grpc.TargetServiceStub(ch), PROMPT, call_timeout_s=1.0,
+                                          recovery_window_s=60, health=health_pb2_grpc.HealthStub(ch),
+                                          address=address)
+            waited = time.monotonic() - begun
+            assert session.extend([5]) > 0 and session.outages
+            session.close()
+        finally:
+            later.join()
+            for served in started:
+                served.terminate()
+    assert 2.0 <= waited < 60
+    print(f"\nclient-driven: target listening only after 2 s, then loading, calls of 1 s; waited {waited:.2f} s")
