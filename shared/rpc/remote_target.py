@@ -112,8 +112,8 @@ class RemoteTargetSession:
             request = pb.VerifyRequest(session_id=session_id, round_id=round_id, base_version=base_version,
                                        draft_tokens=drafts, parent_round_id=parent, parent_next_token=guess)
             put_probs(request, draft_probs, self.sampling.greedy, self.sparse_probs)
-            # one attempt, never waiting for a replica to come back (the session would be opened elsewhere)
-            call = stub.Verify.future(request, **{**self._opts(), "wait_for_ready": False})
+            # one attempt (a pipelined verify is never retried: the session would be opened elsewhere)
+            call = stub.Verify.future(request, **self._opts())
             with self._lock:
                 self._pipelined.add(call)
             try:
@@ -266,4 +266,6 @@ class RemoteTargetSession:
         timeout = self.call_timeout_s if self.deadline is None else self.deadline - time.monotonic()
         if self._outage is not None:  # the calls that find out whether the target is back end with the outage's window
             timeout = self._outage.timeout(timeout)
-        return {"timeout": max(timeout, 0.0), "wait_for_ready": self.pinned is None}
+        # never waiting for a connection: a target that is gone fails the call at once (UNAVAILABLE), and the outage's
+        # waiting (`Recovery`) is the one place that waits for it, within the window, not a call's 30 s each
+        return {"timeout": max(timeout, 0.0), "wait_for_ready": False}
