@@ -27,7 +27,6 @@ import contextlib
 import copy
 import io
 import json
-from pathlib import Path
 
 import torch
 from tqdm import tqdm

@@ -1,9 +1,9 @@
 """Captured passes: a sequence's decode and verify passes replayed as CUDA graphs.
 
 On a GPU a step of these models costs kernel launches, not arithmetic: eager, each of a pass's hundreds of kernels
-is launched from Python (the embedded 12-layer target took 10.4 ms a step on an H200, `benchmarks/results/gpu_check.txt`). A CUDA
-graph records a pass once and replays all of its kernels with one launch, but over the memory it recorded: the same
-input, state and output addresses every time. Two things make a sequence's passes fit that:
+is launched from Python (the embedded 12-layer target took 10.4 ms a step on an H200,
+`benchmarks/results/gpu_check.txt`). A CUDA graph records a pass once and replays all of its kernels with one launch,
+but over the memory it recorded: the same input, state and output addresses every time. Two things make a sequence's passes fit that:
 - the pass recorded is the static form `compiled.py` compiles (`static_pass`: K/V and GDN logs written at index
   tensors, attention over the whole K/V buffer under a position mask), so nothing recorded depends on where the pass
   sits. What changes between passes (the tokens, the first position, the first log slot) is copied into static
@@ -14,8 +14,8 @@ input, state and output addresses every time. Two things make a sequence's passe
   the graphs recorded for them. Beyond `max_graphs` the least recently used graph is dropped.
 A pass the graphs do not cover runs eagerly: more than `max_tokens` tokens (prefill), a staging past the logs, a
 prefix cache taking heads inside the pass, K/V that must grow first. A sparse MoE model's experts are recorded as
-grouped matmuls (`kernels.experts.apply_experts`), which need no host sync only in bfloat16 on an sm90/sm100 GPU: elsewhere on
-a GPU such a model is refused. With `compile()` on as well, the compiled pass is what is recorded.
+grouped matmuls (`kernels.experts.apply_experts`), which need no host sync only in bfloat16 on an sm90/sm100 GPU:
+elsewhere on a GPU such a model is refused. With `compile()` on as well, the compiled pass is what is recorded.
 
 Eager stays the truth: on CUDA `tests/test_cuda.py` compares captured passes with eager ones; on the CPU, where there
 are no graphs, the same static buffers are filled and the same pass is run directly (`tests/test_captured.py`).
@@ -72,7 +72,8 @@ class _Recorded:
         slots = self.offset + self.steps
         kv = [(layer.k, layer.v) for layer in state.attn]
         if compiled is not None:
-            return compiled.run(model, x, rope, positions, slots, StaticAccess.gdn_buffers(state, compiled.per_layer), kv)
+            gdn = StaticAccess.gdn_buffers(state, compiled.per_layer)
+            return compiled.run(model, x, rope, positions, slots, gdn, kv)
         return static_pass(model, x, *rope, positions, slots, StaticAccess.gdn_buffers(state), kv)
 
     def record(self, state: ModelState, pool: tuple[int, int]) -> tuple[Tensor, Tensor]:

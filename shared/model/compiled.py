@@ -92,7 +92,8 @@ class CompiledPasses:
         takes heads inside it (`BlockHeads`: eager passes only)."""
         return state.gdn.logged and state.staged + T <= state.gdn.log_capacity and state.gdn.block_heads is None
 
-    def __call__(self, model: fused.Model, x: Tensor, state: ModelState, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    def __call__(self, model: fused.Model, x: Tensor, state: ModelState,
+                 rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         T, start = x.shape[0], state.length + state.staged
         state.ensure_positions(start + T)
         positions = torch.arange(start, start + T, device=x.device)
