@@ -3,7 +3,8 @@
 On a GPU a step of these models costs kernel launches, not arithmetic: eager, each of a pass's hundreds of kernels
 is launched from Python (the embedded 12-layer target took 10.4 ms a step on an H200,
 `benchmarks/results/gpu_check.txt`). A CUDA graph records a pass once and replays all of its kernels with one launch,
-but over the memory it recorded: the same input, state and output addresses every time. Two things make a sequence's passes fit that:
+but over the memory it recorded: the same input, state and output addresses every time. Two things make a
+sequence's passes fit that:
 - the pass recorded is the static form `compiled.py` compiles (`static_pass`: K/V and GDN logs written at index
   tensors, attention over the whole K/V buffer under a position mask), so nothing recorded depends on where the pass
   sits. What changes between passes (the tokens, the first position, the first log slot) is copied into static
