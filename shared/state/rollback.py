@@ -62,7 +62,6 @@ class Lease(Protocol):
 class CommitPlan(NamedTuple):
     """Views and buffers of a commit of n staged tokens: the logs' first n slots, and where the decays go."""
 
-    x_tail: Tensor  # the last K-1 (or fewer) kept pre-conv inputs, (L, <=K-1, C)
     g: Tensor  # log decays (L H, n)
     sums: Tensor  # (n, n+1) 0/1: g @ sums = [G_n, G_n - G_0, ..., G_n - G_{n-1}] (row s adds g_s to G_n, G_n - G_t<s)
     exps: Tensor  # (L H, n+1) buffer for their exponentials
@@ -72,6 +71,31 @@ class CommitPlan(NamedTuple):
     scaled_k: Tensor  # buffer for k_t exp(G_n - G_t), (L, H, Dk, n), and its (L H, Dk, n) view
     scaled_k_flat: Tensor
     delta: Tensor  # (L H, n, Dv)
+    x_tail: Tensor | None = None  # a commit's: the last K-1 (or fewer) kept pre-conv inputs, (L, <=K-1, C)
+
+
+def commit_plan(g: Tensor, k: Tensor, delta: Tensor, x_tail: Tensor | None = None) -> CommitPlan:
+    """The views and buffers the closed form reads and writes for n logged tokens of L layers x H heads: g `(L H, n)`,
+    k `(L, H, Dk, n)`, delta `(L H, n, Dv)`; a commit's `x_tail` rides along for the window."""
+    L, H, Dk, n = k.shape
+    exps = g.new_empty(L * H, n + 1)
+    scaled = k.new_empty(L, H, Dk, n)
+    return CommitPlan(g=g, sums=torch.ones(n, n + 1, device=g.device).tril(), exps=exps,
+                      exp_total=exps[:, :1].view(L, H, 1, 1), decays=exps[:, 1:].view(L, H, 1, n), k=k,
+                      scaled_k=scaled, scaled_k_flat=scaled.view(L * H, Dk, n), delta=delta, x_tail=x_tail)
+
+
+def closed_form(p: CommitPlan, state: Tensor, out: Tensor, out_flat: Tensor) -> None:
+    """out <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T per (layer, head), S_0 = `state` `(L, H, Dk, Dv)`,
+    `out_flat` its `(L H, Dk, Dv)` view: GDN's commit, written once (its Triton twin: `kernels/triton_commit.py`).
+    Five calls whatever the depth, every operand a view of the plan; `out` may be `state` itself."""
+    # [exp(G_n), exp(G_n - G_0), ..., exp(G_n - G_{n-1})] per (layer, head): each a sum of the g after t, no
+    # G_n - G_t cancellation
+    torch.mm(p.g, p.sums, out=p.exps).exp_()
+    # written in place (a state-sized temporary would cost an allocation and its page faults)
+    torch.mul(state, p.exp_total, out=out)
+    torch.mul(p.k, p.decays, out=p.scaled_k)
+    out_flat.baddbmm_(p.scaled_k_flat, p.delta)
 
 
 class LogRows(NamedTuple):
@@ -159,14 +183,9 @@ class GDNStates:
         plan = self._prefixes.get(n)
         if plan is None:
             L, H, Dk, C = self.k.shape
-            Dv = self.delta.shape[-1]
-            exps = self.g.new_empty(L * H, n + 1)
-            scaled = self.k.new_empty(L, H, Dk, n)
-            plan = self._prefixes[n] = CommitPlan(
-                x_tail=self._x_tail(n), g=self.g.view(L * H, C)[:, :n],
-                sums=torch.ones(n, n + 1, device=self.g.device).tril(), exps=exps,
-                exp_total=exps[:, :1].view(L, H, 1, 1), decays=exps[:, 1:].view(L, H, 1, n), k=self.k[..., :n],
-                scaled_k=scaled, scaled_k_flat=scaled.view(L * H, Dk, n), delta=self.delta[:, :, :n].view(L * H, n, Dv))
+            plan = self._prefixes[n] = commit_plan(self.g.view(L * H, C)[:, :n], self.k[..., :n],
+                                                   self.delta[:, :, :n].view(L * H, n, self.delta.shape[-1]),
+                                                   self._x_tail(n))
         return plan
 
     def prepare_commit(self, n: int, staged: int, into: tuple[str, str] = ("window", "spare")) -> tuple[Tensor, Tensor]:
@@ -194,13 +213,8 @@ class GDNStates:
             return out_window, out_state
         p = self._prefix(n)
         self._window_after(n, out_window, p.x_tail)
-        # [exp(G_n), exp(G_n - G_0), ..., exp(G_n - G_{n-1})] per (layer, head), G_t = g_0 + ... + g_t
-        torch.mm(p.g, p.sums, out=p.exps).exp_()
-        # state <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T, one batched matmul over (layer, head),
-        # written in place (a state-sized temporary would cost an allocation and its page faults)
-        torch.mul(self.recurrent, p.exp_total, out=out_state)
-        torch.mul(p.k, p.decays, out=p.scaled_k)
-        (out_state.view(-1, *out_state.shape[2:]) if out_flat is None else out_flat).baddbmm_(p.scaled_k_flat, p.delta)
+        closed_form(p, self.recurrent, out_state,
+                    out_state.view(-1, *out_state.shape[2:]) if out_flat is None else out_flat)
         return out_window, out_state
 
     def _x_tail(self, n: int) -> Tensor:
@@ -288,11 +302,10 @@ class BlockHeads:
             if n == T:
                 self.states[j, i] = after
                 continue
-            G = g[start:n].cumsum(0)  # (n - start, H)
-            scaled_k = k[start:n] * (G[-1] - G).exp()[..., None]
-            state = G[-1].exp()[:, None, None] * state + torch.einsum("thk,thv->hkv", scaled_k, delta[start:n])
-            self.states[j, i] = state
-            start = n
+            # the tokens since the last boundary, laid out as the logs hold them
+            plan = commit_plan(g[start:n].t(), k[start:n].permute(1, 2, 0)[None], delta[start:n].transpose(0, 1))
+            closed_form(plan, state[None], self.states[j, i][None], self.states[j, i])
+            state, start = self.states[j, i], n
 
 
 @dataclass
