@@ -288,7 +288,7 @@ class AsyncClient:
         while True:
             try:
                 async for msg in self._stub.Generate(resume.request(), timeout=resume.timeout(),
-                                                     wait_for_ready=resume.wait_for_ready(), metadata=resume.metadata):
+                                                     wait_for_ready=False, metadata=resume.metadata):
                     resume.seen(msg)
                     yield msg
                 return

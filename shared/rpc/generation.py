@@ -35,7 +35,7 @@ from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.speculative import Generation, Stats, decode
 from deltaspec.shared.rpc.convert import sampling_to_proto, stats_from_proto
 from deltaspec.shared.rpc.remote_drafter import RemoteDrafter
-from deltaspec.shared.rpc.recovery import Recovery, check_window, gone
+from deltaspec.shared.rpc.recovery import TARGET_SERVICE, Recovery, check_window, waits_out
 from deltaspec.shared.rpc.remote_target import RemoteTargetSession
 from deltaspec.shared.rpc.routing import prefix_metadata
 from deltaspec.shared.rpc.security import ClientSecurity
@@ -103,9 +103,10 @@ class Resume:
     the tokens still missing (the prompt, text or messages until the server has tokenized it, followed by what
     arrived), its routing header (the original prompt's, so a reopened stream is routed as the first one was),
     the time left, and the wait after a break (`deltaspec.shared.rpc.recovery`: an outage begins at a break and ends
-    with the first token a reopened stream brings; it is waited out until the deadline or the recovery window). Draws are keyed by (seed, position), so a resumed generation
-    is the one an unbroken stream would have made, sampled too (a stop string that straddles the break is not
-    seen: the reopened stream searches the new text only)."""
+    with the first token a reopened stream brings; it is waited out until the deadline or the recovery window).
+    Draws are keyed by (seed, position), so a resumed generation is the one an unbroken stream would have made,
+    sampled too (a stop string that straddles the break is not seen: the reopened stream searches the new text
+    only)."""
 
     def __init__(self, prompt_ids: list[int] | None, prompt_text: str, max_new_tokens: int, num_draft_tokens: int,
                  sampling: SamplingParams, deadline: float | None, recovery_window_s: float | None = None,
@@ -130,11 +131,6 @@ class Resume:
     def timeout(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
-    def wait_for_ready(self) -> bool:
-        """Whether the stream may wait for the channel: not during an outage, whose own waiting is bounded by its
-        window (a stream that waited for a target that never listens again would wait for ever)."""
-        return self.outage is None
-
     def seen(self, msg: target_service_pb2.GenerateResponse) -> None:
         self.prompt = self.prompt or list(msg.prompt_ids)
         self.out += msg.token_ids
@@ -144,14 +140,12 @@ class Resume:
 
     def _outage(self, err: grpc.RpcError) -> Recovery:
         """The outage a break belongs to, or `err` raised again where waiting will not help."""
-        code = err.code()  # type: ignore[attr-defined]
         if self.deadline is not None and time.monotonic() >= self.deadline:
             raise err
-        if not gone(err) and not (code == grpc.StatusCode.DEADLINE_EXCEEDED and self.outage is not None):
+        if not waits_out(err, self.outage is not None, self.health, TARGET_SERVICE):
             raise err
         if self.outage is None:
-            self.outage = Recovery(target_service_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name,
-                                   self.address, self.recovery_window_s, self.deadline, self.health)
+            self.outage = Recovery(TARGET_SERVICE, self.address, self.recovery_window_s, self.deadline, self.health)
         return self.outage
 
     def wait_after_break(self, err: grpc.RpcError) -> None:
@@ -175,7 +169,9 @@ def server_stream(stub: target_service_pb2_grpc.TargetServiceStub, prompt_ids: l
                     messages, stop_strings, health, address)
     while True:
         try:
-            for msg in stub.Generate(resume.request(), timeout=resume.timeout(), wait_for_ready=resume.wait_for_ready(),
+            # never waiting for a connection: a target that is not there fails the call at once, and the outage's
+            # waiting (bounded by its window) is the one place that waits for it
+            for msg in stub.Generate(resume.request(), timeout=resume.timeout(), wait_for_ready=False,
                                      metadata=resume.metadata):
                 resume.seen(msg)
                 yield msg
@@ -201,7 +197,8 @@ def generate_client_driven(target_address: str, draft_address: str | None, promp
     with ExitStack() as stack:
         span = stack.enter_context(generation_span(telemetry.tracer, "client", model, max_new_tokens))
         target_ch = stack.enter_context(telemetry.channel(security.channel(target_address)))
-        replicas = stack.enter_context(_ReplicaChannels(telemetry, security))  # closed after the session, which may use one
+        # closed after the session, which may use one
+        replicas = stack.enter_context(_ReplicaChannels(telemetry, security))
         session = RemoteTargetSession(target_service_pb2_grpc.TargetServiceStub(target_ch), prompt_ids, prompt_text,
                                       sampling, deadline, recovery_window_s=recovery_window_s, dial=replicas.stub,
                                       messages=chat_messages(messages), health=health_pb2_grpc.HealthStub(target_ch),

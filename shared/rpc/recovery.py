@@ -30,6 +30,10 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deltaspec.v1 import target_service_pb2
+
+TARGET_SERVICE = target_service_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
 DEFAULT_RECOVERY_WINDOW_S = 300.0
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
@@ -51,6 +55,28 @@ def gone(err: grpc.RpcError) -> bool:
     """A failure that means the service is gone, restarting, loading or draining: worth waiting out.
     CANCELLED: a stopping server cancels the calls in flight."""
     return err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # type: ignore[attr-defined]
+
+
+def waits_out(err: grpc.RpcError, in_outage: bool, health: health_pb2_grpc.HealthStub | None,
+              service: str) -> bool:
+    """Whether a failed call is an outage to wait out, for every loop alike: the service is gone, restarting, loading
+    or draining (`gone`), or the call ran out of time during an outage, or while the service cannot be reached or
+    does not serve (a pod that takes longer than a call's timeout to listen again) rather than answering slowly.
+    The caller has checked the generation's own deadline first."""
+    if gone(err):
+        return True
+    if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+        return False
+    return in_outage or (health is not None and not _serving(health, service))
+
+
+def _serving(health: health_pb2_grpc.HealthStub, service: str) -> bool:
+    """The health service's answer now, without waiting for a connection (unreachable: not serving)."""
+    try:
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0, wait_for_ready=False)
+    except grpc.RpcError as e:
+        return not gone(e)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 class RecoveryExhausted(grpc.RpcError, grpc.Call):

@@ -77,7 +77,8 @@ class _Speculation:
 
 class RemoteDrafter:
     def __init__(self, stub: draft_service_pb2_grpc.DraftServiceStub, sampling: SamplingParams, vocab_size: int,
-                 timeout_s: float = 1.0, deadline: float | None = None, max_backoff_s: float = recovery.DRAFT_PAUSE_CAP_S,
+                 timeout_s: float = 1.0, deadline: float | None = None,
+                 max_backoff_s: float = recovery.DRAFT_PAUSE_CAP_S,
                  open_early: bool = True) -> None:
         """`open_early`: ask for the peer's session at `start` (its round trip overlaps the target's prefill); else
         at the first proposal, for a loop that may draft nothing for a while (a cost model's k = 0)."""

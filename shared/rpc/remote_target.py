@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from torch import Tensor
 
 from deltaspec.v1 import target_service_pb2 as pb
@@ -44,11 +44,9 @@ from deltaspec.shared.decoding.target import Round
 from deltaspec.shared.decoding.verify import Verdict
 from deltaspec.shared.errors import FailedPrecondition, NotFound
 from deltaspec.shared.rpc.convert import put_probs, sampling_to_proto
-from deltaspec.shared.rpc.recovery import Recovery, check_window, gone
+from deltaspec.shared.rpc.recovery import TARGET_SERVICE, Recovery, check_window, gone, waits_out
 from deltaspec.shared.rpc.routing import prefix_metadata
 from deltaspec.shared.rpc.status import field_of
-
-TARGET_SERVICE = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 class RemoteTargetSession:
@@ -233,11 +231,9 @@ class RemoteTargetSession:
                         self.session_id = None
                     elif gone(e) and self.pinned is not None:
                         self.session_id = None  # the replica holding the session is gone or draining: open it again
-                    elif gone(e) or (code == grpc.StatusCode.DEADLINE_EXCEEDED and not self._past_deadline()
-                                     and (outage is not None or self._unreachable())):
+                    elif not self._past_deadline() and waits_out(e, outage is not None, self.health, TARGET_SERVICE):
                         # gone, restarting or loading (a restarted target listens, and answers UNAVAILABLE, before its
-                        # model is loaded); a call that ran out of time waiting for a target that is not there (a pod
-                        # that takes longer than a call's timeout to listen again), or a call of the outage that did
+                        # model is loaded), or not there at all
                         if outage is None:
                             outage = self._outage = Recovery(TARGET_SERVICE, self.address, self.recovery_window_s,
                                                              self.deadline, self.health)
@@ -246,18 +242,6 @@ class RemoteTargetSession:
                         raise
         finally:
             self._outage = None
-
-    def _unreachable(self) -> bool:
-        """After a call ran out of time: whether the target cannot be reached or does not serve (an outage to wait
-        out), rather than a slow answer (an error). Asked of its health service, without waiting for a connection."""
-        if self.health is None:
-            return False
-        try:
-            reply = self.health.Check(health_pb2.HealthCheckRequest(service=TARGET_SERVICE), timeout=1.0,
-                                      wait_for_ready=False)
-        except grpc.RpcError as e:
-            return gone(e)
-        return reply.status != health_pb2.HealthCheckResponse.SERVING
 
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
