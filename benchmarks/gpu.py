@@ -145,7 +145,7 @@ def weight_bytes(model: HybridLM, tokens: int, experts: float) -> int:
     return total
 
 
-def gdn_bytes_by_buffer(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
+def recurrent_bytes_by_buffer(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
     """Bytes of each of a sequence's GDN buffers, every GDN layer together; a log's hold `LOG_CAPACITY` tokens."""
     buffers = cfg.state_spec.recurrent_buffers(dtype)
     return {name: torch.Size(shape).numel() * kind.itemsize for name, (shape, kind) in buffers.items()}
@@ -154,8 +154,8 @@ def gdn_bytes_by_buffer(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
 def gdn_pass_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> dict[str, int]:
     """What a pass of `tokens` tokens moves of every GDN layer's state: the state and conv window read, the state
     after and the window written, and the round logs written (when the tokens fit them)."""
-    size = gdn_bytes_by_buffer(cfg, dtype)
-    head = size["recurrent"] + size["conv"]
+    size = recurrent_bytes_by_buffer(cfg, dtype)
+    head = size["state"] + size["conv"]
     per_token = sum(size[name] for name in ("x", "k", "delta", "g")) // LOG_CAPACITY
     return {"read": head, "written": head, "logs": tokens * per_token if tokens <= LOG_CAPACITY else 0}
 
@@ -164,8 +164,8 @@ def gdn_round_bytes(cfg: ModelConfig, dtype: torch.dtype, k: int) -> dict[str, i
     """GDN bytes one sequence moves in a round of k drafts: the verify pass of k+1 tokens, then a partial commit of
     k tokens (the most a partial commit keeps; a full accept swaps pointers and moves nothing), which reads the head's
     state and window and the k tokens' logged keys, corrections and decays, and writes the new state and window."""
-    verify, size = gdn_pass_bytes(cfg, dtype, k + 1), gdn_bytes_by_buffer(cfg, dtype)
-    head = size["recurrent"] + size["conv"]
+    verify, size = gdn_pass_bytes(cfg, dtype, k + 1), recurrent_bytes_by_buffer(cfg, dtype)
+    head = size["state"] + size["conv"]
     logged = k * sum(size[name] for name in ("k", "delta", "g")) // LOG_CAPACITY
     return {"k": k, "pass_read": verify["read"], "pass_written": verify["written"], "logs_written": verify["logs"],
             "commit_read": head + logged, "commit_written": head}

@@ -47,8 +47,8 @@ class StaleGDNState(ModelState):
     def commit(self, n: int) -> None:
         if not 0 < n <= self.staged:
             raise ValueError(f"commit of {n} tokens, but {self.staged} are staged")
-        self.gdn.prepare_commit(self.staged, self.staged)  # the spares already hold "after everything"
-        self.gdn.swap_in()
+        self.recurrent.prepare_commit(self.staged, self.staged)  # the spares already hold "after everything"
+        self.recurrent.swap_in()
         self.length += n
         self.staged = 0
 
@@ -62,8 +62,8 @@ class StaleSession(TargetSession):
 
 
 def state_error(stale: ModelState, exact: ModelState) -> float:
-    diff = (stale.gdn.recurrent - exact.gdn.recurrent).norm()
-    return float(diff / exact.gdn.recurrent.norm().clamp_min(1e-30))
+    diff = (stale.recurrent.state - exact.recurrent.state).norm()
+    return float(diff / exact.recurrent.state.norm().clamp_min(1e-30))
 
 
 @dataclass

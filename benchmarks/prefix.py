@@ -264,7 +264,7 @@ def rows(runs: list[list[dict[str, dict]]], requests: range) -> list[dict]:
 def entry_bytes(cfg: ModelConfig, dtype: torch.dtype, block: int) -> dict:
     """Computed: an entry's GDN conv windows and states at its end, and its positions' K/V."""
     shapes = cfg.state_spec.recurrent_buffers(dtype)
-    gdn = sum(torch.Size(shape).numel() * kind.itemsize for shape, kind in (shapes["conv"], shapes["recurrent"]))
+    gdn = sum(torch.Size(shape).numel() * kind.itemsize for shape, kind in (shapes["conv"], shapes["state"]))
     return {"gdn": gdn, "kv": block * cfg.state_spec.kv_bytes_per_position(dtype)}
 
 

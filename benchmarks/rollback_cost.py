@@ -52,15 +52,15 @@ class RoundCost:
 
 
 def _head_bytes(state: ModelState) -> int:
-    gdn = state.gdn
-    return gdn.recurrent.numel() * 4 + gdn.conv.numel() * gdn.conv.element_size()
+    gdn = state.recurrent
+    return gdn.state.numel() * 4 + gdn.conv.numel() * gdn.conv.element_size()
 
 
 def round_closed_form(model: HybridLM, state: ModelState, tokens: torch.Tensor, keep: int, cost: RoundCost) -> None:
     t0 = time.perf_counter()
     model(tokens, state)
     t1 = time.perf_counter()
-    staged = state.staged_bytes() + state.gdn.spare.numel() * 4
+    staged = state.staged_bytes() + state.recurrent.spare.numel() * 4
     t2 = time.perf_counter()
     state.commit(keep)
     t3 = time.perf_counter()
@@ -72,9 +72,9 @@ def round_snapshots(model: HybridLM, state: ModelState, tokens: torch.Tensor, ke
     t0 = time.perf_counter()
     model(tokens, state)
     # materialise the state after each position: what a per-position snapshot kernel writes
-    gdn, T = state.gdn, len(tokens)
-    slots = torch.empty((T, *gdn.recurrent.shape))
-    s = gdn.recurrent
+    gdn, T = state.recurrent, len(tokens)
+    slots = torch.empty((T, *gdn.state.shape))
+    s = gdn.state
     for t in range(T):
         s = gdn.g[..., t, None, None].exp() * s + gdn.k[..., t, None] * gdn.delta[:, :, t, None, :]
         slots[t] = s
@@ -83,7 +83,7 @@ def round_snapshots(model: HybridLM, state: ModelState, tokens: torch.Tensor, ke
     convs = torch.stack([window[:, t + 1 : t + 1 + width] for t in range(T)])
     cost.staged_bytes += slots.numel() * 4 + convs.numel() * convs.element_size()
     t1 = time.perf_counter()
-    gdn.recurrent.copy_(slots[keep - 1])  # commit: copy slot keep-1 into the head
+    gdn.state.copy_(slots[keep - 1])  # commit: copy slot keep-1 into the head
     gdn.conv.copy_(convs[keep - 1])
     state.length += keep
     state.staged = 0
@@ -94,15 +94,15 @@ def round_snapshots(model: HybridLM, state: ModelState, tokens: torch.Tensor, ke
 def round_checkpoint_replay(model: HybridLM, state: ModelState, tokens: torch.Tensor, keep: int,
                             cost: RoundCost) -> None:
     t0 = time.perf_counter()
-    saved = state.gdn.conv.clone(), state.gdn.recurrent.clone()
+    saved = state.recurrent.conv.clone(), state.recurrent.state.clone()
     cost.staged_bytes += _head_bytes(state)
     t1 = time.perf_counter()
     model(tokens, state)
     state.commit(len(tokens))  # a verify pass without rollback advances the head over every token
     t2 = time.perf_counter()
     if keep < len(tokens):
-        state.gdn.conv.copy_(saved[0])
-        state.gdn.recurrent.copy_(saved[1])
+        state.recurrent.conv.copy_(saved[0])
+        state.recurrent.state.copy_(saved[1])
         state.length -= len(tokens)
         model(tokens[:keep], state)  # replay the accepted tokens through the whole model
         state.commit(keep)
@@ -135,7 +135,7 @@ def compare(model: HybridLM, prompt: list[int], k: int, rounds: int, seed: int =
         heads[name] = state
     ref = heads["closed_form"]
     for name, state in heads.items():
-        err = (state.gdn.recurrent - ref.gdn.recurrent).abs().max().item()
+        err = (state.recurrent.state - ref.recurrent.state).abs().max().item()
         if err > 1e-4:
             raise AssertionError(f"{name} ends {err:.2e} away from the closed-form head")
     return costs

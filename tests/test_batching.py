@@ -131,13 +131,13 @@ def assert_near(got: Tensor, want: Tensor) -> None:
 
 def assert_same_state(got: ModelState, want: ModelState) -> None:
     """Lengths, flags and every tensor that holds the sequence (head, staging, logs, snapshot, K/V in use)."""
-    assert (got.length, got.staged, got.marked, got.gdn.logged) == (want.length, want.staged, want.marked,
-                                                                      want.gdn.logged)
-    g, w = got.gdn, want.gdn
-    pairs = [(g.conv, w.conv), (g.recurrent, w.recurrent)]
+    assert (got.length, got.staged, got.marked, got.recurrent.logged) == (want.length, want.staged, want.marked,
+                                                                      want.recurrent.logged)
+    g, w = got.recurrent, want.recurrent
+    pairs = [(g.conv, w.conv), (g.state, w.state)]
     if want.staged:
         pairs += [(g.window, w.window), (g.spare, w.spare)]
-        if want.gdn.logged:
+        if want.recurrent.logged:
             n = want.staged
             pairs += [(g.x[:, :n], w.x[:, :n]), (g.k[..., :n], w.k[..., :n]), (g.delta[:, :, :n], w.delta[:, :, :n]),
                       (g.g[:, :, :n], w.g[:, :, :n])]
@@ -244,7 +244,7 @@ def test_forward_batch_random_batches(specs):
         for s in (a, b):
             if item.chained:
                 s.commit_marked()
-            s.commit(min(keep, s.staged) if s.gdn.logged else s.staged)
+            s.commit(min(keep, s.staged) if s.recurrent.logged else s.staged)
         assert_same_state(a, b)
     step = [torch.tensor(tokens(2000 + i, 1)) for i in range(len(items))]  # one decode step for all
     got = forward_batch(TARGET, [(ids, s) for ids, (_, s) in zip(step, batch)])

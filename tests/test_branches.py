@@ -31,8 +31,8 @@ DRAFT = random_model(CFG, seed=21)
 
 
 def heads_equal(a: ModelState, b: ModelState) -> bool:
-    return (a.length == b.length and torch.equal(a.gdn.conv, b.gdn.conv) and torch.equal(a.gdn.recurrent,
-                                                                                          b.gdn.recurrent)
+    return (a.length == b.length and torch.equal(a.recurrent.conv, b.recurrent.conv) and torch.equal(a.recurrent.state,
+                                                                                          b.recurrent.state)
             and all(torch.equal(x.k[:, :a.length], y.k[:, :a.length]) and torch.equal(x.v[:, :a.length],
                                                                                       y.v[:, :a.length])
                     for x, y in zip(a.attn, b.attn)))

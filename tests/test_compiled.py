@@ -42,12 +42,12 @@ def models():
 
 def assert_same_staging(state, ref) -> None:
     for name in ("window", "spare"):
-        assert close(getattr(state.gdn, name), getattr(ref.gdn, name)), name
+        assert close(getattr(state.recurrent, name), getattr(ref.recurrent, name)), name
     n = state.staged
-    if not state.gdn.logged:
+    if not state.recurrent.logged:
         return
     for name, axis in (("x", 1), ("k", 3), ("delta", 2), ("g", 2)):
-        assert close(getattr(state.gdn, name).narrow(axis, 0, n), getattr(ref.gdn, name).narrow(axis, 0, n)), name
+        assert close(getattr(state.recurrent, name).narrow(axis, 0, n), getattr(ref.recurrent, name).narrow(axis, 0, n)), name
 
 
 @pytest.mark.parametrize("which", ["target", "draft"])
@@ -153,7 +153,7 @@ def test_bfloat16_compiled_passes_match_the_fused_path():
                 ref.revert(), state.revert()
             else:
                 ref.commit(keep), state.commit(keep)
-        assert state.gdn.recurrent.dtype == torch.float32
+        assert state.recurrent.state.dtype == torch.float32
     target, draft = pairs["target"][1], pairs["draft"][1]
     prompt = torch.randint(0, target.config.vocab_size, (10,), generator=gen).tolist()
     assert generate(target, prompt, 32, ModelDrafter(draft), 4).token_ids == generate(target, prompt, 32).token_ids

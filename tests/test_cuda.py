@@ -90,7 +90,7 @@ def rounds(model) -> tuple[list[torch.Tensor], object]:
 def assert_same_head(state, ref) -> None:
     assert (state.length, state.staged, state.marked) == (ref.length, ref.staged, ref.marked)
     n = ref.length
-    pairs = [("recurrent", state.gdn.recurrent, ref.gdn.recurrent), ("conv window", state.gdn.conv, ref.gdn.conv)]
+    pairs = [("recurrent", state.recurrent.state, ref.recurrent.state), ("conv window", state.recurrent.conv, ref.recurrent.conv)]
     pairs += [(f"attention {i} {kv}", getattr(a, kv)[:, :n], getattr(b, kv)[:, :n])
               for i, (a, b) in enumerate(zip(state.attn, ref.attn, strict=True)) for kv in ("k", "v")]
     for what, a, b in pairs:

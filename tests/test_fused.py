@@ -33,7 +33,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 def assert_same_head(state, ref) -> None:
     assert (state.length, state.staged) == (ref.length, ref.staged)
     n = state.length
-    pairs = [(state.gdn.recurrent, ref.gdn.recurrent), (state.gdn.conv, ref.gdn.conv)]
+    pairs = [(state.recurrent.state, ref.recurrent.state), (state.recurrent.conv, ref.recurrent.conv)]
     pairs += [(a.k[:, :n], b.k[:, :n]) for a, b in zip(state.attn, ref.attn)]
     pairs += [(a.v[:, :n], b.v[:, :n]) for a, b in zip(state.attn, ref.attn)]
     for got, want in pairs:
@@ -82,7 +82,7 @@ def test_staged_logs_match(pair):
     ref, state = layers.new_state(), fused.new_state()
     layers(ids, ref), fused(ids, state)
     for name in ("x", "k", "delta", "g", "window", "spare"):
-        assert close(getattr(state.gdn, name), getattr(ref.gdn, name)), name
+        assert close(getattr(state.recurrent, name), getattr(ref.recurrent, name)), name
 
 
 def test_speculative_generation_matches_the_layer_path():
@@ -106,7 +106,7 @@ def test_bfloat16_weights_take_the_same_path():
         got, _ = fused(chunk, state)
         assert (got - want).norm() / want.norm() < 3e-2
         ref.commit(len(chunk)), state.commit(len(chunk))
-    assert state.gdn.recurrent.dtype == torch.float32
+    assert state.recurrent.state.dtype == torch.float32
 
 
 def test_rope_table_slices_equal_computing_each_pass():

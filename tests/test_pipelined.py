@@ -710,7 +710,7 @@ def test_draft_speculation_on_a_named_speculation():
     full = DraftSession(NOISY, history)  # a speculation the logs cannot hold is refused, changing nothing
     full.propose("a", 16)
     full.propose("b", 16, None, speculative=True)
-    full.drafter.state.gdn.log_capacity = 49  # one short of a third round of 16 (the buffers stay larger)
+    full.drafter.state.recurrent.log_capacity = 49  # one short of a third round of 16 (the buffers stay larger)
     with pytest.raises(FailedPrecondition, match="no room"):
         full.propose("c", 16, None, speculative=True, parent="b")
     assert [s.round_id for s in full.speculations] == ["b"]

@@ -69,8 +69,8 @@ def assert_head(state, cold) -> None:
     """Two heads after the same tokens: GDN windows and states, and the attention K/V of every position (to float32
     rounding: a resumed sequence computes from the closed-form head, a cold one from the kernel's)."""
     assert state.length == cold.length
-    torch.testing.assert_close(state.gdn.conv, cold.gdn.conv, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(state.gdn.recurrent, cold.gdn.recurrent, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state.recurrent.conv, cold.recurrent.conv, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state.recurrent.state, cold.recurrent.state, rtol=1e-4, atol=1e-4)
     for a, b in zip(state.attn, cold.attn):
         torch.testing.assert_close(a.k[:, :state.length], b.k[:, :cold.length], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(a.v[:, :state.length], b.v[:, :cold.length], rtol=1e-4, atol=1e-4)
@@ -85,7 +85,7 @@ def cold_head(model, tokens: list[int]):
 
 def assert_entries_are_cold_heads(cache: PrefixCache, model) -> None:
     """Every cached entry holds what a cold prefill of its whole prefix leaves: nothing rejected, nothing stale (an
-    entry without a GDN state: its K/V)."""
+    entry without a recurrent state: its K/V)."""
     assert cache.entries
     for entry in cache.entries.values():
         chain = [entry]
@@ -274,7 +274,7 @@ def test_extend_resumes_from_the_head_and_equals_one_prompt(pair):
 
 @pytest.mark.parametrize("kind", ["none", "draft", "mtp"])
 def test_sparse_states_resume_at_the_deepest_state_and_branch_points_get_one(pair, hf_greedy, kind):
-    """Blocks of 8, a GDN state every 4 blocks (32 positions), at leaves and at branch points. A second prompt
+    """Blocks of 8, a recurrent state every 4 blocks (32 positions), at leaves and at branch points. A second prompt
     diverging off the grid (after 40 positions) resumes at 32 and leaves a state where it branched; a third
     diverging there resumes at 40; a resent history resumes at its leaf. Every output equals the cold run and
     HF's; every entry equals a cold prefill; only grid blocks, leaves and branch points hold a state."""
@@ -326,7 +326,7 @@ def test_sparse_states_under_eviction_leave_no_leaf_without_a_state(pair):
 def test_bad_block_sizes_and_budgets_are_refused():
     with pytest.raises(ValueError, match="block size"):
         PrefixCache(0, ByteBudget(1))
-    with pytest.raises(ValueError, match="GDN state every 1 or more blocks"):
+    with pytest.raises(ValueError, match="recurrent state every 1 or more blocks"):
         PrefixCache(4, ByteBudget(1), state_every=0)
     model = random_model(hf_config(), seed=1)
     prefix_cache.attach(model, 4)

@@ -21,7 +21,7 @@ from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.decoding.target import TargetSession
 from deltaspec.shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from deltaspec.shared.model.checkpoint import hf_config, random_model
-from deltaspec.shared.state.rollback import GDNSlot, ModelState
+from deltaspec.shared.state.rollback import RecurrentSlot, ModelState
 from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY
 
 TOL = 1e-5  # rollback of one layer on identical inputs
@@ -44,9 +44,9 @@ def sequential_state(model, tokens, state: ModelState | None = None) -> ModelSta
 
 def assert_same_head(state: ModelState, ref: ModelState) -> None:
     assert state.length == ref.length and state.staged == 0
-    assert state.gdn.recurrent.dtype == torch.float32
+    assert state.recurrent.state.dtype == torch.float32
     n = state.length
-    pairs = [("recurrent", state.gdn.recurrent, ref.gdn.recurrent), ("conv window", state.gdn.conv, ref.gdn.conv)]
+    pairs = [("recurrent", state.recurrent.state, ref.recurrent.state), ("conv window", state.recurrent.conv, ref.recurrent.conv)]
     for i, (a, b) in enumerate(zip(state.attn, ref.attn)):
         pairs += [(f"attention {i} keys", a.k[:, :n], b.k[:, :n]), (f"attention {i} values", a.v[:, :n], b.v[:, :n])]
     for name, x, y in pairs:
@@ -67,16 +67,16 @@ def test_gdn_layer_rollback_is_exact(plan, seed):
     for k, a in plan:
         a = min(a, k)
         with torch.inference_mode():
-            layer(xs[pos : pos + k + 1], GDNSlot(state.gdn, 0, 0))  # verify pass: k+1 tokens staged at once
+            layer(xs[pos : pos + k + 1], RecurrentSlot(state.recurrent, 0, 0))  # verify pass: k+1 tokens staged at once
             state.staged = k + 1
             state.commit(a + 1)
             for t in range(pos, pos + a + 1):  # reference: the kept tokens one by one, naive kernel
-                ref_layer(xs[t : t + 1], GDNSlot(ref.gdn, 0, 0))
+                ref_layer(xs[t : t + 1], RecurrentSlot(ref.recurrent, 0, 0))
                 ref.staged = 1
                 ref.commit(1)
         pos += k + 1
-        assert (state.gdn.recurrent[0] - ref.gdn.recurrent[0]).abs().max() <= TOL
-        assert (state.gdn.conv[0] - ref.gdn.conv[0]).abs().max() <= TOL
+        assert (state.recurrent.state[0] - ref.recurrent.state[0]).abs().max() <= TOL
+        assert (state.recurrent.conv[0] - ref.recurrent.conv[0]).abs().max() <= TOL
 
 
 def drafts_for(session: TargetSession, k: int, a: int) -> list[int]:
@@ -121,14 +121,14 @@ def test_partial_commit_after_full_verify(accepted):
 
 
 def snapshot(session: TargetSession):
-    gdn = session.state.gdn
-    return session.version, list(session.tokens), session.state.length, gdn.conv.clone(), gdn.recurrent.clone()
+    gdn = session.state.recurrent
+    return session.version, list(session.tokens), session.state.length, gdn.conv.clone(), gdn.state.clone()
 
 
 def assert_unchanged(session, snap):
     version, tokens, length, conv, recurrent = snap
     assert (session.version, session.tokens, session.state.length) == (version, tokens, length)
-    assert torch.equal(session.state.gdn.conv, conv) and torch.equal(session.state.gdn.recurrent, recurrent)
+    assert torch.equal(session.state.recurrent.conv, conv) and torch.equal(session.state.recurrent.state, recurrent)
 
 
 def test_retries_never_advance_twice_and_refusals_change_nothing():
@@ -192,7 +192,7 @@ def staged_state(tokens: list[int], n: int | None = None) -> ModelState:
 def assert_same_staging(state: ModelState, want: ModelState) -> None:
     """Same staged window and state after everything staged (what the next pass starts from)."""
     assert state.staged == want.staged
-    for got, ref in ((state.gdn.window, want.gdn.window), (state.gdn.spare, want.gdn.spare)):
+    for got, ref in ((state.recurrent.window, want.recurrent.window), (state.recurrent.spare, want.recurrent.spare)):
         assert (got - ref).abs().max() <= MODEL_RTOL * ref.abs().max(), (got - ref).abs().max()
 
 
@@ -206,12 +206,12 @@ def test_mark_and_truncate_anywhere_from_the_logs(n):
     late, early = staged_state(tokens), staged_state(tokens[:n])
     late.mark(n)
     assert late.marked == n and late.staged == len(tokens)
-    for got, ref in ((late.gdn.marked_window, early.gdn.window), (late.gdn.marked_state, early.gdn.spare)):
+    for got, ref in ((late.recurrent.marked_window, early.recurrent.window), (late.recurrent.marked_state, early.recurrent.spare)):
         assert (got - ref).abs().max() <= MODEL_RTOL * ref.abs().max()
     late.commit_marked()  # the first n tokens become the head, the rest stays staged
     want = sequential_state(REFERENCE, PROMPT + tokens[:n])
     assert late.length == want.length
-    for got, ref in ((late.gdn.conv, want.gdn.conv), (late.gdn.recurrent, want.gdn.recurrent)):
+    for got, ref in ((late.recurrent.conv, want.recurrent.conv), (late.recurrent.state, want.recurrent.state)):
         assert (got - ref).abs().max() <= MODEL_RTOL * ref.abs().max()
     rest = staged_state(tokens)
     rest.commit(n)
@@ -231,6 +231,6 @@ def test_mark_and_truncate_anywhere_from_the_logs(n):
 def test_bf16_weights_keep_float32_state_and_exact_speculation():
     model = random_model(hf_config(), seed=11).to(torch.bfloat16)
     session = TargetSession(model, PROMPT)
-    assert session.state.gdn.recurrent.dtype == torch.float32 and session.state.gdn.conv.dtype == torch.bfloat16
+    assert session.state.recurrent.state.dtype == torch.float32 and session.state.recurrent.conv.dtype == torch.bfloat16
     want = generate(model, PROMPT, 16).token_ids
     assert generate(model, PROMPT, 16, ModelDrafter(model), 5).token_ids == want

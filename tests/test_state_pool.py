@@ -63,14 +63,14 @@ def pooled(source: HybridLM, sessions: int, extra_positions: int = 0) -> tuple[H
 
 def buffers(state: ModelState) -> dict[str, torch.Tensor]:
     """Every tensor a state holds (GDN buffers, mark snapshot included, and K/V), copied."""
-    out = {name: getattr(state.gdn, name).clone() for name in GDN_NAMES}
+    out = {name: getattr(state.recurrent, name).clone() for name in GDN_NAMES}
     out.update({f"attn{i}.{kv}": getattr(layer, kv).clone() for i, layer in enumerate(state.attn) for kv in "kv"})
     return out
 
 
 def fill(state: ModelState, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    for t in [getattr(state.gdn, name) for name in GDN_NAMES] + [t for layer in state.attn for t in (layer.k, layer.v)]:
+    for t in [getattr(state.recurrent, name) for name in GDN_NAMES] + [t for layer in state.attn for t in (layer.k, layer.v)]:
         t.copy_(torch.randn(t.shape, generator=gen))
 
 
@@ -224,7 +224,7 @@ def test_full_target_pool_refuses_and_slots_come_back(pair):
         first, _ = open_session(stub), open_session(stub)
         err = refused(lambda: open_session(stub), Code.RESOURCE_EXHAUSTED, "state_memory")
         assert "state memory budget" in err.details() and "2 of 2 session slots" in err.details() \
-            and "of GDN state" in err.details(), err.details()
+            and "of recurrent state" in err.details(), err.details()
         generate_request = pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=6)
         refused(lambda: list(stub.Generate(generate_request)), Code.RESOURCE_EXHAUSTED, "state_memory")
         stub.CloseSession(pb.CloseSessionRequest(session_id=first))

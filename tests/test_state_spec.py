@@ -19,13 +19,13 @@ def test_a_family_declares_its_layers_and_the_state_holds_what_it_declares(famil
     assert (spec.recurrent.kind, spec.recurrent.heads, spec.recurrent.key_dim, spec.recurrent.value_dim) == (
         "gdn", cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     state = ModelState(spec, capacity=7)
-    assert state.gdn.recurrent.shape == (spec.n_recurrent, spec.recurrent.heads, spec.recurrent.key_dim,
+    assert state.recurrent.state.shape == (spec.n_recurrent, spec.recurrent.heads, spec.recurrent.key_dim,
                                          spec.recurrent.value_dim)
-    assert state.gdn.conv.shape == (spec.n_recurrent, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
+    assert state.recurrent.conv.shape == (spec.n_recurrent, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
     # the mark snapshot (allocated on first use here, preallocated in a pool slot) counts as a pool charges it
-    held = sum(t.nbytes for t in (state.gdn.conv, state.gdn.window, state.gdn.recurrent, state.gdn.spare,
-                                  state.gdn.x, state.gdn.k, state.gdn.delta, state.gdn.g))
-    snapshot = state.gdn.conv.nbytes + state.gdn.recurrent.nbytes
+    held = sum(t.nbytes for t in (state.recurrent.conv, state.recurrent.window, state.recurrent.state, state.recurrent.spare,
+                                  state.recurrent.x, state.recurrent.k, state.recurrent.delta, state.recurrent.g))
+    snapshot = state.recurrent.conv.nbytes + state.recurrent.state.nbytes
     kv = sum(t.nbytes for layer in state.attn for t in (layer.k, layer.v))
     assert spec.bytes(torch.float32, 7) == held + snapshot + kv
 

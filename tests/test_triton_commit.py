@@ -1,4 +1,4 @@
-"""The Triton closed-form commit against the sequential recurrence and against `GDNStates.prepare_commit` (under
+"""The Triton closed-form commit against the sequential recurrence and against `RecurrentStates.prepare_commit` (under
 TRITON_INTERPRET=1 on the CPU), for one sequence and for many slots with their own counts."""
 from __future__ import annotations
 
@@ -59,12 +59,12 @@ def test_equals_prepare_commit_on_a_real_staging():
     model(torch.arange(5, device=DEVICE) % 97, state)
     state.commit(5)
     model(torch.arange(7, device=DEVICE) * 3 % 97, state)
-    gdn = state.gdn
+    gdn = state.recurrent
     for n in range(8):
         gdn.mark(n, 7)  # the snapshot after n of the 7: prepare_commit's closed form (the staged state itself at 7)
         want = gdn.marked_state
-        got = commit_states(gdn.recurrent[None], gdn.k[None], gdn.delta[None], gdn.g[None],
-                            torch.empty_like(gdn.recurrent)[None], [0], [n])[0]
+        got = commit_states(gdn.state[None], gdn.k[None], gdn.delta[None], gdn.g[None],
+                            torch.empty_like(gdn.state)[None], [0], [n])[0]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

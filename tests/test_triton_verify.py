@@ -17,7 +17,7 @@ from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.state.pool import StatePool, attach
-from deltaspec.shared.state.rollback import GDNSlot, ModelState
+from deltaspec.shared.state.rollback import RecurrentSlot, ModelState
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -84,7 +84,7 @@ CFG = hf_config(vocab_size=61, hidden_size=32, intermediate_size=48, num_attenti
                 head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
                 linear_value_head_dim=12, tie_word_embeddings=False, eos_token_id=None,
                 layer_types=["linear_attention", "full_attention", "linear_attention"])
-STATE_NAMES = ("conv", "window", "recurrent", "spare", "x", "k", "delta", "g")
+STATE_NAMES = ("conv", "window", "state", "spare", "x", "k", "delta", "g")
 
 
 def tokens(seed: int, n: int) -> Tensor:
@@ -124,7 +124,7 @@ def prepare(model: HybridLM, history: int, staged: int, seed: int) -> ModelState
 def buffers(model: HybridLM, state: ModelState) -> dict[str, Tensor]:
     """Every GDN buffer of the state: its pool's, all slots (so other slots' and rows' too), or its own."""
     pool = getattr(model, "state_pool", None)
-    return dict(pool.tensors) if pool is not None else {name: getattr(state.gdn, name) for name in STATE_NAMES}
+    return dict(pool.tensors) if pool is not None else {name: getattr(state.recurrent, name) for name in STATE_NAMES}
 
 
 def assert_same(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
@@ -145,7 +145,7 @@ def kernel_logged(monkeypatch) -> list[bool]:
             seen.append(logs is not None)
             return logs
         return run
-    monkeypatch.setattr(GDNSlot, "verify_logs", spy(GDNSlot.verify_logs))
+    monkeypatch.setattr(RecurrentSlot, "verify_logs", spy(RecurrentSlot.verify_logs))
     monkeypatch.setattr(access, "verify_logs", spy(access.verify_logs))
     return seen
 
@@ -170,7 +170,7 @@ def test_one_sequence_stages_and_commits_as_with_copied_logs(fuse, pooled, kerne
         torch.testing.assert_close(hidden, want_hidden, **TOL)
     assert_same(got_staged, want_staged)
     assert_same(got_head, want_head)
-    assert (got.length, got.staged, got.gdn.logged) == (want.length, want.staged, want.gdn.logged) == (11, 0, True)
+    assert (got.length, got.staged, got.recurrent.logged) == (want.length, want.staged, want.recurrent.logged) == (11, 0, True)
 
 
 def test_batch_of_pool_slots_stages_and_commits_as_with_copied_logs(kernel_logged):
@@ -190,7 +190,7 @@ def test_batch_of_pool_slots_stages_and_commits_as_with_copied_logs(kernel_logge
         batch = [(tokens(20 + i, T).to(DEVICE), st) for i, ((_, _, T, _), st) in enumerate(zip(items, states))]
         outputs = forward_batch(model, batch)
         staged_buffers = {name: t.clone() for name, t in buffers(model, states[0]).items()}
-        flags = [st.gdn.logged for st in states]
+        flags = [st.recurrent.logged for st in states]
         for (_, _, _, n), st in zip(items, states):
             st.commit(n)
         runs.append((outputs, staged_buffers, flags, buffers(model, states[0]), states))

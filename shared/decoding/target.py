@@ -271,7 +271,7 @@ class TargetSession:
             raise FailedPrecondition(f"round {parent!r} is still staged on round {pending.round_id!r}, "  # type: ignore
                                      f"which was not committed within {WAIT_S:g} s", "parent_round_id")
         self._check_input(drafts, draft_probs)
-        capacity = self.state.gdn.log_capacity
+        capacity = self.state.recurrent.log_capacity
         if self.state.staged + len(drafts) + 1 > capacity:
             raise FailedPrecondition(f"rounds {parent!r} and {round_id!r} together stage more than {capacity} "
                                      "tokens", "draft_tokens")

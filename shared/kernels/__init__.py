@@ -25,7 +25,7 @@ _LOOPS: dict[str, Kernel] = {"naive": naive_recurrent_gated_delta_rule, "chunk":
 
 class VerifyLogs(NamedTuple):
     """Where a kernel logs the k, delta and g of a pass's tokens itself, in the layout the commit reads
-    (`deltaspec.shared.state.rollback.GDNStates`), so that no copy moves them there after the pass.
+    (`deltaspec.shared.state.rollback.RecurrentStates`), so that no copy moves them there after the pass.
 
     A row of the buffers is one (sequence, layer): a `StatePool`'s slots x layers, or one sequence's layers, so the
     sequences of a batch are logged by one launch. Sequence b's token t < counts[b] goes to log slot offsets[b] + t

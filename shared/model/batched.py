@@ -41,7 +41,7 @@ def forward_batch(model: HybridLM, items: Sequence[tuple[Tensor, ModelState]]) -
     ids = torch.cat([ids for ids, _ in items]).to(device)
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
         raise BatchRefused(f"token ids outside the vocabulary [0, {cfg.vocab_size})")
-    if model.fused is None or len(items) == 1 or any(st.gdn.block_heads is not None for _, st in items):
+    if model.fused is None or len(items) == 1 or any(st.recurrent.block_heads is not None for _, st in items):
         return [model(ids, st) for ids, st in items]  # a prefix cache's heads are taken by the per-sequence pass
     lengths = [t.numel() for t, _ in items]
     starts = [st.length + st.staged for _, st in items]

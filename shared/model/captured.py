@@ -124,14 +124,14 @@ class CapturedPasses:
     def fits(self, state: ModelState, T: int) -> bool:
         """Whether the graphs cover a pass of T tokens on `state` (else it runs eagerly)."""
         end = state.length + state.staged + T
-        return (T <= self.max_tokens and state.gdn.logged and state.staged + T <= state.gdn.log_capacity
-                and state.gdn.block_heads is None and all(end <= layer.k.shape[1] for layer in state.attn))
+        return (T <= self.max_tokens and state.recurrent.logged and state.staged + T <= state.recurrent.log_capacity
+                and state.recurrent.block_heads is None and all(end <= layer.k.shape[1] for layer in state.attn))
 
     @staticmethod
     def key(state: ModelState, T: int) -> tuple:
         """What a recorded pass is valid for: its token count, where it logs, and every buffer it reads or writes."""
         gdn = StaticAccess.gdn_buffers(state)
-        return (T, state.gdn.log_capacity, *(t.data_ptr() for t in gdn.values()),
+        return (T, state.recurrent.log_capacity, *(t.data_ptr() for t in gdn.values()),
                 *((layer.k.data_ptr(), layer.v.data_ptr(), layer.k.shape[1]) for layer in state.attn))
 
     def __call__(self, model: Model, ids: Tensor, state: ModelState) -> tuple[Tensor, Tensor]:

@@ -90,7 +90,7 @@ class CompiledPasses:
     def fits(state: ModelState, T: int) -> bool:
         """Whether a pass of T tokens is one the graphs cover: its GDN steps land in the logs, and no prefix cache
         takes heads inside it (`BlockHeads`: eager passes only)."""
-        return state.gdn.logged and state.staged + T <= state.gdn.log_capacity and state.gdn.block_heads is None
+        return state.recurrent.logged and state.staged + T <= state.recurrent.log_capacity and state.recurrent.block_heads is None
 
     def __call__(self, model: fused.Model, x: Tensor, state: ModelState,
                  rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:

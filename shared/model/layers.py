@@ -16,7 +16,7 @@ from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.kernels.experts import apply_experts
 from deltaspec.shared.model.moe import Experts, route
 from deltaspec.shared.state.access import attend
-from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot
+from deltaspec.shared.state.rollback import AttnLayerState, RecurrentSlot
 
 
 class RMSNorm(nn.Module):
@@ -100,7 +100,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.d_v, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(cfg.value_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, st: GDNSlot) -> Tensor:
+    def forward(self, x: Tensor, st: RecurrentSlot) -> Tensor:
         T = x.shape[0]
         mixed = self.in_proj_qkv(x)  # (T, conv_dim)
         window = torch.cat([st.conv_window().to(mixed.dtype), mixed], dim=0)  # (K-1+T, conv_dim)
@@ -182,9 +182,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, st: GDNSlot | AttnLayerState, start: int, rope: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, x: Tensor, st: RecurrentSlot | AttnLayerState, start: int, rope: tuple[Tensor, Tensor]) -> Tensor:
         h = self.input_layernorm(x)
-        if isinstance(st, GDNSlot):
+        if isinstance(st, RecurrentSlot):
             h = self.linear_attn(h, st)
         else:
             h = self.self_attn(h, st, start, rope)

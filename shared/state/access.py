@@ -4,12 +4,12 @@ The one forward pass (`deltaspec.shared.model.fused.forward`) computes every pro
 leaves to a `StateAccess` only what depends on where the state lives: a recurrent layer's window and state before the
 pass, the kernel over them, and where the staging goes; an attention layer's K/V writes and the causal read.
 
-- `SequenceAccess`: one sequence's `ModelState`, by Python offsets (`GDNSlot`); the eager pass.
+- `SequenceAccess`: one sequence's `ModelState`, by Python offsets (`RecurrentSlot`); the eager pass.
 - `StaticAccess`: buffers and index tensors (positions, log slots) that do not depend on where the pass sits, so a
   compiled graph or a recorded CUDA graph serves every position and round.
 - `BatchAccess`: several sequences' states gathered into a padded `(G, T)` batch per group and scattered back.
 
-Each writes exactly what `GDNSlot.stage` writes; staging never happens anywhere else.
+Each writes exactly what `RecurrentSlot.stage` writes; staging never happens anywhere else.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from deltaspec.shared.kernels import CHUNK_SIZE, VerifyLogs, gated_delta_rule
-from deltaspec.shared.state.rollback import AttnLayerState, GDNSlot, ModelState, verify_logs
+from deltaspec.shared.state.rollback import AttnLayerState, RecurrentSlot, ModelState, verify_logs
 
 # (full = [window; x] `(..., K-1+T, C)`, b, a `(..., T, Hv)`) -> q, k `(..., T, Hv, Dk)`, v, beta, log decay g
 Gates = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]
@@ -30,7 +30,7 @@ Gates = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor,
 
 class StateAccess(Protocol):
     def gdn(self, i: int, x: Tensor, b: Tensor, a: Tensor, gates: Gates, kernel: str) -> Tensor:
-        """GDN layer i (its index among the GDN layers) on the pass's pre-conv inputs x `(N, C)` and b, a `(N, Hv)`:
+        """recurrent layer i (its index among the recurrent layers) on the pass's pre-conv inputs x `(N, C)` and b, a `(N, Hv)`:
         stages its tokens and returns the delta rule's output `(N, Hv, Dv)`."""
         ...
 
@@ -76,7 +76,7 @@ class SequenceAccess:
         self.start = state.length + state.staged
 
     def gdn(self, i: int, x: Tensor, b: Tensor, a: Tensor, gates: Gates, kernel: str) -> Tensor:
-        st = GDNSlot(self.state.gdn, i, self.offset)
+        st = RecurrentSlot(self.state.recurrent, i, self.offset)
         full = torch.cat([st.conv_window(), x], dim=0)  # (K-1+T, C)
         q, k, v, beta, g = gates(full, b, a)  # (T, Hv, D) and (T, Hv)
         out, delta, final, logged = gated_delta_rule(kernel, q, k, v, g, beta, st.initial_state(), st.state_out(),
@@ -88,13 +88,13 @@ class SequenceAccess:
         return attend(self.state.attn[j], q, k, v, self.start)
 
 
-GDN_BUFFERS = ("conv_in", "state_in", "window", "spare", "x", "k", "delta", "g")  # what a static GDN layer touches
+GDN_BUFFERS = ("conv_in", "state_in", "window", "spare", "x", "k", "delta", "g")  # what a static recurrent layer touches
 
 
 @dataclass
 class StaticAccess:
     """Buffers addressed by index tensors: tokens at `positions (T,)`, logged at `slots (T,)`; `buffers` maps each of
-    `GDN_BUFFERS` to the GDN layers' buffers (a stacked tensor or a list of per-layer views), `kv` holds each attention
+    `GDN_BUFFERS` to the recurrent layers' buffers (a stacked tensor or a list of per-layer views), `kv` holds each attention
     layer's K/V buffers, read whole under a position mask. Nothing depends on where the pass sits."""
 
     positions: Tensor
@@ -104,14 +104,14 @@ class StaticAccess:
 
     @staticmethod
     def gdn_buffers(state: ModelState, per_layer: bool = False) -> dict:
-        """The GDN buffers a static pass on `state` reads and writes: the window and state before it (the head's,
+        """The recurrent buffers a static pass on `state` reads and writes: the window and state before it (the head's,
         or the staging's when it stages on top of one) and where the staging goes. Stacked tensors, or per-layer
         views (made once)."""
-        gdn = state.gdn
-        buffers = gdn.layers if per_layer else vars(gdn)
+        rec = state.recurrent
+        buffers = rec.layers if per_layer else vars(rec)
         on_head = state.staged == 0
         return {"conv_in": buffers["conv" if on_head else "window"],
-                "state_in": buffers["recurrent" if on_head else "spare"],
+                "state_in": buffers["state" if on_head else "spare"],
                 **{name: buffers[name] for name in GDN_BUFFERS[2:]}}
 
     def gdn(self, i: int, x: Tensor, b: Tensor, a: Tensor, gates: Gates, kernel: str) -> Tensor:
@@ -137,14 +137,14 @@ class StaticAccess:
 
 @dataclass
 class _Group:
-    """Sequences whose GDN core runs together, padded to `T` tokens each."""
+    """Sequences whose recurrent core runs together, padded to `T` tokens each."""
 
     members: list[int]  # item indices
     lengths: list[int]
     T: int
     rows: slice | Tensor  # rows of the packed tokens in (member, t) order; padding repeats a member's last row
     valid: Tensor | None  # (G, T, 1) 1 for real tokens, 0 for padding; None when nothing is padded
-    logs: VerifyLogs | None = None  # where the Triton kernel logs the members: made at the first GDN layer that runs it
+    logs: VerifyLogs | None = None  # where the Triton kernel logs the members: made at the first recurrent layer that runs it
 
     def take(self, x: Tensor) -> Tensor:
         """Rows of the packed `x` for this group as `(G, T, ...)`."""
@@ -206,12 +206,12 @@ class BatchAccess:
     def gdn(self, i: int, x: Tensor, b: Tensor, a: Tensor, gates: Gates, kernel: str) -> Tensor:
         outs = []
         for g in self.groups:
-            slots = [GDNSlot(self.states[m].gdn, i, self.states[m].staged) for m in g.members]
+            slots = [RecurrentSlot(self.states[m].recurrent, i, self.states[m].staged) for m in g.members]
             outs.append(self._gdn_group(g, slots, x, b, a, gates, kernel))
         return self._packed(outs)
 
     @staticmethod
-    def _gdn_group(g: _Group, slots: list[GDNSlot], x: Tensor, b: Tensor, a: Tensor, gates: Gates,
+    def _gdn_group(g: _Group, slots: list[RecurrentSlot], x: Tensor, b: Tensor, a: Tensor, gates: Gates,
                    kernel: str) -> Tensor:
         """The delta rule for one group; stages each member into its own buffers; outputs `(G T, Hv, Dv)`."""
         xs = g.take(x)
@@ -267,7 +267,7 @@ class BatchAccess:
         return out.reshape(G * T, *out.shape[2:])
 
 
-def _stage(g: _Group, slots: list[GDNSlot], xs: Tensor, full: Tensor, k_log: Tensor, delta_log: Tensor,
+def _stage(g: _Group, slots: list[RecurrentSlot], xs: Tensor, full: Tensor, k_log: Tensor, delta_log: Tensor,
            g_log: Tensor, final: Tensor, kernel_logged: bool = False) -> None:
     """Each member's logs, window and state after its tokens, into its own buffers, in one foreach copy.
 

@@ -1,7 +1,7 @@
-"""State slots: the GDN states of up to N sequences preallocated as a few large tensors, under one memory
+"""State slots: the recurrent states of up to N sequences preallocated as a few large tensors, under one memory
 budget that also pays for every sequence's attention K/V.
 
-A sequence's GDN state does not grow with its context: committed state, spare, mark snapshot, conv
+A sequence's recurrent state does not grow with its context: committed state, spare, mark snapshot, conv
 windows and round logs (`RecurrentSpec.buffers`) are `StateSpec.recurrent_bytes` whatever its length.
 Attention K/V grows by `StateSpec.kv_bytes_per_position` a token (`StateSpec.bytes`: a session's whole
 state). So the pool preallocates its slots, one tensor per buffer with a leading slot axis, and leaves the
@@ -62,21 +62,21 @@ class Lease:
 
 
 class StatePool:
-    """Slots for up to `max_slots` sequences of one model shape within `budget` bytes (GDN slots + K/V); each slot's
+    """Slots for up to `max_slots` sequences of one model shape within `budget` bytes (recurrent slots + K/V); each slot's
     round logs hold `log_capacity` staged tokens."""
 
     def __init__(self, spec: StateSpec, budget: int, max_slots: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  log_capacity: int = LOG_CAPACITY) -> None:
         self.spec, self.device, self.dtype, self.budget, self.log_capacity = spec, device, dtype, budget, log_capacity
-        self.gdn_bytes = spec.recurrent_bytes(dtype, log_capacity)
+        self.recurrent_bytes = spec.recurrent_bytes(dtype, log_capacity)
         self.kv_per_position = spec.kv_bytes_per_position(dtype)
-        session = self.gdn_bytes + MIN_CONTEXT * self.kv_per_position
+        session = self.recurrent_bytes + MIN_CONTEXT * self.kv_per_position
         self.slots = budget // session if max_slots is None else min(max_slots, budget // session)
         if self.slots < 1:
             raise ValueError(f"a state memory budget of {mib(budget)} holds no session: one takes {mib(session)} "
-                             f"({mib(self.gdn_bytes)} of GDN state + K/V for {MIN_CONTEXT} positions)")
-        self.kv_budget = budget - self.slots * self.gdn_bytes
+                             f"({mib(self.recurrent_bytes)} of recurrent state + K/V for {MIN_CONTEXT} positions)")
+        self.kv_budget = budget - self.slots * self.recurrent_bytes
         self.kv_used = 0
         self.refusals = 0  # admissions and growths refused (a metric)
         shapes = spec.recurrent_buffers(dtype, log_capacity)
@@ -142,7 +142,7 @@ class StatePool:
                 raise ResourceExhausted(
                     f"the state memory budget ({mib(self.budget)}) is taken: {self.in_use} of {self.slots} session "
                     f"slots in use, {mib(self.kv_used)} of {mib(self.kv_budget)} of attention K/V; a session takes "
-                    f"{mib(self.gdn_bytes)} of GDN state + {self.kv_per_position} B of K/V per position "
+                    f"{mib(self.recurrent_bytes)} of recurrent state + {self.kv_per_position} B of K/V per position "
                     f"({mib(self.session_bytes(capacity))} at the {capacity} positions asked)", FIELD)
             self.kv_used += cost
             return Lease(self, self._free.pop(), capacity)

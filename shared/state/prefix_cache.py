@@ -1,14 +1,14 @@
 """Committed heads as a prefix cache: a new sequence resumes from the longest cached prefix of its prompt and
 prefills only the rest.
 
-A hybrid model's head after P tokens is every GDN layer's conv window and recurrent state (a fixed size, whatever
+A hybrid model's head after P tokens is every recurrent layer's conv window and recurrent state (a fixed size, whatever
 P) and the attention K/V of positions 0..P-1. The cache keeps it at every block boundary (`block` tokens; tens
 of tokens work), one entry per block, keyed by a hash chain over the token ids: an entry's key hashes its
 parent's key and its own tokens, so a key names a whole prefix from position 0. An entry holds its block's K/V,
-the GDN state at its end (see below) and, for an MTP drafter, the trunk's hidden states of its positions. A
+the recurrent state at its end (see below) and, for an MTP drafter, the trunk's hidden states of its positions. A
 prompt of any length that shares one whole block with a cached sequence hits.
 
-GDN states where they pay (`state_every`): K/V grows with the block, a GDN state does not (61 MiB at the
+recurrent states where they pay (`state_every`): K/V grows with the block, a recurrent state does not (61 MiB at the
 Qwen3.5-35B-A3B shape, against 320 KiB of K/V for 16 tokens), so a big model can keep K/V at every block and a
 state only every `state_every` blocks (the grid), at leaves (where a sequence's cached history ends: a resent
 conversation or prompt resumes there) and at branch points (where cached sequences part: a shared system prompt's
@@ -23,7 +23,7 @@ Entries come from committed heads only: the block boundaries a prefill passes (t
 `rollback.BlockHeads`), and those a commit completes (the commit algebra over the kept tokens' logs, before the
 swap). So no entry ever holds a rejected draft token, whatever the drafter, and a sequence caches the same
 blocks with speculation on or off. An entry's tensors are never written once made (a block gains or drops its
-GDN state whole, under the lock, and a lookup takes the one it resumes from under it): a hit copies them into
+recurrent state whole, under the lock, and a lookup takes the one it resumes from under it): a hit copies them into
 the sequence's own buffers, so a sequence never depends on an entry staying (eviction while it runs changes
 nothing). An evicted leaf takes the stateless blocks above it with it: nothing can resume from them.
 
@@ -82,8 +82,8 @@ class Entry:
     parent: Entry | None
     tokens: tuple[int, ...]  # compared on lookup: a hash collision cannot serve another prefix
     end: int  # positions covered from 0
-    window: Tensor | None  # GDN conv windows after it (L, K-1, C); None where no state is kept
-    state: Tensor | None  # GDN states after it (L, H, Dk, Dv); a sequence resumes only where there is one
+    window: Tensor | None  # conv windows after it (L, K-1, C); None where no state is kept
+    state: Tensor | None  # recurrent states after it (L, H, Dk, Dv); a sequence resumes only where there is one
     kv: Tensor  # its positions' K/V (A, 2, H_kv, block, D)
     hidden: Tensor | None  # the trunk's last-layer states of its positions (block, hidden), for MTP
     nbytes: int
@@ -95,7 +95,7 @@ class Entry:
 
 @dataclass
 class Hit:
-    """What a lookup found: the matched blocks up to the deepest holding a GDN state (where a sequence resumes),
+    """What a lookup found: the matched blocks up to the deepest holding a recurrent state (where a sequence resumes),
     that block's windows and states as the lookup read them (a block off the grid drops its own once it gets a
     child), and the end of the deepest matched block when it holds no state (0 otherwise): the branch point the
     sequence's prefill passes."""
@@ -126,14 +126,14 @@ def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 class PrefixCache:
-    """Cached heads of one model's sequences: K/V every `block` positions, GDN states every `state_every` blocks and
+    """Cached heads of one model's sequences: K/V every `block` positions, recurrent states every `state_every` blocks and
     at leaves and branch points. Thread-safe."""
 
     def __init__(self, block: int, budget: Budget, keep_hidden: bool = False, state_every: int = 1) -> None:
         if block < 1:
             raise ValueError(f"the prefix cache's block size must be at least 1 token, got {block}")
         if state_every < 1:
-            raise ValueError(f"the prefix cache keeps a GDN state every 1 or more blocks, not {state_every}")
+            raise ValueError(f"the prefix cache keeps a recurrent state every 1 or more blocks, not {state_every}")
         self.block, self.budget, self.keep_hidden, self.state_every = block, budget, keep_hidden, state_every
         self.entries: dict[bytes, Entry] = {}
         self.leaves: set[Entry] = set()
@@ -145,12 +145,12 @@ class PrefixCache:
         self.lock = threading.RLock()
 
     def on_grid(self, end: int) -> bool:
-        """Whether the block ending at `end` keeps its GDN state whatever its place in the tree."""
+        """Whether the block ending at `end` keeps its recurrent state whatever its place in the tree."""
         return end % (self.block * self.state_every) == 0
 
     def lookup(self, ids: Sequence[int]) -> Hit:
         """The longest chain of cached whole blocks that `ids` starts with, cut after its deepest block holding a
-        GDN state (a hit when not empty)."""
+        recurrent state (a hit when not empty)."""
         chain: list[Entry] = []
         key = b""
         with self.lock:
@@ -174,7 +174,7 @@ class PrefixCache:
             return Hit(chain, chain[-1].window, chain[-1].state, branch)
 
     def states(self) -> int:
-        """Cached blocks holding a GDN state."""
+        """Cached blocks holding a recurrent state."""
         with self.lock:
             return sum(entry.state is not None for entry in self.entries.values())
 
@@ -257,7 +257,7 @@ class PrefixCache:
                 self._remove(entry)
 
     def _keep_state(self, entry: Entry, window: Tensor, state: Tensor) -> None:
-        """Give a block that has none its GDN state, if the budget pays for it."""
+        """Give a block that has none its recurrent state, if the budget pays for it."""
         nbytes = _nbytes(window, state)
         if self.budget.take(nbytes):
             entry.window, entry.state = window, state
@@ -276,7 +276,7 @@ class PrefixCache:
     def _add(self, parent: Entry | None, tokens: tuple[int, ...], window: Tensor | None, state: Tensor | None,
              kv: Tensor, hidden: Tensor | None) -> Entry | None:
         """A new entry under `parent` (alive, or None at position 0), paid from the budget (evicting others, never
-        `parent`), with the GDN state given (None: K/V only); the entry already cached under that key instead, if
+        `parent`), with the recurrent state given (None: K/V only); the entry already cached under that key instead, if
         any, given the state when it holds none; None when nothing can pay for it."""
         key = block_key(parent.key if parent else b"", tokens)
         with self.lock:
@@ -353,13 +353,13 @@ class Cursor:
             kept = self._kept(ends)
             # a prefill the logs hold gives its heads as a commit does, after the pass (which may then be a compiled
             # one); a longer one has the pass take them (`BlockHeads`)
-            logged = len(ids) <= state.gdn.log_capacity
-            heads = BlockHeads(state.gdn, [e - base for e in kept]) if kept and not logged else None
-            state.gdn.block_heads = heads
+            logged = len(ids) <= state.recurrent.log_capacity
+            heads = BlockHeads(state.recurrent, [e - base for e in kept]) if kept and not logged else None
+            state.recurrent.block_heads = heads
             try:
                 _, h = model(torch.tensor(ids), state)
             finally:
-                state.gdn.block_heads = None
+                state.recurrent.block_heads = None
             if hidden is not None:
                 hidden.append(h)
             if heads is None:
@@ -383,8 +383,8 @@ class Cursor:
             if end not in kept:
                 heads.append((end, None, None))
                 continue
-            window, gdn_state = torch.empty_like(state.gdn.conv), torch.empty_like(state.gdn.recurrent)
-            state.gdn.state_after(end - state.length, state.staged, window, gdn_state)
+            window, gdn_state = torch.empty_like(state.recurrent.conv), torch.empty_like(state.recurrent.state)
+            state.recurrent.state_after(end - state.length, state.staged, window, gdn_state)
             heads.append((end, window, gdn_state))
         commit()
         self._extend(ids, hidden)
@@ -403,7 +403,7 @@ class Cursor:
         return range(0) if self.stopped else range(first, len(self.ids) + n + 1, self.cache.block)
 
     def _kept(self, ends: range) -> list[int]:
-        """Which of the blocks ending at `ends` get a GDN state: those on the cache's grid, the last (the sequence's
+        """Which of the blocks ending at `ends` get a recurrent state: those on the cache's grid, the last (the sequence's
         new tip), and the matched block without one where this sequence branches off."""
         return [e for e in ends if self.cache.on_grid(e) or e == ends[-1] or e == self.branch]
 

@@ -1,19 +1,21 @@
 """Versioned model state: the committed head, the staged round, and the one place rollback happens.
 
 A forward pass never changes the committed head. It *stages* tokens on top of it: attention
-layers write K/V past the committed length (never read unless committed), and the Gated
-DeltaNet layers log, per token, the pre-conv input x_t, key k_t, delta-rule correction delta_t
-and log decay g_t, and keep the state after all staged tokens in one spare buffer.
+layers write K/V past the committed length (never read unless committed), and the recurrent
+layers log, per token, the pre-conv input x_t, key k_t, update delta_t and log decay g_t, and
+keep the state after all staged tokens in one spare buffer.
 
-`commit(n)` makes the first n staged tokens part of the head. For a GDN layer (per head):
+`commit(n)` makes the first n staged tokens part of the head. For a recurrent layer (per head):
 
     S_n = exp(G_n) S_0 + sum_{t<n} exp(G_n - G_t) k_t delta_t^T,     G_t = g_0 + ... + g_t
 
-which is exact because the logged delta_t of an accepted prefix are the ones a sequential run
-computes. The conv window becomes the last K-1 rows of [window; x_0 .. x_{n-1}], which holds
+with g a number per head (Gated DeltaNet, Mamba2) or per head and key channel (KDA, Mamba1:
+then exp(.) scales rows), which is exact because the logged delta_t of an accepted prefix are
+the ones a sequential run computes (GDN's depend on the state; Mamba2's are dt_t x_t). The conv
+window becomes the last K-1 rows of [window; x_0 .. x_{n-1}], which holds
 for any n, including n >= K-1 where the old window drops out. Attention is cut by position.
 
-All GDN layers of a sequence are stacked (`GDNStates`), so a commit is a handful of batched
+All recurrent layers of a sequence are stacked (`RecurrentStates`), so a commit is a handful of batched
 operations whatever the depth: the new head is written into the spare buffers and then swapped
 in, for every layer at once, after all arithmetic is done (no reader sees some layers moved and
 others not). When n equals everything staged the spares already hold the result and commit is
@@ -28,11 +30,11 @@ after the first n staged tokens and `truncate(n)` drops everything after them, s
 rounds on top of rounds (`CHAIN_LOG_CAPACITY`) and still keep or drop each one exactly.
 
 Where the Triton kernel runs a pass (CUDA), it writes k_t, delta_t and g_t into the logs itself
-(`GDNSlot.verify_logs`; `verify_logs` for a batch of one `StatePool`'s slots, whose logs are rows of
+(`RecurrentSlot.verify_logs`; `verify_logs` for a batch of one `StatePool`'s slots, whose logs are rows of
 the same buffers), and staging copies only x_t, the window and the state.
 
 Cost per sequence: one extra state (the spare) plus O(T (conv_dim + H (Dk + Dv))) logged
-numbers per GDN layer and round; no forward pass is ever re-run.
+numbers per recurrent layer and round; no forward pass is ever re-run.
 """
 from __future__ import annotations
 
@@ -62,10 +64,10 @@ class Lease(Protocol):
 class CommitPlan(NamedTuple):
     """Views and buffers of a commit of n staged tokens: the logs' first n slots, and where the decays go."""
 
-    g: Tensor  # log decays (L H, n)
+    g: Tensor  # log decays (L H, n), or (L H Dk, n) where a kind decays per key channel
     sums: Tensor  # (n, n+1) 0/1: g @ sums = [G_n, G_n - G_0, ..., G_n - G_{n-1}] (row s adds g_s to G_n, G_n - G_t<s)
-    exps: Tensor  # (L H, n+1) buffer for their exponentials
-    exp_total: Tensor  # views of it: exp(G_n) (L, H, 1, 1) and exp(G_n - G_t) (L, H, 1, n)
+    exps: Tensor  # (L H [Dk], n+1) buffer for their exponentials
+    exp_total: Tensor  # views of it: exp(G_n) (L, H, 1 or Dk, 1) and exp(G_n - G_t) (L, H, 1 or Dk, n)
     decays: Tensor
     k: Tensor  # (L, H, Dk, n)
     scaled_k: Tensor  # buffer for k_t exp(G_n - G_t), (L, H, Dk, n), and its (L H, Dk, n) view
@@ -75,19 +77,22 @@ class CommitPlan(NamedTuple):
 
 
 def commit_plan(g: Tensor, k: Tensor, delta: Tensor, x_tail: Tensor | None = None) -> CommitPlan:
-    """The views and buffers the closed form reads and writes for n logged tokens of L layers x H heads: g `(L H, n)`,
-    k `(L, H, Dk, n)`, delta `(L H, n, Dv)`; a commit's `x_tail` rides along for the window."""
+    """The views and buffers the closed form reads and writes for n logged tokens of L layers x H heads: g `(L H, n)`
+    (or `(L H Dk, n)`, a decay per key channel), k `(L, H, Dk, n)`, delta `(L H, n, Dv)`; a commit's `x_tail` rides
+    along for the window."""
     L, H, Dk, n = k.shape
-    exps = g.new_empty(L * H, n + 1)
+    exps = g.new_empty(g.shape[0], n + 1)
     scaled = k.new_empty(L, H, Dk, n)
+    per_head = g.shape[0] // (L * H)  # 1, or Dk
     return CommitPlan(g=g, sums=torch.ones(n, n + 1, device=g.device).tril(), exps=exps,
-                      exp_total=exps[:, :1].view(L, H, 1, 1), decays=exps[:, 1:].view(L, H, 1, n), k=k,
+                      exp_total=exps[:, :1].view(L, H, per_head, 1), decays=exps[:, 1:].view(L, H, per_head, n), k=k,
                       scaled_k=scaled, scaled_k_flat=scaled.view(L * H, Dk, n), delta=delta, x_tail=x_tail)
 
 
 def closed_form(p: CommitPlan, state: Tensor, out: Tensor, out_flat: Tensor) -> None:
     """out <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T per (layer, head), S_0 = `state` `(L, H, Dk, Dv)`,
-    `out_flat` its `(L H, Dk, Dv)` view: GDN's commit, written once (its Triton twin: `kernels/triton_commit.py`).
+    `out_flat` its `(L H, Dk, Dv)` view: every recurrent kind's commit, written once (a decay per key channel scales
+    rows of S_0 and of each k_t; the per-head form's Triton twin: `kernels/triton_commit.py`).
     Five calls whatever the depth, every operand a view of the plan; `out` may be `state` itself."""
     # [exp(G_n), exp(G_n - G_0), ..., exp(G_n - G_{n-1})] per (layer, head): each a sum of the g after t, no
     # G_n - G_t cancellation
@@ -105,12 +110,13 @@ class LogRows(NamedTuple):
 
     k: Tensor  # (R, H, Dk, C)
     delta: Tensor  # (R, H, C, Dv)
-    g: Tensor  # (R, H, C)
+    g: Tensor  # (R, H, C), or (R, H, Dk, C) where the kind decays per key channel
     first: int
 
 
-class GDNStates:
-    """The GDN state of every linear-attention layer of one sequence, stacked on a leading layer axis."""
+class RecurrentStates:
+    """The recurrent state of every recurrent layer of one sequence (its kind's, `RecurrentSpec`), stacked on a
+    leading layer axis: conv windows, states, the mark snapshot and the logs of the staged tokens."""
 
     def __init__(self, spec: RecurrentSpec, n_layers: int, device: torch.device | str, dtype: torch.dtype,
                  slot: dict[str, Tensor] | None = None, log_capacity: int = LOG_CAPACITY,
@@ -129,7 +135,7 @@ class GDNStates:
 
         self.conv = buffer("conv")  # committed window
         self.window = buffer("window")  # window after everything staged
-        self.recurrent = buffer("recurrent")  # committed S
+        self.state = buffer("state")  # committed S
         self.spare = buffer("spare")  # S after everything staged
         self.x, self.k, self.delta, self.g = buffer("x"), buffer("k"), buffer("delta"), buffer("g")
         self.log_capacity = self.x.shape[1]
@@ -141,7 +147,7 @@ class GDNStates:
         self.layers: dict[str, list[Tensor]] = {}
         self.tails: dict[str, list[Tensor]] = {}
         self.flat: dict[str, Tensor] = {}
-        for name in ("conv", "window", "recurrent", "spare", "x", "k", "delta", "g"):
+        for name in ("conv", "window", "state", "spare", "x", "k", "delta", "g"):
             self._make_views(name)
         if slot is not None:
             self.marked_window, self.marked_state = buffer("marked_window"), buffer("marked_state")
@@ -158,15 +164,16 @@ class GDNStates:
         self.layers[name] = list(t.unbind(0))
         if name in ("conv", "window", "marked_window"):
             self.tails[name] = [t[:, n:] for n in range(t.shape[1])]
-        elif name in ("recurrent", "spare", "marked_state"):
+        elif name in ("state", "spare", "marked_state"):
             self.flat[name] = t.view(-1, *t.shape[2:])
 
     def log_views(self, i: int, start: int, end: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Layer i's log slots for staged tokens start..end-1: x `(T, C)`, k `(H, Dk, T)`, delta `(H, T, Dv)`, g `(H, T)`."""
+        """Layer i's log slots for staged tokens start..end-1: x `(T, C)`, k `(H, Dk, T)`, delta `(H, T, Dv)`, g
+        `(H, [Dk,] T)`."""
         key = (i, start, end)
         if key not in self._log_views:
             self._log_views[key] = (self.x[i, start:end], self.k[i, :, :, start:end], self.delta[i, :, start:end],
-                                    self.g[i, :, start:end])
+                                    self.g[i, ..., start:end])
         return self._log_views[key]
 
     def members(self, offset: int, T: int) -> Tensor:
@@ -183,7 +190,7 @@ class GDNStates:
         plan = self._prefixes.get(n)
         if plan is None:
             L, H, Dk, C = self.k.shape
-            plan = self._prefixes[n] = commit_plan(self.g.view(L * H, C)[:, :n], self.k[..., :n],
+            plan = self._prefixes[n] = commit_plan(self.g.view(-1, C)[:, :n], self.k[..., :n],
                                                    self.delta[:, :, :n].view(L * H, n, self.delta.shape[-1]),
                                                    self._x_tail(n))
         return plan
@@ -204,16 +211,16 @@ class GDNStates:
         `(L, K-1, C)` and `out_state` `(L, H, Dk, Dv)` (a prefix cache's entry, or a buffer of this state)."""
         if not self.logged:
             raise ValueError(f"partial commit ({n} of {staged}) of a staging longer than {self.log_capacity} tokens")
-        if out_state.is_cuda:  # one Triton launch for every (layer, head) tile (`shared/kernels/triton_commit.py`):
+        if out_state.is_cuda and self.g.ndim == 3:  # a decay per head: one Triton launch for every (layer, head) tile (`shared/kernels/triton_commit.py`):
             # it reads the logs as they are, so no per-n plan and none of its buffers
             from deltaspec.shared.kernels.triton_commit import commit_states
 
             self._window_after(n, out_window, self._x_tail(n))
-            commit_states(self.recurrent[None], self.k[None], self.delta[None], self.g[None], out_state[None], [0], [n])
+            commit_states(self.state[None], self.k[None], self.delta[None], self.g[None], out_state[None], [0], [n])
             return out_window, out_state
         p = self._prefix(n)
         self._window_after(n, out_window, p.x_tail)
-        closed_form(p, self.recurrent, out_state,
+        closed_form(p, self.state, out_state,
                     out_state.view(-1, *out_state.shape[2:]) if out_flat is None else out_flat)
         return out_window, out_state
 
@@ -230,7 +237,7 @@ class GDNStates:
 
     def swap_in(self) -> None:
         self._swap("conv", "window")
-        self._swap("recurrent", "spare")
+        self._swap("state", "spare")
         self.logged = True
 
     def mark(self, n: int, staged: int) -> None:
@@ -238,7 +245,7 @@ class GDNStates:
         round): copied when n is everything staged, else computed from the logs."""
         if "marked_state" not in self.layers:
             with torch.inference_mode(False):
-                self.marked_window, self.marked_state = torch.empty_like(self.conv), torch.empty_like(self.recurrent)
+                self.marked_window, self.marked_state = torch.empty_like(self.conv), torch.empty_like(self.state)
             self._make_views("marked_window")
             self._make_views("marked_state")
         if n < staged:
@@ -250,10 +257,10 @@ class GDNStates:
     def commit_marked(self, n: int, staged: int) -> None:
         """The snapshot becomes the head (n tokens in); the logs of the staged tokens after it move to the front."""
         self._swap("conv", "marked_window")
-        self._swap("recurrent", "marked_state")
+        self._swap("state", "marked_state")
         rest = staged - n
         if self.logged and rest:
-            for log, axis in ((self.x, 1), (self.k, 3), (self.delta, 2), (self.g, 2)):
+            for log, axis in ((self.x, 1), (self.k, 3), (self.delta, 2), (self.g, self.g.ndim - 1)):
                 log.narrow(axis, 0, rest).copy_(log.narrow(axis, n, rest).clone())
 
     def drop_marked(self) -> None:
@@ -262,7 +269,7 @@ class GDNStates:
         self._swap("spare", "marked_state")
 
     def marked_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.state))
 
     def _swap(self, a: str, b: str) -> None:
         ta, tb = getattr(self, a), getattr(self, b)
@@ -274,7 +281,7 @@ class GDNStates:
 
 
 class BlockHeads:
-    """The head's GDN windows and states after chosen staged offsets, taken by the passes that stage past them: a
+    """The head's recurrent windows and states after chosen staged offsets, taken by the passes that stage past them: a
     prefix cache's block boundaries inside a prefill, whose tokens are too many for the logs the commit algebra reads.
 
     Each layer's pass hands over what it stages (its tokens' pre-conv inputs, keys, corrections and log decays, and
@@ -282,15 +289,15 @@ class BlockHeads:
     last one, `S_e = exp(G) S_s + sum_t exp(G - G_t) k_t delta_t^T`, and one at the pass's end is the pass's own
     state. Heads only: nothing staged is kept unless the caller commits at least up to each offset."""
 
-    def __init__(self, gdn: GDNStates, ends: list[int]) -> None:
+    def __init__(self, rec: RecurrentStates, ends: list[int]) -> None:
         self.ends = ends  # staged offsets, increasing
-        self.windows = gdn.conv.new_empty(len(ends), *gdn.conv.shape)  # (E, L, K-1, C)
-        self.states = gdn.recurrent.new_empty(len(ends), *gdn.recurrent.shape)  # (E, L, H, Dk, Dv)
+        self.windows = rec.conv.new_empty(len(ends), *rec.conv.shape)  # (E, L, K-1, C)
+        self.states = rec.state.new_empty(len(ends), *rec.state.shape)  # (E, L, H, Dk, Dv)
 
     def take(self, i: int, offset: int, window_and_x: Tensor, k: Tensor, delta: Tensor, g: Tensor, before: Tensor,
              after: Tensor) -> None:
         """Layer i staged tokens offset..offset+T-1: `window_and_x` `(K-1+T, C)`, k `(T, H, Dk)`, delta `(T, H, Dv)`,
-        g `(T, H)`; `before` and `after` its state around them `(H, Dk, Dv)`."""
+        g `(T, H, [Dk])`; `before` and `after` its state around them `(H, Dk, Dv)`."""
         width = self.windows.shape[2]
         T = window_and_x.shape[0] - width
         state, start = before, 0
@@ -303,16 +310,17 @@ class BlockHeads:
                 self.states[j, i] = after
                 continue
             # the tokens since the last boundary, laid out as the logs hold them
-            plan = commit_plan(g[start:n].t(), k[start:n].permute(1, 2, 0)[None], delta[start:n].transpose(0, 1))
+            plan = commit_plan(g[start:n].flatten(1).t(), k[start:n].permute(1, 2, 0)[None],
+                               delta[start:n].transpose(0, 1))
             closed_form(plan, state[None], self.states[j, i][None], self.states[j, i])
             state, start = self.states[j, i], n
 
 
 @dataclass
-class GDNSlot:
-    """Layer i's view of `GDNStates` during one forward pass that starts `offset` tokens into the staging."""
+class RecurrentSlot:
+    """Layer i's view of `RecurrentStates` during one forward pass that starts `offset` tokens into the staging."""
 
-    states: GDNStates
+    states: RecurrentStates
     i: int
     offset: int
 
@@ -321,14 +329,14 @@ class GDNSlot:
         return self.states.layers["window" if self.offset else "conv"][self.i]
 
     def initial_state(self) -> Tensor:
-        return self.states.layers["spare" if self.offset else "recurrent"][self.i]
+        return self.states.layers["spare" if self.offset else "state"][self.i]
 
     def state_out(self) -> Tensor:
         """Where the state after this pass goes, `(H, Dk, Dv)`: a kernel may write it here directly."""
         return self.states.layers["spare"][self.i]
 
     def log_targets(self, T: int) -> tuple[Tensor, ...]:
-        """Where this pass's T tokens are logged: x `(T, C)`, k `(H, Dk, T)`, delta `(H, T, Dv)`, g `(H, T)`; none
+        """Where this pass's T tokens are logged: x `(T, C)`, k `(H, Dk, T)`, delta `(H, T, Dv)`, g `(H, [Dk,] T)`; none
         (and the staging no longer logged) when they do not fit."""
         s, end = self.states, self.offset + T
         if s.logged and end <= s.log_capacity:
@@ -360,7 +368,7 @@ class GDNSlot:
             if not kernel_logged:
                 log_k.copy_(k.permute(1, 2, 0))
                 log_delta.copy_(delta.transpose(0, 1))
-                log_g.copy_(g.t())
+                log_g.copy_(g.movedim(0, -1))
         if window_and_x is None:
             window_and_x = torch.cat([self.conv_window(), x.to(s.window.dtype)], dim=0)
         if s.block_heads is not None:  # before the state after this pass overwrites the one before it
@@ -370,7 +378,7 @@ class GDNSlot:
             self.state_out().copy_(final_state)
 
 
-def verify_logs(slots: Sequence[GDNSlot], counts: Sequence[int]) -> VerifyLogs | None:
+def verify_logs(slots: Sequence[RecurrentSlot], counts: Sequence[int]) -> VerifyLogs | None:
     """Where a kernel logs a batch's pass at one layer itself: the first `counts[b]` tokens of `slots[b]` at its own
     offset, none for a sequence whose staging no longer fits its logs (marked so, as `log_targets` does). None when
     the sequences' logs are not rows of the same buffers (not slots of one `StatePool`): each copies its own then."""
@@ -415,17 +423,16 @@ class ModelState:
 
     def __init__(self, spec: StateSpec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  capacity: int = 256, lease: Lease | None = None, log_capacity: int = LOG_CAPACITY) -> None:
-        """`spec`: what the state holds, as the model's family declares it (`ModelConfig.state_spec`). `lease`: a slot of a `deltaspec.shared.state.pool.StatePool` (GDN buffers, K/V paid for `capacity`
+        """`spec`: what the state holds, as the model's family declares it (`ModelConfig.state_spec`). `lease`: a slot of a `deltaspec.shared.state.pool.StatePool` (recurrent buffers, K/V paid for `capacity`
         positions; its logs' size is the pool's); `log_capacity`: staged tokens a partial commit can keep (`CHAIN_LOG_CAPACITY`
         for a draft that speculates rounds ahead)."""
         self.length = 0  # tokens in the committed head
         self.staged = 0  # tokens staged on top of it
         self.marked = 0  # with `mark`: staged tokens the snapshot covers (a chained round stages after them)
-        if spec.recurrent is None or spec.recurrent.kind != "gdn":
-            raise ValueError(f"ModelState holds Gated DeltaNet states; the spec's recurrent kind is "
-                             f"{spec.recurrent.kind if spec.recurrent else None!r}")
+        if spec.recurrent is None:
+            raise ValueError("ModelState holds a hybrid model's state: the spec declares no recurrent layers")
         self.spec = spec
-        self.gdn = GDNStates(spec.recurrent, spec.n_recurrent, device, dtype,
+        self.recurrent = RecurrentStates(spec.recurrent, spec.n_recurrent, device, dtype,
                              lease.buffers if lease is not None else None, log_capacity,
                              lease.rows if lease is not None else None)
         shape = (spec.kv_heads, capacity, spec.head_dim)
@@ -435,13 +442,13 @@ class ModelState:
                          for _ in range(spec.n_attention)]
 
     def load_head(self, length: int, window: Tensor, state: Tensor, kv: Tensor) -> None:
-        """Make a fresh state's head the one after `length` tokens: GDN windows `(L, K-1, C)` and states
+        """Make a fresh state's head the one after `length` tokens: recurrent windows `(L, K-1, C)` and states
         `(L, H, Dk, Dv)`, attention K/V of positions 0..length-1 `(A, 2, H_kv, length, D)` (a prefix cache's)."""
         if self.length or self.staged:
             raise ValueError("load_head needs a fresh state")
         self.ensure_positions(length)
-        self.gdn.conv.copy_(window)
-        self.gdn.recurrent.copy_(state)
+        self.recurrent.conv.copy_(window)
+        self.recurrent.state.copy_(state)
         for layer, (k, v) in zip(self.attn, kv):
             layer.k[:, :length] = k
             layer.v[:, :length] = v
@@ -455,15 +462,15 @@ class ModelState:
             raise ValueError("load_from needs a fresh state")
         if not 0 < n <= source.staged:
             raise ValueError(f"load_from after {n} tokens, but {source.staged} are staged")
-        gdn, end = source.gdn, source.length + n
+        rec, end = source.recurrent, source.length + n
         if n == source.marked:  # what a commit after `drop_marked` keeps: the snapshot
-            self.gdn.conv.copy_(gdn.marked_window)
-            self.gdn.recurrent.copy_(gdn.marked_state)
+            self.recurrent.conv.copy_(rec.marked_window)
+            self.recurrent.state.copy_(rec.marked_state)
         elif n == source.staged and not source.marked:  # what a full commit swaps in: the pass's own final state
-            self.gdn.conv.copy_(gdn.window)
-            self.gdn.recurrent.copy_(gdn.spare)
+            self.recurrent.conv.copy_(rec.window)
+            self.recurrent.state.copy_(rec.spare)
         else:
-            gdn.state_after(n, source.staged, self.gdn.conv, self.gdn.recurrent)
+            rec.state_after(n, source.staged, self.recurrent.conv, self.recurrent.state)
         self.ensure_positions(end)
         for mine, theirs in zip(self.attn, source.attn):
             mine.k[:, :end] = theirs.k[:, :end]
@@ -476,10 +483,10 @@ class ModelState:
         for layer in self.attn:
             layer.ensure_capacity(needed)
 
-    def layer_views(self) -> list[GDNSlot | AttnLayerState]:
+    def layer_views(self) -> list[RecurrentSlot | AttnLayerState]:
         """Per-layer state for one forward pass, in layer order."""
-        gdn, attn = iter(range(len(self.gdn.conv))), iter(self.attn)
-        return [GDNSlot(self.gdn, next(gdn), self.staged) if kind == RECURRENT else next(attn)
+        rec, attn = iter(range(len(self.recurrent.conv))), iter(self.attn)
+        return [RecurrentSlot(self.recurrent, next(rec), self.staged) if kind == RECURRENT else next(attn)
                 for kind in self.spec.layers]
 
     def commit(self, n: int) -> None:
@@ -489,15 +496,15 @@ class ModelState:
         if n == 0:
             self.revert()
             return
-        self.gdn.prepare_commit(n, self.staged)
-        self.gdn.swap_in()
+        self.recurrent.prepare_commit(n, self.staged)
+        self.recurrent.swap_in()
         self.length += n
         self.staged = self.marked = 0
 
     def revert(self) -> None:
         """Drop everything staged; the head is untouched by construction."""
         self.staged = self.marked = 0
-        self.gdn.logged = True
+        self.recurrent.logged = True
 
     def mark(self, n: int | None = None) -> None:
         """Remember the state after the first n staged tokens (default: all); a chained round then stages on top of
@@ -505,7 +512,7 @@ class ModelState:
         n = self.staged if n is None else n
         if not 0 < n <= self.staged:
             raise ValueError(f"mark after {n} tokens, but {self.staged} are staged")
-        self.gdn.mark(n, self.staged)
+        self.recurrent.mark(n, self.staged)
         self.marked = n
 
     def truncate(self, n: int) -> None:
@@ -520,7 +527,7 @@ class ModelState:
         if n == self.marked:
             self.drop_marked()
             return
-        self.gdn.prepare_commit(n, self.staged)
+        self.recurrent.prepare_commit(n, self.staged)
         self.staged = n
         if self.marked > n:
             self.marked = 0
@@ -529,7 +536,7 @@ class ModelState:
         """Keep the tokens staged before `mark` (a pointer swap); the tokens staged after it stay staged."""
         if not self.marked:
             raise ValueError("no mark to commit")
-        self.gdn.commit_marked(self.marked, self.staged)
+        self.recurrent.commit_marked(self.marked, self.staged)
         self.length += self.marked
         self.staged -= self.marked
         self.marked = 0
@@ -538,12 +545,12 @@ class ModelState:
         """Drop the tokens staged after `mark`; those before it stay staged."""
         if not self.marked:
             raise ValueError("no mark to drop")
-        self.gdn.drop_marked()
+        self.recurrent.drop_marked()
         self.staged, self.marked = self.marked, 0
 
     def staged_bytes(self) -> int:
         """Bytes logged for the staged tokens (the spare state is allocated once and not counted)."""
-        if not self.gdn.logged:
+        if not self.recurrent.logged:
             return 0
-        per_token = sum(t.numel() * t.element_size() for t in (self.gdn.x, self.gdn.k, self.gdn.delta, self.gdn.g))
-        return per_token // self.gdn.log_capacity * self.staged + (self.gdn.marked_bytes() if self.marked else 0)
+        per_token = sum(t.numel() * t.element_size() for t in (self.recurrent.x, self.recurrent.k, self.recurrent.delta, self.recurrent.g))
+        return per_token // self.recurrent.log_capacity * self.staged + (self.recurrent.marked_bytes() if self.marked else 0)

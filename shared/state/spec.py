@@ -2,8 +2,12 @@
 
 A `StateSpec` lists the layers in order as recurrent or attention, the recurrent kind with its shapes, and the
 attention K/V's shape. The state floor sizes, allocates and counts every buffer from it alone and imports nothing
-of the model, so the engine never asks which family it serves: a new family declares its spec, and a new
-recurrent kind adds its buffers here and its closed-form commit beside GDN's (`rollback.py`).
+of the model, so the engine never asks which family it serves: a new family declares its spec.
+
+Every recurrent kind evolves as decay times state plus an outer product, `S_t = D(g_t) S_{t-1} + k_t d_t^T`, so one
+closed-form commit serves them all (`rollback.closed_form`); a kind says only how its log decay g is laid out
+(`DECAYS`): one number per head (GDN, Mamba2/SSD), one per head and key channel (KDA, Mamba1), or no state at all
+beside the conv window (a short conv).
 """
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 RECURRENT, ATTENTION = "recurrent", "attention"  # the layer kinds the state knows
-RECURRENT_KINDS = ("gdn",)  # recurrent state kinds with a closed-form commit (Gated DeltaNet)
+# recurrent state kind -> how its log decay is laid out: per head, per head and key channel, or no state ("none")
+DECAYS = {"gdn": "head", "ssd": "head", "kda": "key", "mamba": "key", "conv": "none"}
+RECURRENT_KINDS = tuple(DECAYS)
 
 LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one on top) of k <= 16 drafts plus inputs
 CHAIN_LOG_CAPACITY = 51  # a draft's: its open round and two speculations on top, 3 x (k + 1) for k <= 16 (a third
@@ -24,7 +30,8 @@ Buffers = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtyp
 @dataclass(frozen=True)
 class RecurrentSpec:
     """One recurrent layer's state: a short conv window of `conv_width - 1` rows of `conv_dim` channels before the
-    mixer, and `heads` recurrent states of `key_dim x value_dim`, evolving by the algebra of `kind`."""
+    mixer, and `heads` recurrent states of `key_dim x value_dim` (none for a short conv: `heads` 0), evolving by the
+    algebra of `kind`."""
 
     kind: str
     conv_dim: int
@@ -36,21 +43,29 @@ class RecurrentSpec:
     def __post_init__(self) -> None:
         if self.kind not in RECURRENT_KINDS:
             raise ValueError(f"unknown recurrent state kind {self.kind!r} (expected one of {RECURRENT_KINDS})")
+        if (self.decay == "none") != (self.heads == 0):
+            want = "0 (it holds only its conv window)" if self.decay == "none" else "at least 1"
+            raise ValueError(f"a {self.kind!r} state's heads must be {want}, not {self.heads}")
+
+    @property
+    def decay(self) -> str:
+        """How the log decay g is laid out: "head" `(H,)` per token, "key" `(H, Dk)`, or "none"."""
+        return DECAYS[self.kind]
 
     def buffers(self, n_layers: int, dtype: torch.dtype, log_capacity: int = LOG_CAPACITY) -> Buffers:
         """Shape and dtype of every buffer one sequence's recurrent layers hold, stacked on a leading layer axis:
         committed and staged windows and states, the mark snapshot, and the logs of `log_capacity` staged tokens
-        (GDN: pre-conv input x, key k, delta-rule correction delta, log decay g), laid out so that the commit's
+        (pre-conv input x, key k, update d (GDN's delta-rule correction), log decay g), laid out so that the commit's
         matmul reads them as they are. The recurrent state is float32 whatever the weights."""
         H, Dk, Dv = self.heads, self.key_dim, self.value_dim
         window = ((n_layers, self.conv_width - 1, self.conv_dim), dtype)
         state = ((n_layers, H, Dk, Dv), torch.float32)
         return {"conv": window, "window": window, "marked_window": window,
-                "recurrent": state, "spare": state, "marked_state": state,
+                "state": state, "spare": state, "marked_state": state,
                 "x": ((n_layers, log_capacity, self.conv_dim), dtype),
                 "k": ((n_layers, H, Dk, log_capacity), torch.float32),
                 "delta": ((n_layers, H, log_capacity, Dv), torch.float32),
-                "g": ((n_layers, H, log_capacity), torch.float32)}
+                "g": ((n_layers, H, *((Dk,) if self.decay == "key" else ()), log_capacity), torch.float32)}
 
 
 @dataclass(frozen=True)

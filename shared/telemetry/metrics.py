@@ -175,7 +175,7 @@ class _StatePoolCollector:
         gauges = {"deltaspec_state_memory_budget_bytes": ("Session state memory budget (GDN slots + attention K/V)",
                                                           pool.budget),
                   "deltaspec_state_memory_used_bytes": ("Session state memory in use (GDN slots in use + K/V)",
-                                                        pool.in_use * pool.gdn_bytes + pool.kv_used),
+                                                        pool.in_use * pool.recurrent_bytes + pool.kv_used),
                   "deltaspec_state_slots": ("Session state slots", pool.slots),
                   "deltaspec_state_slots_in_use": ("Session state slots in use", pool.in_use)}
         refused = CounterMetricFamily("deltaspec_state_memory_refusals",

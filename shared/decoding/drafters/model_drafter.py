@@ -127,7 +127,7 @@ class ModelDrafter:
         once the newest speculation is dropped for it."""
         chain = self.chain[:-1] if replacing_last else self.chain
         inputs = len(self._inputs()) - (len(self.chain[-1][1]) + 1 if replacing_last and self.chain else 0)
-        return len(chain) < MAX_SPECULATIONS and inputs + k <= self.state.gdn.log_capacity
+        return len(chain) < MAX_SPECULATIONS and inputs + k <= self.state.recurrent.log_capacity
 
     def speculate(self, k: int, stop: Callable[[], bool] | None = None) -> tuple[int, Proposal]:
         """The next round's proposal if the newest one (open or speculative) keeps every draft, and the token it
