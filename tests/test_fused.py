@@ -112,14 +112,14 @@ def test_bfloat16_weights_take_the_same_path():
 def test_rope_table_slices_equal_computing_each_pass():
     """`HybridLM.rope` (a table by position, regrown and remade per dtype) gives bit for bit what computing the
     pass's positions gives, for both paths' forms (sin, and sin signed for the fused rotary)."""
-    from deltaspec.shared.model.fused import rotary_signed
-    from deltaspec.shared.model.layers import rotary_cos_sin
+    from deltaspec.shared.model.rotary import rotary_cos_sin, rotary_signed
 
     model = random_model(AWKWARD, seed=3)
     for dtype in (torch.float32, torch.bfloat16, torch.float32):
         like = torch.randn(1, 4).to(dtype)
         for start, end in ((0, 1), (5, 14), (1023, 1024), (1020, 1100), (3000, 3001), (17, 18)):
             cos, sin, signed = model.rope(start, end, like)
-            want_cos, want_sin = rotary_cos_sin(model.config, torch.arange(start, end), dtype)
+            want_cos, want_sin = rotary_cos_sin(model.config.rotary_dim, model.config.rope_theta, torch.arange(start, end),
+                                                dtype)
             assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
             assert torch.equal(signed, rotary_signed(want_cos, want_sin)[1])

@@ -51,7 +51,7 @@ def test_naive_matches_hf_reference():
     state = torch.randn(B, H, Dk, Dv, generator=gen)
     ref_out, ref_state = torch_recurrent_gated_delta_rule(
         q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    from deltaspec.shared.model.layers import l2norm
+    from deltaspec.shared.model.norms import l2norm
 
     out, _, final = naive_recurrent_gated_delta_rule(l2norm(q) * Dk**-0.5, l2norm(k), v, g, beta, state)
     assert rel_rms(out, ref_out) < 1e-5 and rel_rms(final, ref_state) < 1e-5

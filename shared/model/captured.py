@@ -73,9 +73,9 @@ class _Recorded:
         slots = self.offset + self.steps
         kv = [(layer.k, layer.v) for layer in state.attn]
         if compiled is not None:
-            gdn = StaticAccess.gdn_buffers(state, compiled.per_layer)
+            gdn = StaticAccess.recurrent_buffers(state, compiled.per_layer)
             return compiled.run(model, x, rope, positions, slots, gdn, kv)
-        return static_pass(model, x, *rope, positions, slots, StaticAccess.gdn_buffers(state), kv)
+        return static_pass(model, x, *rope, positions, slots, StaticAccess.recurrent_buffers(state), kv)
 
     def record(self, state: ModelState, pool: tuple[int, int]) -> tuple[Tensor, Tensor]:
         """Run the pass once for real (it is this call's pass, and the warm-up a capture needs), then record it."""
@@ -130,7 +130,7 @@ class CapturedPasses:
     @staticmethod
     def key(state: ModelState, T: int) -> tuple:
         """What a recorded pass is valid for: its token count, where it logs, and every buffer it reads or writes."""
-        gdn = StaticAccess.gdn_buffers(state)
+        gdn = StaticAccess.recurrent_buffers(state)
         return (T, state.recurrent.log_capacity, *(t.data_ptr() for t in gdn.values()),
                 *((layer.k.data_ptr(), layer.v.data_ptr(), layer.k.shape[1]) for layer in state.attn))
 

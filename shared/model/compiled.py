@@ -31,9 +31,9 @@ from torch import Tensor
 
 from deltaspec.shared.model import fused
 from deltaspec.shared.model.layers import DecoderLayer
-from deltaspec.shared.state.access import GDN_BUFFERS, StaticAccess
+from deltaspec.shared.state.access import RECURRENT_BUFFERS, StaticAccess
 from deltaspec.shared.state.rollback import ModelState
-from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY, LOG_CAPACITY
+from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY, LOG_CAPACITY, RECURRENT
 
 WHOLE_GRAPH_LAYERS = 4  # deeper stacks compile per layer kind (a whole 12-layer graph was not compiled after 15 min)
 # A pass's most tokens, for every state: one range, whatever a state's log capacity (`fits` keeps each pass within
@@ -51,10 +51,10 @@ logging.getLogger("torch._inductor.ir").addFilter(
 
 def _static_layer(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, cos: Tensor, signed_sin: Tensor,
                   positions: Tensor, slots: Tensor, *buffers: Tensor) -> Tensor:
-    """One layer of a static pass on its own buffers: a GDN layer's `GDN_BUFFERS`, or an attention layer's K and V.
-    What a per-layer graph compiles (one copy per layer kind, so no graph ever sees the other kind)."""
-    if layer.kind == "linear_attention":
-        access = StaticAccess(positions, slots, {name: (t,) for name, t in zip(GDN_BUFFERS, buffers)}, ())
+    """One layer of a static pass on its own buffers: a recurrent layer's `RECURRENT_BUFFERS`, or an attention layer's
+    K and V. What a per-layer graph compiles (one copy per layer kind, so no graph ever sees another kind)."""
+    if layer.mixer.state == RECURRENT:
+        access = StaticAccess(positions, slots, {name: (t,) for name, t in zip(RECURRENT_BUFFERS, buffers)}, ())
     else:
         access = StaticAccess(positions, slots, {}, (buffers,))  # type: ignore[arg-type]
     return fused.decoder_layer(layer, f, x, (cos, signed_sin), access, 0)
@@ -63,7 +63,7 @@ def _static_layer(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, cos: Tens
 def static_pass(model: fused.Model, x: Tensor, cos: Tensor, signed_sin: Tensor, positions: Tensor, slots: Tensor,
                 gdn: dict[str, Tensor], kv: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """`HybridLM.forward` on the fused path from the embeddings, every state write in the pass: tokens at
-    `positions`, logged at `slots`, on the buffers `StaticAccess.gdn_buffers` names and the K/V buffers `kv`. What a
+    `positions`, logged at `slots`, on the buffers `StaticAccess.recurrent_buffers` names and the K/V buffers `kv`. What a
     whole-model graph compiles, and what `deltaspec.shared.model.captured` records."""
     return fused.forward(model, x, (cos, signed_sin), StaticAccess(positions, slots, gdn, kv))
 
@@ -80,17 +80,17 @@ class CompiledPasses:
             _require_cpp_compiler()
             options["cpp_wrapper"] = True  # the kernels called from generated C++: no Python per kernel
         self.per_layer = n_layers > WHOLE_GRAPH_LAYERS
-        if self.per_layer:  # one graph per layer kind
-            self.layer_graphs = {kind: _compile(_static_layer, options) for kind in ("linear_attention",
-                                                                                     "full_attention")}
-        else:
+        self.options = options
+        self.layer_graphs: dict[str, Callable[..., Tensor]] = {}  # per layer kind, made at its first layer
+        if not self.per_layer:
             self.fn: Callable[..., tuple[Tensor, Tensor]] = _compile(static_pass, options)
 
     @staticmethod
     def fits(state: ModelState, T: int) -> bool:
-        """Whether a pass of T tokens is one the graphs cover: its GDN steps land in the logs, and no prefix cache
-        takes heads inside it (`BlockHeads`: eager passes only)."""
-        return state.recurrent.logged and state.staged + T <= state.recurrent.log_capacity and state.recurrent.block_heads is None
+        """Whether a pass of T tokens is one the graphs cover: its recurrent steps land in the logs, and no prefix
+        cache takes heads inside it (`BlockHeads`: eager passes only)."""
+        rec = state.recurrent
+        return rec.logged and state.staged + T <= rec.log_capacity and rec.block_heads is None
 
     def __call__(self, model: fused.Model, x: Tensor, state: ModelState,
                  rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
@@ -98,7 +98,8 @@ class CompiledPasses:
         state.ensure_positions(start + T)
         positions = torch.arange(start, start + T, device=x.device)
         return self.run(model, x, rope, positions, positions - state.length,
-                        StaticAccess.gdn_buffers(state, self.per_layer), [(layer.k, layer.v) for layer in state.attn])
+                        StaticAccess.recurrent_buffers(state, self.per_layer),
+                        [(layer.k, layer.v) for layer in state.attn])
 
     def run(self, model: fused.Model, x: Tensor, rope: tuple[Tensor, Tensor], positions: Tensor, slots: Tensor,
             gdn: dict, kv: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -119,9 +120,12 @@ class CompiledPasses:
         from 2 tokens on (each layer's `x` is a new tensor)."""
         if x.shape[0] > 1:
             torch._dynamo.mark_dynamic(x, 0, min=2, max=MAX_PASS_TOKENS)
-        buffers = ([access.buffers[name][index] for name in GDN_BUFFERS] if layer.kind == "linear_attention"
+        buffers = ([access.buffers[name][index] for name in RECURRENT_BUFFERS] if layer.mixer.state == RECURRENT
                    else access.kv[index])
-        return self.layer_graphs[layer.kind](layer, f, x, *rope, access.positions, access.slots, *buffers)
+        graph = self.layer_graphs.get(layer.kind)
+        if graph is None:
+            graph = self.layer_graphs[layer.kind] = _compile(_static_layer, self.options)
+        return graph(layer, f, x, *rope, access.positions, access.slots, *buffers)
 
     @staticmethod
     def warm_up(model: fused.Model, log_capacity: int = LOG_CAPACITY) -> None:

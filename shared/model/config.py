@@ -15,9 +15,6 @@ from typing import Any
 from deltaspec.shared.model.families import FAMILIES, family_named, family_of
 from deltaspec.shared.state.spec import StateSpec
 
-LAYER_KINDS = ("linear_attention", "full_attention")
-
-
 class ConfigError(ValueError):
     """A checkpoint's config.json cannot describe a model this engine runs."""
 
@@ -60,9 +57,10 @@ class ModelConfig:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
             )
-        bad = [t for t in self.layer_types if t not in LAYER_KINDS]
+        kinds = tuple(self.mixers)
+        bad = [t for t in self.layer_types if t not in kinds]
         if bad:
-            raise ConfigError(f"layer_types: unknown layer kind {bad[0]!r} (expected one of {LAYER_KINDS})")
+            raise ConfigError(f"layer_types: unknown layer kind {bad[0]!r} (expected one of {kinds})")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError("linear_num_value_heads must be a whole multiple of linear_num_key_heads")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -79,6 +77,11 @@ class ModelConfig:
         `decoder_sparse_step`-th layer); the MTP head's layers are sparse whenever the model has experts."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def mixers(self) -> dict[str, tuple[str, type]]:
+        """Layer kind -> (the mixer's module name in a layer, its class), as the family builds its layers."""
+        return family_named(self.family).mixers
 
     @functools.cached_property
     def state_spec(self) -> StateSpec:

@@ -11,7 +11,9 @@ from deltaspec.shared.model import fused
 from deltaspec.shared.model.captured import MAX_CAPTURED_TOKENS, CapturedPasses
 from deltaspec.shared.model.compiled import CompiledPasses
 from deltaspec.shared.model.config import ModelConfig
-from deltaspec.shared.model.layers import HybridStack, rotary_cos_sin
+from deltaspec.shared.model.layers import HybridStack
+from deltaspec.shared.model.mixers.gdn import GatedDeltaNet
+from deltaspec.shared.model.rotary import rotary_cos_sin, rotary_signed
 from deltaspec.shared.state.access import SequenceAccess
 from deltaspec.shared.state.rollback import ModelState
 from deltaspec.shared.state.spec import LOG_CAPACITY
@@ -99,17 +101,18 @@ class HybridLM(nn.Module):
     def set_gdn_kernel(self, name: str) -> None:
         """Force one gated delta rule kernel (`auto`, `naive`, `chunk`, `recurrent`, `triton`)."""
         for layer in self.model.layers:
-            if layer.kind == "linear_attention":
-                layer.linear_attn.kernel_name = name
+            if isinstance(layer.mixer, GatedDeltaNet):
+                layer.mixer.kernel_name = name
 
     def rope(self, start: int, end: int, like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """`rotary_cos_sin` of positions start..end-1 and its `fused.rotary_signed` sin, in `like`'s dtype: slices of
+        """`rotary_cos_sin` of positions start..end-1 and its `rotary_signed` sin, in `like`'s dtype: slices of
         a table made once per model (regrown by doubling), where computing them cost a dozen calls a forward pass."""
         table = self.rope_table
         if table is None or table[0].shape[0] < end or table[0].dtype != like.dtype or table[0].device != like.device:
             size = max(end, 2 * table[0].shape[0] if table is not None else 1024)
-            cos, sin = rotary_cos_sin(self.config, torch.arange(size, device=like.device), like.dtype)
-            table = self.rope_table = (cos, sin, fused.rotary_signed(cos, sin)[1])
+            cos, sin = rotary_cos_sin(self.config.rotary_dim, self.config.rope_theta,
+                                      torch.arange(size, device=like.device), like.dtype)
+            table = self.rope_table = (cos, sin, rotary_signed(cos, sin)[1])
         return table[0][start:end], table[1][start:end], table[2][start:end]
 
     @torch.inference_mode()

@@ -2,7 +2,7 @@
 
 The one forward pass (`deltaspec.shared.model.fused.forward`) computes every projection, gate and output itself and
 leaves to a `StateAccess` only what depends on where the state lives: a recurrent layer's window and state before the
-pass, the kernel over them, and where the staging goes; an attention layer's K/V writes and the causal read.
+pass, running its mixer's recurrence (`Recurrence`) from them, and where the staging goes; an attention layer's K/V writes and the causal read.
 
 - `SequenceAccess`: one sequence's `ModelState`, by Python offsets (`RecurrentSlot`); the eager pass.
 - `StaticAccess`: buffers and index tensors (positions, log slots) that do not depend on where the pass sits, so a
@@ -21,17 +21,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from deltaspec.shared.kernels import CHUNK_SIZE, VerifyLogs, gated_delta_rule
-from deltaspec.shared.state.rollback import AttnLayerState, RecurrentSlot, ModelState, verify_logs
+from deltaspec.shared.kernels import CHUNK_SIZE, VerifyLogs
+from deltaspec.shared.state.rollback import AttnLayerState, ModelState, RecurrentSlot, verify_logs
+from deltaspec.shared.state.steps import Start, Step
 
-# (full = [window; x] `(..., K-1+T, C)`, b, a `(..., T, Hv)`) -> q, k `(..., T, Hv, Dk)`, v, beta, log decay g
-Gates = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]
+# A mixer's recurrence: (full = [conv window; x] `(..., K-1+T, C)`, its other per-token inputs `(..., T, ...)`,
+# where it starts) -> its pass (`Step`)
+Recurrence = Callable[[Tensor, tuple[Tensor, ...], Start], Step]
 
 
 class StateAccess(Protocol):
-    def gdn(self, i: int, x: Tensor, b: Tensor, a: Tensor, gates: Gates, kernel: str) -> Tensor:
-        """recurrent layer i (its index among the recurrent layers) on the pass's pre-conv inputs x `(N, C)` and b, a `(N, Hv)`:
-        stages its tokens and returns the delta rule's output `(N, Hv, Dv)`."""
+    def recurrent(self, i: int, x: Tensor, inputs: tuple[Tensor, ...], core: Recurrence) -> Tensor:
+        """Recurrent layer i (its index among the recurrent layers) on the pass's pre-conv inputs x `(N, C)` and its
+        other per-token inputs `(N, ...)`: runs `core` from the layer's window and state, stages its tokens, and
+        returns the recurrence's output `(N, H, Dv)`."""
         ...
 
     def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -75,26 +78,25 @@ class SequenceAccess:
         self.state, self.offset = state, state.staged
         self.start = state.length + state.staged
 
-    def gdn(self, i: int, x: Tensor, b: Tensor, a: Tensor, gates: Gates, kernel: str) -> Tensor:
+    def recurrent(self, i: int, x: Tensor, inputs: tuple[Tensor, ...], core: Recurrence) -> Tensor:
         st = RecurrentSlot(self.state.recurrent, i, self.offset)
         full = torch.cat([st.conv_window(), x], dim=0)  # (K-1+T, C)
-        q, k, v, beta, g = gates(full, b, a)  # (T, Hv, D) and (T, Hv)
-        out, delta, final, logged = gated_delta_rule(kernel, q, k, v, g, beta, st.initial_state(), st.state_out(),
-                                                     lambda: st.verify_logs(x.shape[0]))
-        st.stage(x, k, delta, g, final, full, kernel_logged=logged)
-        return out
+        step = core(full, inputs, Start(st.initial_state(), out_state=st.state_out(),
+                                        logs=lambda: st.verify_logs(x.shape[0])))
+        st.stage(x, step.k, step.d, step.g, step.final, full, kernel_logged=step.logged)
+        return step.out
 
     def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return attend(self.state.attn[j], q, k, v, self.start)
 
 
-GDN_BUFFERS = ("conv_in", "state_in", "window", "spare", "x", "k", "delta", "g")  # what a static recurrent layer touches
+RECURRENT_BUFFERS = ("conv_in", "state_in", "window", "spare", "x", "k", "delta", "g")  # a static recurrent layer's
 
 
 @dataclass
 class StaticAccess:
     """Buffers addressed by index tensors: tokens at `positions (T,)`, logged at `slots (T,)`; `buffers` maps each of
-    `GDN_BUFFERS` to the recurrent layers' buffers (a stacked tensor or a list of per-layer views), `kv` holds each attention
+    `RECURRENT_BUFFERS` to the recurrent layers' buffers (a stacked tensor or a list of per-layer views), `kv` holds each attention
     layer's K/V buffers, read whole under a position mask. Nothing depends on where the pass sits."""
 
     positions: Tensor
@@ -103,7 +105,7 @@ class StaticAccess:
     kv: Sequence[tuple[Tensor, Tensor]]
 
     @staticmethod
-    def gdn_buffers(state: ModelState, per_layer: bool = False) -> dict:
+    def recurrent_buffers(state: ModelState, per_layer: bool = False) -> dict:
         """The recurrent buffers a static pass on `state` reads and writes: the window and state before it (the head's,
         or the staging's when it stages on top of one) and where the staging goes. Stacked tensors, or per-layer
         views (made once)."""
@@ -112,20 +114,19 @@ class StaticAccess:
         on_head = state.staged == 0
         return {"conv_in": buffers["conv" if on_head else "window"],
                 "state_in": buffers["state" if on_head else "spare"],
-                **{name: buffers[name] for name in GDN_BUFFERS[2:]}}
+                **{name: buffers[name] for name in RECURRENT_BUFFERS[2:]}}
 
-    def gdn(self, i: int, x: Tensor, b: Tensor, a: Tensor, gates: Gates, kernel: str) -> Tensor:
-        buf = {name: self.buffers[name][i] for name in GDN_BUFFERS}
+    def recurrent(self, i: int, x: Tensor, inputs: tuple[Tensor, ...], core: Recurrence) -> Tensor:
+        buf = {name: self.buffers[name][i] for name in RECURRENT_BUFFERS}
         full = torch.cat([buf["conv_in"], x], dim=0)
-        q, k, v, beta, g = gates(full, b, a)
-        out, delta, final, _ = gated_delta_rule(kernel, q, k, v, g, beta, buf["state_in"], static=True)
-        buf["spare"].copy_(final)
+        step = core(full, inputs, Start(buf["state_in"], static=True))
+        buf["spare"].copy_(step.final)
         buf["window"].copy_(full[-buf["window"].shape[0]:])
         buf["x"].index_copy_(0, self.slots, x)
-        buf["k"].index_copy_(2, self.slots, k.permute(1, 2, 0))
-        buf["delta"].index_copy_(1, self.slots, delta.transpose(0, 1))
-        buf["g"].index_copy_(1, self.slots, g.t())
-        return out
+        buf["k"].index_copy_(2, self.slots, step.k.permute(1, 2, 0))
+        buf["delta"].index_copy_(1, self.slots, step.d.transpose(0, 1))
+        buf["g"].index_copy_(buf["g"].ndim - 1, self.slots, step.g.movedim(0, -1))
+        return step.out
 
     def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = self.kv[j]
@@ -155,10 +156,10 @@ class _Group:
 class BatchAccess:
     """Several sequences' states, their tokens packed into one `(sum T_i, ...)` matrix.
 
-    - GDN: the sequences' windows and states are gathered (`stack`) into a padded `(G, T_max)` group (every short
-      sequence together; each one longer than a chunk alone) and run through one kernel call. Padding sits after
-      each sequence's last token with beta = 0 and g = 0, so it adds exactly nothing to the state (delta = 0, decay
-      1) and touches no real output (causal). The staged state, window and logs go back to each sequence's own
+    - Recurrent: the sequences' windows and states are gathered (`stack`) into a padded `(G, T_max)` group (every
+      short sequence together; each one longer than a chunk alone) and run through one call of the mixer's
+      recurrence. Padding sits after each sequence's last token, marked by `Start.valid`, where the recurrence adds
+      nothing to the state (GDN: beta = 0 and g = 0) and touches no real output (causal). The staged state, window and logs go back to each sequence's own
       buffers in one `_foreach_copy_`; where the Triton kernel runs (CUDA) and the sequences are slots of one
       `StatePool`, it logs k, delta and g itself.
     - Attention: each sequence writes its K/V at its own positions in its own cache; the caches are gathered into
@@ -203,22 +204,19 @@ class BatchAccess:
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out if self.unpad is None else out.index_select(0, self.unpad)
 
-    def gdn(self, i: int, x: Tensor, b: Tensor, a: Tensor, gates: Gates, kernel: str) -> Tensor:
+    def recurrent(self, i: int, x: Tensor, inputs: tuple[Tensor, ...], core: Recurrence) -> Tensor:
         outs = []
         for g in self.groups:
             slots = [RecurrentSlot(self.states[m].recurrent, i, self.states[m].staged) for m in g.members]
-            outs.append(self._gdn_group(g, slots, x, b, a, gates, kernel))
+            outs.append(self._recurrent_group(g, slots, x, inputs, core))
         return self._packed(outs)
 
     @staticmethod
-    def _gdn_group(g: _Group, slots: list[RecurrentSlot], x: Tensor, b: Tensor, a: Tensor, gates: Gates,
-                   kernel: str) -> Tensor:
-        """The delta rule for one group; stages each member into its own buffers; outputs `(G T, Hv, Dv)`."""
+    def _recurrent_group(g: _Group, slots: list[RecurrentSlot], x: Tensor, inputs: tuple[Tensor, ...],
+                         core: Recurrence) -> Tensor:
+        """The recurrence for one group; stages each member into its own buffers; outputs `(G T, H, Dv)`."""
         xs = g.take(x)
         full = torch.cat([torch.stack([s.conv_window() for s in slots]), xs], dim=1)  # (G, K-1+T, C)
-        q, k, v, beta, decay = gates(full, g.take(b), g.take(a))  # (G, T, Hv, D), (G, T, Hv)
-        if g.valid is not None:  # padding neither decays nor writes the state
-            beta, decay = beta * g.valid, decay * g.valid
         initial = torch.stack([s.initial_state() for s in slots])  # (G, H, Dk, Dv)
 
         def logs() -> VerifyLogs | None:  # rows, offsets and counts are the same at every layer of the pass
@@ -226,10 +224,10 @@ class BatchAccess:
                 g.logs = verify_logs(slots, g.lengths)
             return None if g.logs is None else g.logs._replace(layer=slots[0].i)
 
-        out, delta, final, logged = gated_delta_rule(kernel, q, k, v, decay, beta, initial, logs=logs)
-        _stage(g, slots, xs, full, k.permute(0, 2, 3, 1), delta.transpose(1, 2), decay.transpose(1, 2), final,
-               logged)
-        return out.reshape(-1, *out.shape[2:])
+        step = core(full, tuple(g.take(t) for t in inputs), Start(initial, valid=g.valid, logs=logs))
+        _stage(g, slots, xs, full, step.k.permute(0, 2, 3, 1), step.d.transpose(1, 2), step.g.movedim(1, -1),
+               step.final, step.logged)
+        return step.out.reshape(-1, *step.out.shape[2:])
 
     def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         outs = []
@@ -271,7 +269,8 @@ def _stage(g: _Group, slots: list[RecurrentSlot], xs: Tensor, full: Tensor, k_lo
            g_log: Tensor, final: Tensor, kernel_logged: bool = False) -> None:
     """Each member's logs, window and state after its tokens, into its own buffers, in one foreach copy.
 
-    Layouts as the logs keep them: xs `(G, T, C)`, k_log `(G, H, Dk, T)`, delta_log `(G, H, T, Dv)`, g_log `(G, H, T)`.
+    Layouts as the logs keep them: xs `(G, T, C)`, k_log `(G, H, Dk, T)`, delta_log `(G, H, T, Dv)`, g_log
+    `(G, H, [Dk,] T)`.
     `kernel_logged`: the kernel wrote k, delta and g into the logs (`verify_logs`); only x is copied.
     """
     width = full.shape[1] - g.T
@@ -282,7 +281,7 @@ def _stage(g: _Group, slots: list[RecurrentSlot], xs: Tensor, full: Tensor, k_lo
     for slot, n, x, k, delta, decay, window_and_x, state in per_member:
         logs = slot.log_targets(n)
         if logs:
-            new = (x, k, delta, decay) if n == g.T else (x[:n], k[..., :n], delta[:, :n], decay[:, :n])
+            new = (x, k, delta, decay) if n == g.T else (x[:n], k[..., :n], delta[:, :n], decay[..., :n])
             dsts += logs[:1] if kernel_logged else logs
             srcs += new[:1] if kernel_logged else new
         dsts += (slot.states.layers["window"][slot.i], slot.state_out())

@@ -35,7 +35,9 @@ from torch import Tensor, nn
 from deltaspec.shared.decoding.drafters import Proposal
 from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabilities
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.model.layers import DecoderLayer, RMSNorm, rotary_cos_sin
+from deltaspec.shared.model.layers import DecoderLayer
+from deltaspec.shared.model.norms import RMSNorm
+from deltaspec.shared.model.rotary import rotary_cos_sin
 from deltaspec.shared.state.rollback import AttnLayerState
 
 
@@ -76,7 +78,7 @@ class MTPHead(nn.Module):
         """
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
         positions = torch.arange(start, start + x.shape[0], device=x.device)
-        rope = rotary_cos_sin(self.cfg, positions, x.dtype)
+        rope = rotary_cos_sin(self.cfg.rotary_dim, self.cfg.rope_theta, positions, x.dtype)
         for layer, st in zip(self.layers, cache):
             x = layer(x, st, start, rope)
         return self.norm(x)

@@ -4,8 +4,9 @@ A family is one module here, holding only what sets it apart, as HF's modular fi
 covers, the state it declares (`state_spec`: which layers are recurrent, their kind and shapes, the attention K/V),
 and how its published tensors map onto the shared layers (`deltaspec.shared.model.layers`; Qwen3.5, dense and MoE,
 is the layout the layers use; Qwen3-Next packs its GDN input projections per key head and is unpacked at load). A
-family module defines `TEXT_TYPES`, `WRAPPER_TYPES`, `ALWAYS_NORM_TOPK`, `state_spec`, `convert` and its inverse
-`publish`; adding one is that module and a line here, with no decoding, state or service code touched.
+family module defines `TEXT_TYPES`, `WRAPPER_TYPES`, `ALWAYS_NORM_TOPK`, `MIXERS` (which mixer each layer kind runs,
+`deltaspec.shared.model.mixers`), `state_spec`, `convert` and its inverse `publish`; adding one is that module and a
+line here (and a mixer module where its mixer is new), with no decoding, state or service code touched.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class Family:
     text_types: tuple[str, ...]  # model_type of a text config
     wrapper_types: dict[str, str]  # multimodal wrapper model_type -> its text_config's model_type
     always_norm_topk: bool  # top-k routing weights renormalised whatever the config says (no `norm_topk_prob`)
+    mixers: dict[str, tuple[str, type]]  # layer kind -> (the mixer's module name in a layer, its class)
     state_spec: Callable[[ConfigFields], StateSpec]  # the state a model of this family holds
     convert: Callable[[dict[str, Tensor], ConfigFields], None]  # published tensor names -> the layers', in place
     publish: Callable[[dict[str, Tensor], ConfigFields], None]  # and back, for saving
@@ -33,7 +35,7 @@ class Family:
     @classmethod
     def of(cls, module: ModuleType) -> Family:
         return cls(module.__name__.rsplit(".", 1)[-1], module.TEXT_TYPES, module.WRAPPER_TYPES,
-                   module.ALWAYS_NORM_TOPK, module.state_spec, module.convert, module.publish)
+                   module.ALWAYS_NORM_TOPK, module.MIXERS, module.state_spec, module.convert, module.publish)
 
 
 FAMILIES = tuple(Family.of(module) for module in (qwen3_5, qwen3_next))

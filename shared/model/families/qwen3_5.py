@@ -11,6 +11,8 @@ from typing import Protocol
 
 from torch import Tensor
 
+from deltaspec.shared.model.mixers.attention import Attention
+from deltaspec.shared.model.mixers.gdn import GatedDeltaNet
 from deltaspec.shared.state.spec import ATTENTION, RECURRENT, RecurrentSpec, StateSpec
 
 
@@ -33,6 +35,7 @@ class ConfigFields(Protocol):
 TEXT_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 WRAPPER_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 ALWAYS_NORM_TOPK = True  # HF's Qwen3_5MoeTopKRouter renormalises the top-k weights; its config has no switch
+MIXERS = {"linear_attention": ("linear_attn", GatedDeltaNet), "full_attention": ("self_attn", Attention)}
 
 
 def state_spec(cfg: ConfigFields) -> StateSpec:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deltaspec.shared.model.families.qwen3_5 import ConfigFields, state_spec  # noqa: F401 - Qwen3.5's stack and state
+from deltaspec.shared.model.families.qwen3_5 import MIXERS, ConfigFields, state_spec  # noqa: F401 - Qwen3.5's
 
 TEXT_TYPES = ("qwen3_next",)
 WRAPPER_TYPES: dict[str, str] = {}

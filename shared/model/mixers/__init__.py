@@ -1,0 +1,11 @@
+"""The token mixers a family's layers are built from, each in its module beside its reference.
+
+A mixer is an `nn.Module` with HF's parameter names and three faces, so that one forward pass serves them all:
+- `state`: which state it holds (`RECURRENT` or `ATTENTION`, `deltaspec.shared.state.spec`), so the pass knows
+  which of the layer's states to address;
+- `forward(h, st, start, rope)`: the reference, on one sequence's state slot (`RecurrentSlot` or `AttnLayerState`),
+  written plainly: the naive twin the fast path is tested against;
+- `fuse()` and `fused(f, h, residual, rope, access, index)`: the fast path, on the fused weights `fuse()` made once,
+  reaching its state through a `StateAccess` only (a recurrent mixer hands it a `Recurrence`), so the eager,
+  compiled, CUDA-graph and batched passes all run it.
+"""

@@ -1,0 +1,78 @@
+"""Full attention (Qwen3.5, Qwen3-Next): q/k RMSNorm, partial rotary, grouped K/V, a per-head sigmoid output gate.
+
+K/V are written past the committed length and cut by position, so a rejected token costs nothing to roll back. The
+fast path runs q (with its gate), k and v as one matmul and q and k through one rotary call; where K/V live and how
+they are read is the state access's business (`StateAccess.attend`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from deltaspec.shared.model.norms import RMSNorm, concat
+from deltaspec.shared.model.rotary import apply_partial_rotary, rotary
+from deltaspec.shared.state.access import StateAccess, attend
+from deltaspec.shared.state.rollback import AttnLayerState
+from deltaspec.shared.state.spec import ATTENTION
+
+if TYPE_CHECKING:
+    from deltaspec.shared.model.config import ModelConfig
+
+
+@dataclass
+class FusedAttention:
+    w_qkv: Tensor  # (2 H D + 2 Hkv D, hidden): q_proj (query and gate), k_proj, v_proj
+    splits: tuple[int, int, int]
+    q_norm: Tensor  # (D,) 1 + w
+    k_norm: Tensor
+    out_t: Tensor  # o_proj.weight.t(), a view
+
+
+class Attention(nn.Module):
+    state = ATTENTION
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, st: AttnLayerState, start: int, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """The reference: one sequence's T tokens `(T, hidden)` at positions start.., `rope` their (cos, sin)."""
+        T = x.shape[0]
+        q, gate = self.q_proj(x).view(T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_partial_rotary(self.q_norm(q), *rope)  # (T, H, D)
+        k = apply_partial_rotary(self.k_norm(self.k_proj(x).view(T, self.n_kv, self.head_dim)), *rope)
+        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+        out = attend(st, q, k, v, start)  # (T, H, D)
+        out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+        return self.o_proj(out)
+
+    def fuse(self) -> FusedAttention:
+        splits = (self.q_proj.weight.shape[0], self.k_proj.weight.shape[0], self.v_proj.weight.shape[0])
+        return FusedAttention(w_qkv=concat(self.q_proj, self.k_proj, self.v_proj), splits=splits,
+                              q_norm=self.q_norm.folded(), k_norm=self.k_norm.folded(),
+                              out_t=self.o_proj.weight.detach().t())
+
+    def fused(self, f: FusedAttention, h: Tensor, residual: Tensor, rope: tuple[Tensor, Tensor],
+              access: StateAccess, j: int) -> Tensor:
+        """Attention layer j (among the attention layers) on the normed input h, added to the residual; `rope` is
+        (cos, `rotary_signed` sin) at the tokens' positions."""
+        T, H, Hkv, D = h.shape[0], self.n_heads, self.n_kv, self.head_dim
+        q_gate, k, v = F.linear(h, f.w_qkv).split(f.splits, dim=-1)
+        q_gate = q_gate.view(T, H, 2 * D)
+        q = F.rms_norm(q_gate[..., :D], (D,), f.q_norm, self.q_norm.eps)
+        k = F.rms_norm(k.view(T, Hkv, D), (D,), f.k_norm, self.k_norm.eps)
+        q, k = rotary(torch.cat([q, k], dim=1), *rope).split([H, Hkv], dim=1)
+        out = access.attend(j, q, k, v.view(T, Hkv, D))
+        out = out * torch.sigmoid(q_gate[..., D:])
+        return torch.addmm(residual, out.reshape(T, -1), f.out_t)
