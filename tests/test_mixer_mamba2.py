@@ -45,9 +45,9 @@ FAMILIES = {
              dt_limit=(0.3, 1.2))),
     "granite-g1-noconvbias": (GraniteMoeHybridMambaLayer, GraniteMoeHybridConfig(
         hidden_size=HIDDEN, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_n_groups=1,
-        mamba_conv_bias=False, rms_norm_eps=1e-6, num_hidden_layers=1, layer_types=["mamba"]),
+        mamba_conv_bias=False, rms_norm_eps=1e-6, residual_multiplier=0.4, num_hidden_layers=1, layer_types=["mamba"]),
         dict(hidden_size=HIDDEN, num_heads=8, head_dim=8, state_size=16, n_groups=1, use_conv_bias=False,
-             norm_eps=1e-6)),
+             norm_eps=1e-6, out_multiplier=0.4)),
     "falcon_h1-gate_only": (FalconH1Mixer, FalconH1Config(**FALCON, mamba_rms_norm=False),
                             dict(OURS_FALCON, rms_norm=False)),
     "falcon_h1-norm_then_gate": (FalconH1Mixer, FalconH1Config(**FALCON, mamba_rms_norm=True,
@@ -76,7 +76,8 @@ def randomize(module: torch.nn.Module, seed: int) -> None:
 
 def pair(family: str) -> tuple[torch.nn.Module, Mamba2Mixer, float]:
     """HF's mixer with random weights, ours loaded from its state dict (strictly: the names must match), and the
-    factor HF's decoder applies to the mixer's output (Falcon-H1's ssm_out_multiplier)."""
+    factor HF's decoder applies to the mixer's output (Falcon-H1's ssm_out_multiplier, Granite's
+    residual_multiplier)."""
     cls, config, ours_args = FAMILIES[family]
     hf = cls(config, 0).eval()
     if cls is FalconH1Mixer:  # HF's model, not the mixer, registers the muP vector
@@ -84,7 +85,7 @@ def pair(family: str) -> tuple[torch.nn.Module, Mamba2Mixer, float]:
     randomize(hf, seed=len(family))
     ours = Mamba2Mixer(**ours_args)
     ours.load_state_dict(hf.state_dict())
-    return hf, ours, getattr(config, "ssm_out_multiplier", 1.0)
+    return hf, ours, getattr(config, "ssm_out_multiplier", getattr(config, "residual_multiplier", 1.0))
 
 
 def empty(m: Mamba2Mixer, *batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +138,25 @@ def test_token_by_token_and_split_match_full(family):
                 ys.append(y)
             assert rel_err(torch.cat(ys), want) < 1e-5 and rel_err(state, want_state) < 1e-5
             assert rel_err(window, want_window) < 1e-6  # in_proj of one row and of eight may round apart
+
+
+@torch.no_grad()
+def test_logs_rebuild_every_prefix_state(family):
+    """The Step's (k, d, g) are all a commit needs: S_a = exp(G_a) S_0 + sum_t exp(G_a - G_t) k_t d_t^T equals the state
+    after the first a + 1 tokens, for every a."""
+    _, m, _ = pair(family)
+    h = hidden(5, T)
+    state = torch.randn(m.num_heads, m.state_size, m.head_dim, generator=torch.Generator().manual_seed(5))
+    xBC, (_, dt_raw) = inputs(m, h)
+    full = torch.cat([empty(m)[0], xBC])
+    step = recurrence(m, full, (dt_raw,), Start(state))
+    G = step.g.cumsum(0)  # (T, H)
+    for a in range(T):
+        weights = (G[a] - G[:a + 1]).exp()  # (a+1, H)
+        closed = G[a].exp()[:, None, None] * state + torch.einsum("th,thn,thp->hnp", weights, step.k[:a + 1],
+                                                                  step.d[:a + 1])
+        after = recurrence(m, full[:m.conv_kernel + a], (dt_raw[:a + 1],), Start(state)).final
+        assert rel_err(closed, after) < 1e-5
 
 
 @torch.no_grad()

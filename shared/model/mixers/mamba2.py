@@ -15,7 +15,8 @@ What each family's mixer (transformers 5.25, the PyTorch path) takes from its co
   layer_norm_epsilon, dt_limit = time_step_limit. Its width is heads x head_dim, not expand x hidden.
 - Bamba, Granite-MoE-hybrid (`BambaMixer`, `GraniteMoeHybridMambaLayer`): mamba_n_heads, mamba_d_head, mamba_d_state,
   mamba_n_groups, mamba_d_conv, use_conv_bias = mamba_conv_bias, use_bias = mamba_proj_bias, norm_eps = rms_norm_eps,
-  dt_limit = time_step_limit. (Granite's residual_multiplier scales the decoder's residual sum, outside the mixer.)
+  dt_limit = time_step_limit; Granite also out_multiplier = residual_multiplier (its decoder scales the mixer's
+  output by it before the residual add).
 - Falcon-H1 (`FalconH1Mixer`): as Bamba, width mamba_d_ssm, and out_bias = projectors_bias; rms_norm =
   mamba_rms_norm (without it the output is only gated: y silu(z)); norm_before_gate = mamba_norm_before_gate;
   in_multiplier = ssm_in_multiplier (scales h before in_proj); ssm_multipliers (the five muP factors of z, x, B, C,
