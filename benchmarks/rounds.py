@@ -17,7 +17,7 @@ from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.model.layers import SparseMoE
+from deltaspec.shared.model.mlp import SparseMoE
 from deltaspec.shared.state.rollback import ModelState
 
 PREFIX = 32  # tokens each session holds before the timed passes

@@ -307,13 +307,13 @@ def in_one_batch(model: BatchedModel, calls: list[tuple[Tensor, ModelState]], mo
     """Each call from its own thread, made while the scheduler is held inside another pass, so that all of them
     queue and then run together; the results, or the errors raised, in order. Whether they did run together is
     for the caller to check (`stats.largest`): timing decides only whether the scenario happened."""
-    real_mlp, holding = fused.mlp, threading.Barrier(len(calls) + 1, timeout=60)
+    real_layer, holding = fused.decoder_layer, threading.Barrier(len(calls) + 1, timeout=60)
 
-    def hold(layer, f, x):
+    def hold(layer, f, x, *rest):
         if x.shape[0] == HOLD and not holding.broken and holding.n_waiting == len(calls):
             holding.wait()  # every caller is about to call
             time.sleep(0.05)  # and has queued its call
-        return real_mlp(layer, f, x)
+        return real_layer(layer, f, x, *rest)
 
     def call(i: int) -> tuple[Tensor, Tensor] | Exception:
         try:
@@ -324,14 +324,14 @@ def in_one_batch(model: BatchedModel, calls: list[tuple[Tensor, ModelState]], mo
         except Exception as e:  # noqa: BLE001 - the error is a result under test
             return e
 
-    monkeypatch.setattr(fused, "mlp", hold)
+    monkeypatch.setattr(fused, "decoder_layer", hold)
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = [pool.submit(call, i) for i in range(len(calls))]
         while holding.n_waiting < len(calls):
             time.sleep(0.001)
         call(-1)
         results = [f.result() for f in futures]
-    monkeypatch.setattr(fused, "mlp", real_mlp)
+    monkeypatch.setattr(fused, "decoder_layer", real_layer)
     return results
 
 
@@ -414,19 +414,19 @@ def test_pass_failing_midway_gives_no_wrong_result(monkeypatch):
     items = [Item(4, 3), Item(5, 2, staged=3), Item(9, 1, staged=2, chained=True)]
     singles = [prepared(TARGET, item, 60 + seed) for seed, item in enumerate(items)]
     want = [TARGET(ids, state) for ids, state in singles]
-    real_mlp, seen = fused.mlp, []
+    real_layer, seen = fused.decoder_layer, []
 
-    def fail_in_the_second_layer(layer, f, x):
+    def fail_in_the_second_layer(layer, f, x, *rest):
         if x.shape[0] != HOLD:  # not the pass that holds the scheduler
             seen.append(x.shape[0])
             if len(seen) == 2:
                 raise RuntimeError("injected: out of memory")
-        return real_mlp(layer, f, x)
+        return real_layer(layer, f, x, *rest)
 
     config = BatchConfig(max_batch=8, max_wait_ms=5.0)
     with closing(BatchedModel(TARGET, config)) as model:
         batch = [prepared(TARGET, item, 60 + seed, model) for seed, item in enumerate(items)]
-        monkeypatch.setattr(fused, "mlp", fail_in_the_second_layer)
+        monkeypatch.setattr(fused, "decoder_layer", fail_in_the_second_layer)
         results = in_one_batch(model, batch, monkeypatch)
         assert model.stats.largest >= len(items) and seen[:2] == [sum(item.T for item in items)] * 2, model.stats
     for result, expected, (_, got), (_, single) in zip(results, want, batch, singles):

@@ -52,7 +52,7 @@ def test_fuse_keeps_the_checkpoint(pair):
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
     layer = fused.model.layers[0]
-    assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == fused.fused.layers[0].w_gate_up.untyped_storage().data_ptr()
+    assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == fused.fused.layers[0].mlp.w_in.untyped_storage().data_ptr()
 
 
 def test_every_forward_and_commit_matches_the_layer_path(pair):

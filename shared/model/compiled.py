@@ -33,7 +33,7 @@ from deltaspec.shared.model import fused
 from deltaspec.shared.model.layers import DecoderLayer
 from deltaspec.shared.state.access import RECURRENT_BUFFERS, StaticAccess
 from deltaspec.shared.state.rollback import ModelState
-from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY, LOG_CAPACITY, RECURRENT
+from deltaspec.shared.state.spec import ATTENTION, CHAIN_LOG_CAPACITY, LOG_CAPACITY, RECURRENT
 
 WHOLE_GRAPH_LAYERS = 4  # deeper stacks compile per layer kind (a whole 12-layer graph was not compiled after 15 min)
 # A pass's most tokens, for every state: one range, whatever a state's log capacity (`fits` keeps each pass within
@@ -53,10 +53,10 @@ def _static_layer(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, cos: Tens
                   positions: Tensor, slots: Tensor, *buffers: Tensor) -> Tensor:
     """One layer of a static pass on its own buffers: a recurrent layer's `RECURRENT_BUFFERS`, or an attention layer's
     K and V. What a per-layer graph compiles (one copy per layer kind, so no graph ever sees another kind)."""
-    if layer.mixer.state == RECURRENT:
+    if layer.state == RECURRENT:
         access = StaticAccess(positions, slots, {name: (t,) for name, t in zip(RECURRENT_BUFFERS, buffers)}, ())
-    else:
-        access = StaticAccess(positions, slots, {}, (buffers,))  # type: ignore[arg-type]
+    else:  # attention's K and V, or nothing for an MLP alone
+        access = StaticAccess(positions, slots, {}, (buffers,) if buffers else ())  # type: ignore[arg-type]
     return fused.decoder_layer(layer, f, x, (cos, signed_sin), access, 0)
 
 
@@ -120,8 +120,9 @@ class CompiledPasses:
         from 2 tokens on (each layer's `x` is a new tensor)."""
         if x.shape[0] > 1:
             torch._dynamo.mark_dynamic(x, 0, min=2, max=MAX_PASS_TOKENS)
-        buffers = ([access.buffers[name][index] for name in RECURRENT_BUFFERS] if layer.mixer.state == RECURRENT
-                   else access.kv[index])
+        state = layer.state
+        buffers = ([access.buffers[name][index] for name in RECURRENT_BUFFERS] if state == RECURRENT
+                   else access.kv[index] if state == ATTENTION else ())
         graph = self.layer_graphs.get(layer.kind)
         if graph is None:
             graph = self.layer_graphs[layer.kind] = _compile(_static_layer, self.options)

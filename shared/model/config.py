@@ -1,8 +1,7 @@
-"""Model configuration: the hybrid GDN/attention text architecture, read from a HF `config.json`.
+"""Model configuration: a hybrid recurrent/attention text architecture, read from a HF `config.json`.
 
-The family comes from `model_type` through one registry (`deltaspec.shared.model.families`): Qwen3.5 dense and MoE
-(`qwen3_5_text`, `qwen3_5_moe_text`, or their multimodal wrappers `qwen3_5`, `qwen3_5_moe` with a `text_config`)
-and Qwen3-Next (`qwen3_next`). Anything else, or a field of the wrong kind, raises `ConfigError` naming the field.
+The family comes from `model_type` through one registry (`deltaspec.shared.model.families`), and its module reads
+its own fields (`fields`). Anything else, or a field of the wrong kind, raises `ConfigError` naming the field.
 """
 from __future__ import annotations
 
@@ -12,36 +11,56 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from deltaspec.shared.model.families import FAMILIES, family_named, family_of
+from deltaspec.shared.model.fields import ConfigError, positive_int
 from deltaspec.shared.state.spec import StateSpec
 
-class ConfigError(ValueError):
-    """A checkpoint's config.json cannot describe a model this engine runs."""
+__all__ = ["ConfigError", "ModelConfig", "known_model_types"]
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """What the engine reads of a checkpoint's config, whatever its family: the family's parser (`fields`) maps its
+    own names onto these; a field a family does not have keeps its default."""
+
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    layer_types: tuple[str, ...]
-    linear_conv_kernel_dim: int = 4
+    layer_types: tuple[str, ...]  # the family's layer kinds, layer by layer
+    intermediate_size: int = 0
     rms_norm_eps: float = 1e-6
+    norm_offset: float = 1.0  # RMSNorm applies (offset + w): 1 for Qwen's zero-centred norms, 0 for the usual
     rope_theta: float = 10000.0
-    partial_rotary_factor: float = 0.25
+    partial_rotary_factor: float = 0.25  # 0: no rotary embedding
+    attention_output_gate: bool = True  # Qwen's sigmoid gate on the attention output (q_proj doubled)
+    attention_qk_norm: bool = True
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    mlp_bias: bool = False
     eos_token_id: tuple[int, ...] = ()
     mtp_num_hidden_layers: int = 0
     family: str = "qwen3_5"
+    # Gated DeltaNet layers
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    # Mamba2 layers
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    ssm_state_size: int = 0
+    mamba_n_groups: int = 1
+    mamba_conv_kernel: int = 4
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_norm_eps: float = 1e-5
+    mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
     # sparse MoE blocks (0 experts: every MLP dense)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -57,11 +76,11 @@ class ModelConfig:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
             )
-        kinds = tuple(self.mixers)
+        kinds = family_named(self.family).layer_kinds
         bad = [t for t in self.layer_types if t not in kinds]
         if bad:
             raise ConfigError(f"layer_types: unknown layer kind {bad[0]!r} (expected one of {kinds})")
-        if self.linear_num_value_heads % self.linear_num_key_heads:
+        if self.linear_num_key_heads and self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError("linear_num_value_heads must be a whole multiple of linear_num_key_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a whole multiple of num_key_value_heads")
@@ -69,19 +88,15 @@ class ModelConfig:
             raise ConfigError(f"num_experts_per_tok must be between 1 and num_experts ({self.num_experts}), "
                               f"got {self.num_experts_per_tok}")
 
-        if not self.intermediate_size and not all(self.sparse(i) for i in range(self.num_hidden_layers)):
-            raise ConfigError("config.json: field 'intermediate_size' is needed by the dense MLP layers")
-
     def sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a sparse MoE block (HF's rule: not in `mlp_only_layers`, and every
         `decoder_sparse_step`-th layer); the MTP head's layers are sparse whenever the model has experts."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
-    @property
-    def mixers(self) -> dict[str, tuple[str, type]]:
-        """Layer kind -> (the mixer's module name in a layer, its class), as the family builds its layers."""
-        return family_named(self.family).mixers
+    def layer_parts(self, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.Module | None]:
+        """A layer of kind `kind` as the family builds it: (its mixer's module name, the mixer, the MLP)."""
+        return family_named(self.family).layer(self, kind, sparse)
 
     @functools.cached_property
     def state_spec(self) -> StateSpec:
@@ -113,44 +128,18 @@ class ModelConfig:
             text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
             text["model_type"] = family.wrapper_types[model_type]
             return cls.from_dict(text)
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        n_layers = _int(cfg, "num_hidden_layers")
-        interval = cfg.get("full_attention_interval", 4)
-        layer_types = cfg.get("layer_types") or [
-            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
-        ]
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-        hidden = _int(cfg, "hidden_size")
-        heads = _int(cfg, "num_attention_heads")
-        return cls(
-            vocab_size=_int(cfg, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_int(cfg, "intermediate_size") if "intermediate_size" in cfg or not cfg.get("num_experts")
-            else 0,  # a model whose every MLP is sparse need not have one
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=_int(cfg, "num_key_value_heads"),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            linear_num_key_heads=_int(cfg, "linear_num_key_heads"),
-            linear_num_value_heads=_int(cfg, "linear_num_value_heads"),
-            linear_key_head_dim=_int(cfg, "linear_key_head_dim"),
-            linear_value_head_dim=_int(cfg, "linear_value_head_dim"),
-            layer_types=tuple(layer_types),
-            linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            partial_rotary_factor=float(
-                cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
-            ),
+        common = dict(
+            vocab_size=positive_int(cfg, "vocab_size"),
+            hidden_size=positive_int(cfg, "hidden_size"),
+            num_attention_heads=positive_int(cfg, "num_attention_heads"),
+            num_key_value_heads=positive_int(cfg, "num_key_value_heads"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             eos_token_id=eos_ids,
-            mtp_num_hidden_layers=int(cfg.get("mtp_num_hidden_layers", 0)),
-            family=family.name,
-            **_experts(cfg, family.always_norm_topk),
-            raw=cfg,
         )
+        return cls(**{**common, **family.fields(cfg)}, family=family.name, raw=cfg)  # the family's own reading wins
 
     @classmethod
     def from_file(cls, path: Path) -> ModelConfig:
@@ -167,26 +156,3 @@ class ModelConfig:
 
 def known_model_types() -> list[str]:
     return sorted(t for f in FAMILIES for t in (*f.text_types, *f.wrapper_types))
-
-
-def _experts(cfg: dict[str, Any], always_norm_topk: bool) -> dict[str, Any]:
-    """The sparse MoE fields, when the config has experts (`num_experts` > 0)."""
-    if not cfg.get("num_experts"):
-        return {}
-    only = cfg.get("mlp_only_layers") or []
-    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
-        raise ConfigError(f"config.json: field 'mlp_only_layers' must be a list of layer indices, got {only!r}")
-    return {
-        "num_experts": _int(cfg, "num_experts"), "num_experts_per_tok": _int(cfg, "num_experts_per_tok"),
-        "moe_intermediate_size": _int(cfg, "moe_intermediate_size"),
-        "shared_expert_intermediate_size": _int(cfg, "shared_expert_intermediate_size"),
-        "norm_topk_prob": True if always_norm_topk else bool(cfg.get("norm_topk_prob", True)),
-        "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1), "mlp_only_layers": tuple(only),
-    }
-
-
-def _int(cfg: dict[str, Any], name: str) -> int:
-    value = cfg.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"config.json: field {name!r} must be a positive integer, got {value!r}")
-    return value

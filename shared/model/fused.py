@@ -21,10 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deltaspec.shared.kernels.experts import apply_experts
-from deltaspec.shared.model.layers import DecoderLayer, HybridStack, SparseMoE
-from deltaspec.shared.model.moe import route
-from deltaspec.shared.model.norms import concat
+from deltaspec.shared.model.layers import DecoderLayer, HybridStack
 from deltaspec.shared.state.access import StateAccess
 from deltaspec.shared.state.rollback import ModelState
 from deltaspec.shared.state.spec import ATTENTION, RECURRENT
@@ -56,20 +53,11 @@ class Model(Protocol):
 
 
 @dataclass
-class FusedMoE:
-    w_in: Tensor  # (E + 2 shared intermediate + 1, hidden): router, shared expert gate and up, shared expert gate
-    splits: tuple[int, int, int]
-    shared_down_t: Tensor  # shared_expert.down_proj.weight.t(), a view
-
-
-@dataclass
 class FusedLayer:
-    input_norm: Tensor  # (hidden,) 1 + w
-    post_norm: Tensor
-    w_gate_up: Tensor | None  # (2 intermediate, hidden); None where the MLP is a sparse MoE block
-    down_t: Tensor | None  # down_proj.weight.t(), a view
-    mixer: Any  # the mixer's own fused weights (`mixer.fuse()`)
-    moe: FusedMoE | None = None
+    input_norm: Tensor | None  # (hidden,) the folded norm weights; None where the layer has no such part
+    post_norm: Tensor | None
+    mixer: Any  # the parts' own fused weights (`mixer.fuse()`, `mlp.fuse()`)
+    mlp: Any
 
 
 @dataclass
@@ -83,59 +71,37 @@ def fuse_stack(stack: HybridStack) -> FusedStack:
 
 
 def fuse_layer(layer: DecoderLayer) -> FusedLayer:
-    mixer = layer.mixer.fuse()
-    norms = {"input_norm": layer.input_layernorm.folded(), "post_norm": layer.post_attention_layernorm.folded()}
-    m = layer.mlp
-    if isinstance(m, SparseMoE):
-        shared = m.shared_expert
-        moe = FusedMoE(w_in=concat(m.gate, shared.gate_proj, shared.up_proj, m.shared_expert_gate),
-                       splits=(m.gate.weight.shape[0], 2 * shared.gate_proj.weight.shape[0], 1),
-                       shared_down_t=shared.down_proj.weight.detach().t())
-        return FusedLayer(**norms, w_gate_up=None, down_t=None, mixer=mixer, moe=moe)
-    return FusedLayer(**norms, w_gate_up=concat(m.gate_proj, m.up_proj), down_t=m.down_proj.weight.detach().t(),
-                      mixer=mixer)
-
-
-def mlp(layer: DecoderLayer, f: FusedLayer, x: Tensor) -> Tensor:
-    """The post-mixer norm and MLP (dense, or sparse MoE over all of x's tokens at once), added to the residual."""
-    h = F.rms_norm(x, x.shape[-1:], f.post_norm, layer.post_attention_layernorm.eps)
-    if f.moe is not None:
-        return _moe(layer.mlp, f.moe, h, x)  # type: ignore[arg-type]
-    gate, up = F.linear(h, f.w_gate_up).chunk(2, dim=-1)
-    return torch.addmm(x, F.silu(gate) * up, f.down_t)
-
-
-def _moe(m: SparseMoE, f: FusedMoE, h: Tensor, residual: Tensor) -> Tensor:
-    """`SparseMoE.forward` with the router and the shared expert's input projections in one matmul."""
-    logits, gate_up, shared_gate = F.linear(h, f.w_in).split(f.splits, dim=-1)
-    weights, chosen = route(logits, m.top_k, m.renormalise)
-    routed, touched = apply_experts(m.experts.gate_up_proj, m.experts.down_proj, h, weights, chosen)
-    if not torch.compiler.is_compiling():  # a graph's count would be one of its own buffers
-        m.touched = touched
-    gate, up = gate_up.chunk(2, dim=-1)
-    shared = torch.sigmoid(shared_gate) * torch.mm(F.silu(gate) * up, f.shared_down_t)
-    return residual + (routed + shared)
+    mixer, mlp = layer.mixer, layer.mlp
+    return FusedLayer(input_norm=None if mixer is None else layer.input_layernorm.folded(),
+                      post_norm=None if mlp is None else layer.post_attention_layernorm.folded(),
+                      mixer=None if mixer is None else mixer.fuse(), mlp=None if mlp is None else mlp.fuse())
 
 
 def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
                   index: int) -> Tensor:
     """`DecoderLayer.forward` in fewer ops: the mixer (the index-th of its kind) and the MLP, each on its pre-norm and
     added to the residual. `rope` is (cos, `rotary.rotary_signed` sin) at the tokens' positions."""
-    h = F.rms_norm(x, x.shape[-1:], f.input_norm, layer.input_layernorm.eps)
-    return mlp(layer, f, layer.mixer.fused(f.mixer, h, x, rope, access, index))
+    if f.mixer is not None:
+        h = F.rms_norm(x, x.shape[-1:], f.input_norm, layer.input_layernorm.eps)
+        x = layer.mixer.fused(f.mixer, h, x, rope, access, index)
+    if f.mlp is not None:
+        h = F.rms_norm(x, x.shape[-1:], f.post_norm, layer.post_attention_layernorm.eps)
+        x = layer.mlp.fused(f.mlp, h, x)
+    return x
 
 
 LayerFn = Callable[[DecoderLayer, FusedLayer, Tensor, tuple[Tensor, Tensor], StateAccess, int], Tensor]
 
 
 def forward(model: Model, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
-            run_layer: LayerFn = decoder_layer) -> tuple[Tensor, Tensor]:
+            run_layer: LayerFn | None = None) -> tuple[Tensor, Tensor]:
     """The one forward pass, from the embeddings `x (N, hidden)`: every layer through `run_layer` (a compiled
     layer, or `decoder_layer`), then the head. Returns float32 logits `(N, vocab)` and the last layer's hidden states
     before the final norm. Where the state lives is the access's business alone."""
-    counts = {RECURRENT: 0, ATTENTION: 0}  # each mixer addresses the index-th state of its kind
+    run_layer = run_layer or decoder_layer
+    counts = {RECURRENT: 0, ATTENTION: 0, None: 0}  # each mixer addresses the index-th state of its kind
     for layer, f in zip(model.model.layers, model.fused.layers):
-        kind = layer.mixer.state
+        kind = layer.state
         x = run_layer(layer, f, x, rope, access, counts[kind])
         counts[kind] += 1
     return head(model, x), x

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from deltaspec.shared.kernels import VerifyLogs
-from deltaspec.shared.state.spec import LOG_CAPACITY, RECURRENT, RecurrentSpec, StateSpec
+from deltaspec.shared.state.spec import ATTENTION, LOG_CAPACITY, RECURRENT, RecurrentSpec, StateSpec
 
 
 class Lease(Protocol):
@@ -483,11 +483,11 @@ class ModelState:
         for layer in self.attn:
             layer.ensure_capacity(needed)
 
-    def layer_views(self) -> list[RecurrentSlot | AttnLayerState]:
-        """Per-layer state for one forward pass, in layer order."""
+    def layer_views(self) -> list[RecurrentSlot | AttnLayerState | None]:
+        """Per-layer state for one forward pass, in layer order (None for a layer without state)."""
         rec, attn = iter(range(len(self.recurrent.conv))), iter(self.attn)
-        return [RecurrentSlot(self.recurrent, next(rec), self.staged) if kind == RECURRENT else next(attn)
-                for kind in self.spec.layers]
+        return [RecurrentSlot(self.recurrent, next(rec), self.staged) if kind == RECURRENT
+                else next(attn) if kind == ATTENTION else None for kind in self.spec.layers]
 
     def commit(self, n: int) -> None:
         """Keep the first n staged tokens, drop the rest. All layers move together or none does."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-RECURRENT, ATTENTION = "recurrent", "attention"  # the layer kinds the state knows
+RECURRENT, ATTENTION, STATELESS = "recurrent", "attention", "none"  # the layer kinds the state knows (an MLP alone)
 # recurrent state kind -> how its log decay is laid out: per head, per head and key channel, or no state ("none")
 DECAYS = {"gdn": "head", "ssd": "head", "kda": "key", "mamba": "key", "conv": "none"}
 RECURRENT_KINDS = tuple(DECAYS)
@@ -70,8 +70,8 @@ class RecurrentSpec:
 
 @dataclass(frozen=True)
 class StateSpec:
-    """A model's whole state: `layers` says, layer by layer, RECURRENT or ATTENTION; `recurrent` is every recurrent
-    layer's spec (None for a model without one); attention K/V holds `kv_heads x head_dim` per position."""
+    """A model's whole state: `layers` says, layer by layer, RECURRENT, ATTENTION or STATELESS; `recurrent` is every
+    recurrent layer's spec (None for a model without one); attention K/V holds `kv_heads x head_dim` per position."""
 
     layers: tuple[str, ...]
     recurrent: RecurrentSpec | None
@@ -79,9 +79,10 @@ class StateSpec:
     head_dim: int
 
     def __post_init__(self) -> None:
-        bad = [kind for kind in self.layers if kind not in (RECURRENT, ATTENTION)]
+        bad = [kind for kind in self.layers if kind not in (RECURRENT, ATTENTION, STATELESS)]
         if bad:
-            raise ValueError(f"unknown layer kind {bad[0]!r} in a state spec (expected {RECURRENT!r} or {ATTENTION!r})")
+            raise ValueError(f"unknown layer kind {bad[0]!r} in a state spec (expected {RECURRENT!r}, {ATTENTION!r} "
+                             f"or {STATELESS!r})")
         if self.recurrent is None and RECURRENT in self.layers:
             raise ValueError("a state spec with recurrent layers needs their RecurrentSpec")
 

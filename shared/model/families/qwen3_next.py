@@ -10,14 +10,18 @@
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-from deltaspec.shared.model.families.qwen3_5 import MIXERS, ConfigFields, state_spec  # noqa: F401 - Qwen3.5's
+from deltaspec.shared.model.families import qwen3_5
+from deltaspec.shared.model.families.qwen3_5 import LAYER_KINDS, ConfigFields, layer, state_spec  # noqa: F401
 
 TEXT_TYPES = ("qwen3_next",)
 WRAPPER_TYPES: dict[str, str] = {}
 ALWAYS_NORM_TOPK = False
+fields = functools.partial(qwen3_5.fields, always_norm_topk=ALWAYS_NORM_TOPK)  # Qwen3.5's, routing as configured
 
 
 def convert(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:

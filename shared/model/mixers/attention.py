@@ -1,4 +1,5 @@
-"""Full attention (Qwen3.5, Qwen3-Next): q/k RMSNorm, partial rotary, grouped K/V, a per-head sigmoid output gate.
+"""Full attention with grouped K/V, as the families have it: Qwen's (q/k RMSNorm, partial rotary, a per-head sigmoid
+output gate) or the plain one (Nemotron-H: no norm, no rotary, no gate), by the config's switches.
 
 K/V are written past the committed length and cut by position, so a rejected token costs nothing to roll back. The
 fast path runs q (with its gate), k and v as one matmul and q and k through one rotary call; where K/V live and how
@@ -25,10 +26,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class FusedAttention:
-    w_qkv: Tensor  # (2 H D + 2 Hkv D, hidden): q_proj (query and gate), k_proj, v_proj
+    w_qkv: Tensor  # ((1 or 2) H D + 2 Hkv D, hidden): q_proj (query, and its gate), k_proj, v_proj
     splits: tuple[int, int, int]
-    q_norm: Tensor  # (D,) 1 + w
-    k_norm: Tensor
+    q_norm: Tensor | None  # (D,) folded norm weights; None without q/k norms
+    k_norm: Tensor | None
     out_t: Tensor  # o_proj.weight.t(), a view
 
 
@@ -38,30 +39,37 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.gated, self.rotary = cfg.attention_output_gate, cfg.rotary_dim > 0
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.n_heads * self.head_dim, bias=bias)
+        self.q_proj = nn.Linear(cfg.hidden_size, (1 + self.gated) * self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        if cfg.attention_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: Tensor, st: AttnLayerState, start: int, rope: tuple[Tensor, Tensor]) -> Tensor:
         """The reference: one sequence's T tokens `(T, hidden)` at positions start.., `rope` their (cos, sin)."""
         T = x.shape[0]
-        q, gate = self.q_proj(x).view(T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_partial_rotary(self.q_norm(q), *rope)  # (T, H, D)
-        k = apply_partial_rotary(self.k_norm(self.k_proj(x).view(T, self.n_kv, self.head_dim)), *rope)
+        q = self.q_proj(x).view(T, self.n_heads, (1 + self.gated) * self.head_dim)
+        q, gate = q.chunk(2, dim=-1) if self.gated else (q, None)
+        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary:
+            q, k = apply_partial_rotary(q, *rope), apply_partial_rotary(k, *rope)  # (T, H, D)
         v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
-        out = attend(st, q, k, v, start)  # (T, H, D)
-        out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
-        return self.o_proj(out)
+        out = attend(st, q, k, v, start).reshape(T, -1)  # (T, H D)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate.reshape(T, -1)))
 
     def fuse(self) -> FusedAttention:
         splits = (self.q_proj.weight.shape[0], self.k_proj.weight.shape[0], self.v_proj.weight.shape[0])
-        return FusedAttention(w_qkv=concat(self.q_proj, self.k_proj, self.v_proj), splits=splits,
-                              q_norm=self.q_norm.folded(), k_norm=self.k_norm.folded(),
-                              out_t=self.o_proj.weight.detach().t())
+        norms = (None, None) if self.q_norm is None else (self.q_norm.folded(), self.k_norm.folded())
+        return FusedAttention(w_qkv=concat(self.q_proj, self.k_proj, self.v_proj), splits=splits, q_norm=norms[0],
+                              k_norm=norms[1], out_t=self.o_proj.weight.detach().t())
 
     def fused(self, f: FusedAttention, h: Tensor, residual: Tensor, rope: tuple[Tensor, Tensor],
               access: StateAccess, j: int) -> Tensor:
@@ -69,10 +77,14 @@ class Attention(nn.Module):
         (cos, `rotary_signed` sin) at the tokens' positions."""
         T, H, Hkv, D = h.shape[0], self.n_heads, self.n_kv, self.head_dim
         q_gate, k, v = F.linear(h, f.w_qkv).split(f.splits, dim=-1)
-        q_gate = q_gate.view(T, H, 2 * D)
-        q = F.rms_norm(q_gate[..., :D], (D,), f.q_norm, self.q_norm.eps)
-        k = F.rms_norm(k.view(T, Hkv, D), (D,), f.k_norm, self.k_norm.eps)
-        q, k = rotary(torch.cat([q, k], dim=1), *rope).split([H, Hkv], dim=1)
+        q_gate = q_gate.view(T, H, (1 + self.gated) * D)
+        q, k = q_gate[..., :D], k.view(T, Hkv, D)
+        if f.q_norm is not None:
+            q = F.rms_norm(q, (D,), f.q_norm, self.q_norm.eps)
+            k = F.rms_norm(k, (D,), f.k_norm, self.k_norm.eps)
+        if self.rotary:
+            q, k = rotary(torch.cat([q, k], dim=1), *rope).split([H, Hkv], dim=1)
         out = access.attend(j, q, k, v.view(T, Hkv, D))
-        out = out * torch.sigmoid(q_gate[..., D:])
+        if self.gated:
+            out = out * torch.sigmoid(q_gate[..., D:])
         return torch.addmm(residual, out.reshape(T, -1), f.out_t)

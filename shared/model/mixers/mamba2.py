@@ -2,7 +2,8 @@
 
 A pass is split in three so that the state's addressing stays with the engine's state access: `inputs` (the input
 projection), `recurrence` (conv window and recurrent state in, a `Step` out) and `output` (gated norm, output
-projection, residual). In the state algebra `S_t = exp(g_t) S_{t-1} + k_t d_t^T`, per head h, state `(N, P)`:
+projection, residual); `Mamba2Mixer.fused` runs them over a `StateAccess`, `Mamba2Mixer.forward` is the reference
+(`reference`: one token at a time through the state). In the state algebra `S_t = exp(g_t) S_{t-1} + k_t d_t^T`, per head h, state `(N, P)`:
 k_t = B_t and q_t = C_t (of the head's group), d_t = dt_t x_t, g_t = dt_t A_h, and the output is S_t^T C_t + D_h x_t.
 The state is `(H, N, P)`: HF's cache holds its transpose `(H, P, N)`.
 
@@ -30,6 +31,7 @@ prefill, verify and decode agree.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -38,12 +40,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deltaspec.shared.kernels.decay_scan import decay_scan
+from deltaspec.shared.state.access import StateAccess
+from deltaspec.shared.state.rollback import RecurrentSlot
+from deltaspec.shared.state.spec import RECURRENT
 from deltaspec.shared.state.steps import Start, Step
 
 NO_LIMIT = (0.0, math.inf)
 
 
-class GatedRMSNorm(nn.Module):
+class GroupGatedRMSNorm(nn.Module):
     """RMSNorm over groups of channels, gated by silu(z) before the norm (most families) or after it (Falcon-H1's
     option): the group is the channels of one B/C group, so tensor-parallel shards normalise alone."""
 
@@ -62,6 +67,8 @@ class GatedRMSNorm(nn.Module):
 
 class Mamba2Mixer(nn.Module):
     """The mixer's parameters and shape; the pass is the module's functions `inputs`, `recurrence`, `output`."""
+
+    state = RECURRENT
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, state_size: int, n_groups: int = 1,
                  conv_kernel: int = 4, use_conv_bias: bool = True, use_bias: bool = False, out_bias: bool | None = None,
@@ -82,7 +89,7 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.arange(1, num_heads + 1, dtype=torch.float32).log())
         self.D = nn.Parameter(torch.ones(num_heads))
         group_size = norm_group_size or width // n_groups
-        self.norm = GatedRMSNorm(width, group_size, norm_eps, norm_before_gate) if rms_norm else None
+        self.norm = GroupGatedRMSNorm(width, group_size, norm_eps, norm_before_gate) if rms_norm else None
         self.out_proj = nn.Linear(width, hidden_size, bias=use_bias if out_bias is None else out_bias)
         mup = None
         if ssm_multipliers is not None:  # one factor per slice of the projection: z, x, B, C, dt
@@ -93,6 +100,22 @@ class Mamba2Mixer(nn.Module):
     @property
     def conv_kernel(self) -> int:
         return self.conv1d.kernel_size[0]
+
+    def forward(self, h: Tensor, st: RecurrentSlot, start: int = 0, rope: object = None) -> Tensor:
+        """The reference on one sequence's slot: what it adds to the residual; its tokens staged."""
+        y, xBC, final, (k, d, g) = reference(self, h, st.conv_window().to(h.dtype), st.initial_state())
+        st.stage(xBC, k, d, g, final)
+        return y
+
+    def fuse(self) -> Mamba2Mixer:
+        return self  # its input projection is one matmul already
+
+    def fused(self, f: Mamba2Mixer, h: Tensor, residual: Tensor, rope: object, access: StateAccess,
+              i: int) -> Tensor:
+        """Recurrent layer i on the normed input h `(N, hidden)`, added to the residual."""
+        xBC, (z, dt_raw) = inputs(self, h)
+        out = access.recurrent(i, xBC, (dt_raw,), functools.partial(recurrence, self))
+        return output(self, out, z, residual)
 
 
 def inputs(m: Mamba2Mixer, h: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
@@ -139,21 +162,27 @@ def output(m: Mamba2Mixer, out: Tensor, z: Tensor, residual: Tensor) -> Tensor:
     return torch.add(residual, m.out_proj(y.to(m.out_proj.weight.dtype)), alpha=m.out_multiplier)
 
 
-def reference(m: Mamba2Mixer, h: Tensor, window: Tensor, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def reference(m: Mamba2Mixer, h: Tensor, window: Tensor,
+              state: Tensor) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
     """The pass in its plainest form, one token at a time through the state: the fast path's twin in tests, and the
     engine's layer path. h `(T, hidden)`, window `(K-1, conv_dim)` (the last pre-conv inputs), state `(H, N, P)`;
-    returns what `output` adds to the residual `(T, hidden)`, and the window and state after the tokens."""
+    returns what `output` adds to the residual `(T, hidden)`, the pre-conv inputs xBC `(T, conv_dim)`, the state
+    after the tokens, and what the state floor logs of them: k `(T, H, N)`, d `(T, H, P)`, g `(T, H)`."""
     xBC, (z, dt_raw) = inputs(m, h)
     full = torch.cat([window, xBC])  # (K-1+T, conv_dim)
     conv = F.silu(F.conv1d(full.t()[None], m.conv1d.weight, m.conv1d.bias, groups=m.conv_dim))[0].t()  # (T, conv_dim)
-    x, B, C = conv.split([m.intermediate_size, m.n_groups * m.state_size, m.n_groups * m.state_size], dim=-1)
-    dt = F.softplus(dt_raw + m.dt_bias).clamp(*m.dt_limit)  # (T, H)
-    A = -m.A_log.exp()
+    x, B, C = conv.float().split([m.intermediate_size, m.n_groups * m.state_size, m.n_groups * m.state_size], dim=-1)
+    dt = F.softplus(dt_raw.float() + m.dt_bias).clamp(*m.dt_limit)  # (T, H)
+    A = -m.A_log.float().exp()
     group = torch.arange(m.num_heads, device=h.device) // (m.num_heads // m.n_groups)  # each head's B/C group
-    ys = []
+    ys, ks, ds = [], [], []
     for t in range(h.shape[0]):
         xt = x[t].view(m.num_heads, m.head_dim)  # (H, P)
         Bt, Ct = (y[t].view(m.n_groups, m.state_size)[group] for y in (B, C))  # (H, N)
-        state = (dt[t] * A).exp()[:, None, None] * state + Bt[:, :, None] * (dt[t, :, None] * xt)[:, None, :]
+        dx = dt[t, :, None] * xt
+        state = (dt[t] * A).exp()[:, None, None] * state + Bt[:, :, None] * dx[:, None, :]
         ys.append(torch.einsum("hnp,hn->hp", state, Ct) + m.D[:, None] * xt)
-    return output(m, torch.stack(ys), z, torch.zeros_like(h)), full[h.shape[0]:], state
+        ks.append(Bt)
+        ds.append(dx)
+    y = output(m, torch.stack(ys), z, torch.zeros_like(h))
+    return y, xBC, state, (torch.stack(ks), torch.stack(ds), dt * A)

@@ -1,0 +1,133 @@
+"""Nemotron-H (`nemotron_h`: NVIDIA Nemotron-H, Nemotron Nano 2): blocks of one part each, behind one RMSNorm.
+
+A block is a Mamba2 mixer (`linear_attention`, the `M` of a `hybrid_override_pattern`), a plain attention
+(`full_attention`, `*`: grouped K/V, no rotary, no norm, no gate), or a ReLU-squared MLP (`mlp`, `-`). Norms are the
+usual RMSNorm (w applied as it is). The Mamba2 state is kind `ssd`: per head h a `(state, head_dim)` matrix decaying
+by exp(dt A_h), written with B_t (dt x_t)^T, so a round logs B, dt x and dt A per token and commits in closed form.
+
+Tensors: HF 5.25 saves `model.embeddings`, `model.layers.i.norm`, `model.layers.i.mixer.*`, `model.norm_f`; NVIDIA's
+published checkpoints name the trunk `backbone.` instead of `model.`. `convert` maps both onto the shared layers'
+names (`embed_tokens`, `input_layernorm` or `post_attention_layernorm`, `mamba`, `self_attn` or `mlp`, `norm`);
+`publish` writes HF's. Not run yet: the MoE blocks (`moe`, `E`) and the MTP head; a checkpoint with them is refused.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import Tensor, nn
+
+from deltaspec.shared.model.families.qwen3_5 import ConfigFields
+from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, refuse_unless
+from deltaspec.shared.model.mixers.attention import Attention
+from deltaspec.shared.model.mixers.mamba2 import Mamba2Mixer
+from deltaspec.shared.model.mlp import ReluSquaredMLP
+from deltaspec.shared.state.spec import ATTENTION, RECURRENT, STATELESS, RecurrentSpec, StateSpec
+
+TEXT_TYPES = ("nemotron_h",)
+WRAPPER_TYPES: dict[str, str] = {}
+ALWAYS_NORM_TOPK = False
+LAYER_KINDS = ("linear_attention", "full_attention", "mlp")
+PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+PARTS = {"linear_attention": "mamba", "full_attention": "self_attn", "mlp": "mlp"}  # the shared layers' names
+
+
+def _layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
+    kinds = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if kinds is None and isinstance(cfg.get("hybrid_override_pattern"), str):
+        kinds = [PATTERN.get(c, c) for c in cfg["hybrid_override_pattern"]]
+    if not isinstance(kinds, list) or not kinds:
+        raise ConfigError("config.json: nemotron_h needs 'layers_block_type' (or 'hybrid_override_pattern')")
+    unsupported = sorted({k for k in kinds if k not in LAYER_KINDS})
+    if unsupported:
+        raise ConfigError(f"config.json: nemotron_h layer kind {unsupported[0]!r} is not supported (supported: "
+                          f"{', '.join(LAYER_KINDS)}; the MoE blocks are not run yet)")
+    return tuple(kinds)
+
+
+def fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`ModelConfig` fields of a Nemotron-H config, HF 5.25's names or the published ones (`mamba_n_groups`...)."""
+    for name, supported in (("mlp_hidden_act", ("relu2",)), ("mamba_hidden_act", ("silu",))):
+        refuse_unless(cfg, name, supported, "nemotron_h")
+    if cfg.get("num_nextn_predict_layers"):
+        raise ConfigError("config.json: nemotron_h with an MTP head (num_nextn_predict_layers > 0) is not supported")
+    layer_types = _layer_types(cfg)
+
+    def get(name: str, old: str, default: Any) -> Any:
+        return cfg.get(name, cfg.get(old, default))
+
+    limit = get("time_step_limit", "mamba_dt_limit", (0.0, float("inf")))
+    if not isinstance(limit, (list, tuple)) or len(limit) != 2:
+        raise ConfigError(f"config.json: field 'time_step_limit' must be [low, high], got {limit!r}")
+    return dict(
+        num_hidden_layers=len(layer_types), layer_types=layer_types,
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // positive_int(cfg, "num_attention_heads")),
+        intermediate_size=positive_int(cfg, "intermediate_size") if "mlp" in layer_types else 0,
+        rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), norm_offset=0.0,
+        partial_rotary_factor=0.0, attention_output_gate=False, attention_qk_norm=False,
+        attention_bias=False,  # HF's NemotronHAttention has no biases, whatever the config says
+        tie_word_embeddings=False,  # nor does HF's model tie lm_head to the embeddings (it declares no tied weights)
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        mamba_num_heads=positive_int(cfg, "mamba_num_heads"), mamba_head_dim=positive_int(cfg, "mamba_head_dim"),
+        ssm_state_size=positive_int(cfg, "ssm_state_size"), mamba_n_groups=int(get("n_groups", "mamba_n_groups", 8)),
+        mamba_conv_kernel=int(get("conv_kernel", "mamba_d_conv", 4)),
+        mamba_conv_bias=bool(get("use_conv_bias", "mamba_conv_bias", True)),
+        mamba_proj_bias=bool(cfg.get("use_bias", False)),  # HF's mixer reads use_bias, not mamba_proj_bias
+        mamba_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        mamba_dt_limit=(json_float(limit[0], "time_step_limit"), json_float(limit[1], "time_step_limit")),
+    )
+
+
+def layer(cfg: Any, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.Module | None]:
+    if kind == "mlp":
+        return "", None, ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+    if kind == "full_attention":
+        return "self_attn", Attention(cfg), None
+    return "mamba", Mamba2Mixer(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size,
+                                cfg.mamba_n_groups, cfg.mamba_conv_kernel, cfg.mamba_conv_bias, cfg.mamba_proj_bias,
+                                norm_eps=cfg.mamba_norm_eps, dt_limit=cfg.mamba_dt_limit), None
+
+
+def state_spec(cfg: Any) -> StateSpec:
+    width = cfg.mamba_num_heads * cfg.mamba_head_dim
+    ssd = RecurrentSpec("ssd", conv_dim=width + 2 * cfg.mamba_n_groups * cfg.ssm_state_size,
+                        conv_width=cfg.mamba_conv_kernel, heads=cfg.mamba_num_heads, key_dim=cfg.ssm_state_size,
+                        value_dim=cfg.mamba_head_dim)
+    kinds = {"linear_attention": RECURRENT, "full_attention": ATTENTION, "mlp": STATELESS}
+    return StateSpec(tuple(kinds[k] for k in cfg.layer_types), ssd, cfg.num_key_value_heads, cfg.head_dim)
+
+
+_BLOCK = re.compile(r"^(?:model|backbone)\.layers\.(\d+)\.(norm|mixer)\.(.*)$")
+
+
+def convert(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:
+    """HF's (or the published `backbone.`) names -> the shared layers', in place."""
+    for name in list(tensors):
+        m = _BLOCK.match(name)
+        if m:
+            i, part, rest = int(m.group(1)), m.group(2), m.group(3)
+            if i >= len(cfg.layer_types):
+                continue  # left as it is: the loader names it as unexpected
+            kind = cfg.layer_types[i]
+            new = ("post_attention_layernorm" if kind == "mlp" else "input_layernorm") if part == "norm" \
+                else PARTS[kind]
+            tensors[f"model.layers.{i}.{new}.{rest}"] = tensors.pop(name)
+            continue
+        for old, new in (("backbone.", "model."), ("model.embeddings.", "model.embed_tokens."),
+                         ("model.norm_f.", "model.norm.")):
+            if name.startswith(old):
+                tensors[new + name[len(old):]] = tensors.pop(name)
+                name = new + name[len(old):]
+
+
+def publish(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:
+    """`convert`'s inverse, in place: HF 5.25's names."""
+    for name in list(tensors):
+        m = re.match(r"^model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm|mamba|self_attn|mlp)\.(.*)$",
+                     name)
+        if m:
+            part = "norm" if m.group(2).endswith("layernorm") else "mixer"
+            tensors[f"model.layers.{m.group(1)}.{part}.{m.group(3)}"] = tensors.pop(name)
+        elif name.startswith(("model.embed_tokens.", "model.norm.")):
+            new = name.replace("model.embed_tokens.", "model.embeddings.", 1).replace("model.norm.", "model.norm_f.", 1)
+            tensors[new] = tensors.pop(name)

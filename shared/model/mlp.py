@@ -1,0 +1,102 @@
+"""The channel mixers after a layer's token mixer, with HF's parameter names, each with the faces the one pass uses
+(`deltaspec.shared.model.mixers`): `forward` (the reference), `fuse()` and `fused(f, h, residual)` (the fast path,
+its input projections as one matmul and the residual add riding on `addmm`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from deltaspec.shared.kernels.experts import apply_experts
+from deltaspec.shared.model.moe import Experts, route
+from deltaspec.shared.model.norms import concat
+
+
+@dataclass
+class FusedMLP:
+    w_in: Tensor  # (2 intermediate, hidden) [gate; up], or (intermediate, hidden) up alone
+    down_t: Tensor  # down_proj.weight.t(), a view
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate x) * up x) (Qwen, Llama, Bamba)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse(self) -> FusedMLP:
+        return FusedMLP(concat(self.gate_proj, self.up_proj), self.down_proj.weight.detach().t())
+
+    def fused(self, f: FusedMLP, h: Tensor, residual: Tensor) -> Tensor:
+        gate, up = F.linear(h, f.w_in).chunk(2, dim=-1)
+        return torch.addmm(residual, F.silu(gate) * up, f.down_t)
+
+
+class ReluSquaredMLP(nn.Module):
+    """down(relu(up x)^2), no gate (Nemotron-H)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+    def fuse(self) -> ReluSquaredMLP:
+        return self  # already one matmul in and one out
+
+    def fused(self, f: ReluSquaredMLP, h: Tensor, residual: Tensor) -> Tensor:
+        return residual + self.down_proj(F.relu(self.up_proj(h)).square())
+
+
+@dataclass
+class FusedMoE:
+    w_in: Tensor  # (E + 2 shared intermediate + 1, hidden): router, shared expert gate and up, shared expert gate
+    splits: tuple[int, int, int]
+    shared_down_t: Tensor  # shared_expert.down_proj.weight.t(), a view
+
+
+class SparseMoE(nn.Module):
+    """Router (`gate`), routed experts, and a shared expert behind a sigmoid gate (Qwen3-Next, Qwen3.5-MoE)."""
+
+    def __init__(self, hidden: int, n_experts: int, top_k: int, intermediate: int, shared_intermediate: int,
+                 renormalise: bool) -> None:
+        super().__init__()
+        self.top_k, self.renormalise = top_k, renormalise
+        self.gate = nn.Linear(hidden, n_experts, bias=False)
+        self.experts = Experts(n_experts, hidden, intermediate)
+        self.shared_expert = MLP(hidden, shared_intermediate)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.touched: Tensor | int = 0  # distinct experts the last eager pass read
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, chosen = route(self.gate(x), self.top_k, self.renormalise)
+        routed, self.touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, x, weights, chosen)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def fuse(self) -> FusedMoE:
+        shared = self.shared_expert
+        return FusedMoE(w_in=concat(self.gate, shared.gate_proj, shared.up_proj, self.shared_expert_gate),
+                        splits=(self.gate.weight.shape[0], 2 * shared.gate_proj.weight.shape[0], 1),
+                        shared_down_t=shared.down_proj.weight.detach().t())
+
+    def fused(self, f: FusedMoE, h: Tensor, residual: Tensor) -> Tensor:
+        """`forward` with the router and the shared expert's input projections in one matmul, over all of h's
+        tokens at once."""
+        logits, gate_up, shared_gate = F.linear(h, f.w_in).split(f.splits, dim=-1)
+        weights, chosen = route(logits, self.top_k, self.renormalise)
+        routed, touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, h, weights, chosen)
+        if not torch.compiler.is_compiling():  # a graph's count would be one of its own buffers
+            self.touched = touched
+        gate, up = gate_up.chunk(2, dim=-1)
+        shared = torch.sigmoid(shared_gate) * torch.mm(F.silu(gate) * up, f.shared_down_t)
+        return residual + (routed + shared)

@@ -1,0 +1,172 @@
+"""Families beyond the Qwen ones, against HF transformers' own classes as the oracle: each loads as
+`save_pretrained` writes it, and every path (layer, fused, static, batched; decode, verify, commits of every length,
+rounds of zero drafts after accepted ones) gives HF's logits and HF's greedy tokens."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.drafters.ngram import NgramDrafter
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.batched import forward_batch
+from deltaspec.shared.model.loader import CheckpointError, load_model
+
+transformers = pytest.importorskip("transformers")
+
+# two configs per model_type: head counts, state sizes, conv widths, groups and layer orders differ
+CONFIGS = {
+    "nemotron_h-a": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        vocab_size=97, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+        intermediate_size=64, mamba_num_heads=6, mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4,
+        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"])),
+    "nemotron_h-b": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        vocab_size=89, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        intermediate_size=48, mamba_num_heads=4, mamba_head_dim=12, ssm_state_size=16, n_groups=1, conv_kernel=3,
+        use_conv_bias=False, tie_word_embeddings=True, time_step_limit=[0.05, 2.0],
+        layers_block_type=["full_attention", "linear_attention", "linear_attention", "mlp"])),
+}
+
+
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter drawn at random, decays and norms included, so no path is trivially exact."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 8, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.rand(p.shape, generator=g) - 1)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim == 1 else p.shape[-1] ** -0.5))
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    config_class, model_class, fields = CONFIGS[request.param]
+    cfg = getattr(transformers, config_class)(**fields)
+    hf = getattr(transformers, model_class)(cfg).eval()
+    randomise(hf, len(request.param))
+    directory = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(directory)
+    return directory, hf
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+def test_logits_match_hf_on_every_path(checkpoint):
+    directory, hf = checkpoint
+    ours = load_model(directory)
+    ids = torch.randint(0, ours.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    assert rel(ours(ids, ours.new_state())[0], want) < 1e-4  # fused, prefill in one pass
+    state, rows = ours.new_state(capacity=4), []  # decode, K/V grown as it goes
+    for t in ids[:10]:
+        rows.append(ours(t[None], state)[0][0])
+        state.commit(1)
+    for T, keep in ((7, 3), (5, 5), (4, 0), (9, 9)):  # verify passes, partial, full and zero commits
+        start = state.length
+        logits, _ = ours(ids[start:start + T], state)
+        state.commit(keep)
+        rows += list(logits[:keep])
+    assert rel(torch.stack(rows), want[:len(rows)]) < 1e-4
+    ours.capture()  # the static pass a compiled or CUDA graph records (run directly on a CPU)
+    state = ours.new_state()
+    ours(ids[:20], state)
+    state.commit(20)
+    static = [ours(ids[20:21], state)[0], ours(ids[21:26], state)[0]]
+    assert rel(torch.cat(static), want[20:26]) < 1e-4
+    ours.capture(False).fuse(False)  # the reference layers
+    assert rel(ours(ids, ours.new_state())[0], want) < 1e-4
+
+
+def test_batched_pass_equals_each_alone(checkpoint):
+    ours = load_model(checkpoint[0])
+    gen = torch.Generator().manual_seed(2)
+    items = []
+    for n, pre in ((3, 5), (1, 9), (6, 2)):
+        state = ours.new_state()
+        ours(torch.randint(0, ours.config.vocab_size, (pre,), generator=gen), state)
+        state.commit(pre)
+        items.append((torch.randint(0, ours.config.vocab_size, (n,), generator=gen), state))
+    want = []
+    for ids, state in items:  # the same sequences, one at a time, on copies of their states
+        copy = ours.new_state()
+        copy.load_head(state.length, state.recurrent.conv, state.recurrent.state,
+                       torch.stack([torch.stack([a.k[:, :state.length], a.v[:, :state.length]]) for a in state.attn])
+                       if state.attn else [])
+        want.append(ours(ids, copy)[0])
+    got = forward_batch(ours, items)
+    for (logits, _), expected in zip(got, want):
+        assert rel(logits, expected) < 1e-5
+
+
+def test_zero_draft_rounds_after_accepted_ones(checkpoint):
+    """The round sequence that corrupts other engines: rounds whose drafts are all accepted, each followed by a
+    round of zero drafts (one token staged, committed), then a rejected tail; logits stay target-only's."""
+    ours = load_model(checkpoint[0])
+    prompt = torch.randint(0, ours.config.vocab_size, (6,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = generate(ours, prompt, 24).token_ids
+    tokens = prompt + want
+    state = ours.new_state()
+    ours(torch.tensor(prompt[:-1]), state)
+    state.commit(len(prompt) - 1)
+    at = len(prompt) - 1
+    for k in (4, 0, 3, 0, 0, 5, 0):
+        drafts = tokens[at + 1:at + 1 + k]
+        logits, _ = ours(torch.tensor([tokens[at]] + drafts), state)
+        accepted = 0
+        while accepted < k and int(logits[accepted].argmax()) == drafts[accepted]:
+            accepted += 1
+        assert int(logits[accepted].argmax()) == tokens[at + accepted + 1]
+        state.commit(accepted + 1)
+        at += accepted + 1
+    wrong = (tokens[at + 1] + 1) % ours.config.vocab_size  # a rejected draft, then a zero-draft round
+    logits, _ = ours(torch.tensor([tokens[at], wrong, 5]), state)
+    state.commit(1)
+    logits, _ = ours(torch.tensor([tokens[at + 1]]), state)
+    assert int(logits[0].argmax()) == tokens[at + 2]
+
+
+def test_greedy_matches_hf_generate_with_every_drafter(checkpoint):
+    directory, hf = checkpoint
+    ours = load_model(directory)
+    prompt = torch.randint(0, ours.config.vocab_size, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
+    assert generate(ours, prompt, 20).token_ids == want
+    for drafter, k in ((ModelDrafter(load_model(directory)), 1), (ModelDrafter(load_model(directory)), 4),
+                       (NgramDrafter(), 4)):
+        assert generate(ours, prompt, 20, drafter, k).token_ids == want
+
+
+def test_unsupported_parts_are_refused_at_load(checkpoint, tmp_path):
+    directory, _ = checkpoint
+    config = json.loads((directory / "config.json").read_text())
+    for change, named in (({"layers_block_type": ["linear_attention", "moe"]}, "'moe'"),
+                          ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
+                          ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers")):
+        (tmp_path / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(CheckpointError, match=re.escape(named)):
+            load_model(tmp_path)
+
+
+def test_no_family_is_named_outside_the_model_and_state_floors():
+    """Decoding, the services, the client and the RPC layer work for every family without naming one: none imports
+    a family or a mixer, or branches on a family or model_type."""
+    root = Path(__file__).resolve().parents[1]
+    names = re.compile(r"model\.families\.\w|model\.mixers\.\w|\bfamily\s*[!=]=|model_type\s*[!=]=|GatedDeltaNet|Mamba2")
+    places = [root / "shared" / "decoding", root / "shared" / "rpc", root / "target_service", root / "draft_service",
+              root / "shared" / "client.py"]
+    files = [path for place in places for path in ([place] if place.is_file() else sorted(place.rglob("*.py")))]
+    found = [f"{path.relative_to(root)}:{i}" for path in files
+             for i, line in enumerate(path.read_text().splitlines(), 1) if names.search(line)]
+    assert not found, found
