@@ -78,8 +78,9 @@ def _retry_after(err: grpc.RpcError) -> float | None:
 
 
 def from_validation(errors: list[dict]) -> APIError:
-    """pydantic's first complaint about the body: the field it names (`messages[0].content`), and what it says."""
-    first = errors[0]
+    """pydantic's most specific complaint about the body (of a union's, the one that went deepest): the field it
+    names (`messages[0].content[1].type`), and what it says."""
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
     where = ""
     for part in first.get("loc", ()):
         if isinstance(part, int):
