@@ -146,7 +146,7 @@ class TokenStore(_Reloaded):
                        if line.strip() and not line.lstrip().startswith("#")]
         tokens: dict[str, str] = {}
         for name, token in entries:
-            _check_token(token, f"{self.path}: {name}")
+            check_token(token, f"{self.path}: {name}")
             if name in tokens:
                 raise ValueError(f"{self.path}: the name {name!r} is given twice")
             tokens[name] = token
@@ -162,7 +162,8 @@ def _name_token(line: str) -> tuple[str, str]:
     return f"token-{hashlib.sha256(name.encode()).hexdigest()[:8]}", name
 
 
-def _check_token(token: str, where: str) -> None:
+def check_token(token: str, where: str) -> None:
+    """ValueError for a placeholder or a token too short to guess at (a bearer token, an API key)."""
     if PLACEHOLDER in token.lower():
         raise ValueError(f"{where} is the placeholder {PLACEHOLDER!r}, not a token: put generated tokens there "
                          "(openssl rand -hex 32); on Kubernetes, replace the deltaspec-auth Secret with an overlay's "
