@@ -256,7 +256,8 @@ def test_refusals_have_openai_status_type_and_param(stack):
     front = stack.fronts["draft"]
     completion = '{"model": "tiny-chat", "prompt": %s}'
     for body, param in [(b'{"model": "tiny-chat", "messages": [', None), (b"\xff\xfe", None), ("[1, 2]", None),
-                        ('{"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature"),
+                        ('{"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+                         "temperature"),
                         ("[" * 100_000, None), (completion % '"x", "temperature": Infinity', "temperature"),
                         (completion % '["a", "b"]', "prompt"), (completion % "[1, 99999]", "prompt"),
                         (completion % "[]", "prompt"), (completion % '""', "prompt")]:
