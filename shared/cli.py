@@ -350,7 +350,7 @@ def cmd_serve_openai(args: argparse.Namespace) -> int:
     """The OpenAI-compatible HTTP front over a target (`--target-addr`), or over the embedded pair served here
     (`--embedded`)."""
     from deltaspec.openai_service.app import Settings, serve
-    from deltaspec.shared.rpc.security import is_loopback
+    from deltaspec.shared.rpc.security import check_token, is_loopback
     from deltaspec.shared.telemetry import OPENAI, Telemetry
 
     if bool(args.target_addr) == args.embedded:
@@ -364,6 +364,8 @@ def cmd_serve_openai(args: argparse.Namespace) -> int:
 
     if args.num_draft_tokens > MAX_DRAFT_TOKENS:
         raise ValueError(f"--num-draft-tokens is 0 to {MAX_DRAFT_TOKENS}, not {args.num_draft_tokens}")
+    if args.api_key:
+        check_token(args.api_key, "--api-key")
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
 
     def settings(target_addr: str, security) -> Settings:
@@ -652,8 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a shared 2-core machine)")
     p.add_argument("--only", type=lambda text: tuple(x.strip() for x in text.split(",") if x.strip()),
                    help="comma-separated sections to run: steps, acceptance, generations, grpc, tracing, rollback, "
-                        "memory, pipeline, load, sessions, moe, cost_model, prefix, compiled, gpu (default: all; "
-                        "benchmarks/results/bench.txt and docs/figures/bench.png are written by full runs only)")
+                        "memory, pipeline, load, sessions, moe, cost_model, prefix, compiled, gpu, openai "
+                        "(default: all; benchmarks/results/bench.txt and docs/figures/bench.png are written by full "
+                        "runs only)")
     p.set_defaults(func=cmd_benchmarks)
 
     p = sub.add_parser("study", help="no-GDN-rollback study: divergence and state error, plots under docs/figures/ "
