@@ -31,7 +31,7 @@ import json
 import torch
 from tqdm import tqdm
 
-from benchmarks import (cost_model, generation, gpu, load, moe_passes as moe, pipeline, prefix, report,
+from benchmarks import (cost_model, generation, gpu, load, moe_passes as moe, openai_front, pipeline, prefix, report,
                         session_memory, steps as step_costs, wire)
 from benchmarks.report import FIGURES, RESULTS
 from benchmarks.rollback_cost import compare
@@ -46,7 +46,7 @@ from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY
 
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
 SECTIONS = ("steps", "acceptance", "generations", "grpc", "wire", "tracing", "rollback", "memory", "pipeline", "load",
-            "sessions", "moe", "cost_model", "prefix", "compiled", "gpu")
+            "sessions", "moe", "cost_model", "prefix", "compiled", "gpu", "openai")
 
 
 def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
@@ -143,6 +143,9 @@ def run(args: argparse.Namespace) -> dict:
                 load_model(DEFAULT_TARGET, device="cuda"), load_model(DEFAULT_DRAFT, device="cuda"), long_prompts[:2],
                 256, 1 if quick else 2, paths=("captured", "compiled"))
             bar.update()
+        if "openai" in steps:
+            result["openai"] = openai_front.openai_front(DEFAULT_TARGET, DEFAULT_DRAFT, quick)
+            bar.update()
     return result
 
 
@@ -194,6 +197,8 @@ def print_tables(result: dict) -> None:
         cost_model.print_rows(result["cost_model"])
     if "prefix" in result:
         prefix.print_rows(result["prefix"])
+    if "openai" in result:
+        openai_front.print_rows(result["openai"])
     if "gpu" in result:
         gpu.print_rows(result["gpu"])
         print("\nGPU: load (both servers --device cuda)", end="")
@@ -261,6 +266,8 @@ def main(args: argparse.Namespace) -> int:
         report.save("pipeline", result["pipeline"], pipeline.print_rows, pipeline.plot)
     if not args.quick and "load" in result:
         report.save("load", result["load"], load.print_rows, load.plot)
+    if not args.quick and "openai" in result:
+        report.save("openai", result["openai"], openai_front.print_rows)
     if not args.quick and "moe" in result:
         report.save("moe", result["moe"], moe.print_rows, moe.plot)
     if not args.quick and "cost_model" in result:

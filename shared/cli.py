@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from deltaspec.shared import demo
-from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, EMBEDDED_MODEL_NAME
 
 FIXED_DRAFT_TOKENS = 4  # k for n-gram and MTP drafting, and the default a gRPC generation asks for
 
@@ -315,8 +315,14 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     svc = service(lambda: (load_model(model_dir, device=args.device).compile(args.compile, warm_up=True)
                            .capture(args.capture), load_tokenizer(model_dir)), _limits(args),
                   draft, args.advertise_address, telemetry, args.draft, args.pipeline_depth, _batching(args),
-                  args.draft_length)
+                  args.draft_length, model_name(model_dir))
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
+
+
+def model_name(model_dir: Path) -> str:
+    """What the target calls its model (GetModel, /v1/models): the checkpoint folder's name, the embedded one's
+    `EMBEDDED_MODEL_NAME` (its folder is just `target`)."""
+    return EMBEDDED_MODEL_NAME if model_dir.resolve() == DEFAULT_TARGET.resolve() else model_dir.name
 
 
 def cmd_serve_draft(args: argparse.Namespace) -> int:
@@ -338,6 +344,41 @@ def cmd_serve_draft(args: argparse.Namespace) -> int:
                   .capture(args.capture),
                   _limits(args), telemetry, _batching(args), args.stop_below, args.branches)
     return serve([svc], listen, args.grace, telemetry, args.metrics_port)
+
+
+def cmd_serve_openai(args: argparse.Namespace) -> int:
+    """The OpenAI-compatible HTTP front over a target (`--target-addr`), or over the embedded pair served here
+    (`--embedded`)."""
+    from deltaspec.openai_service.app import Settings, serve
+    from deltaspec.shared.rpc.security import check_token, is_loopback
+    from deltaspec.shared.telemetry import OPENAI, Telemetry
+
+    if bool(args.target_addr) == args.embedded:
+        raise ValueError("serve-openai takes --target-addr HOST:PORT, or --embedded to serve the embedded pair here")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("HTTPS needs both --tls-cert and --tls-key")
+    if not (args.tls_cert or args.insecure or is_loopback(args.host)):
+        raise ValueError(f"refusing to serve plain HTTP on {args.host}: give --tls-cert and --tls-key, or --insecure "
+                         "(behind a proxy that terminates TLS)")
+    from deltaspec.shared.decoding.target import MAX_DRAFT_TOKENS
+
+    if args.num_draft_tokens > MAX_DRAFT_TOKENS:
+        raise ValueError(f"--num-draft-tokens is 0 to {MAX_DRAFT_TOKENS}, not {args.num_draft_tokens}")
+    if args.api_key:
+        check_token(args.api_key, "--api-key")
+    tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
+
+    def settings(target_addr: str, security) -> Settings:
+        return Settings(target_addr, security, args.api_key or None, args.served_model_name, args.num_draft_tokens,
+                        args.timeout, args.recovery_window, Telemetry.from_env(OPENAI))
+
+    if args.embedded:
+        demo.quiet_grpc()
+        with demo.embedded_pair() as (_, target):
+            return serve(settings(target.address, _client_security(args, "target_")), args.host, args.port, tls)
+    security = _client_security(args, "target_")
+    security.check(args.target_addr)
+    return serve(settings(args.target_addr, security), args.host, args.port, tls)
 
 
 COMPILE_HELP = ("run the model's decode and verify passes as torch.compile (Inductor) graphs, faster passes "
@@ -562,6 +603,37 @@ def build_parser() -> argparse.ArgumentParser:
                         "session's acceptance decides how many, round(k x (1 - share of drafts kept)))")
     p.set_defaults(func=cmd_serve_draft)
 
+    p = sub.add_parser("serve-openai", help="an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                                            "/v1/models) over a target service, or over the embedded pair")
+    p.add_argument("--target-addr", help="HOST:PORT of the target service")
+    p.add_argument("--embedded", action="store_true",
+                   help="serve the embedded pair's draft and target here on loopback, and the API over them: an "
+                        "OpenAI endpoint in one step (completions; the pair has no chat template, so chat is a 400)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one, printed on stderr)")
+    p.add_argument("--api-key", default=os.environ.get("DELTASPEC_OPENAI_API_KEY"),
+                   help="the key every /v1 request must send as Authorization: Bearer <key> (401 otherwise; "
+                        "/health and /metrics stay open) (default: $DELTASPEC_OPENAI_API_KEY; none: no key)")
+    p.add_argument("--served-model-name", help="the model's name on /v1/models and in requests (default: the "
+                                               "target's: its checkpoint folder's name, deltaspec-embedded for the "
+                                               "embedded pair)")
+    p.add_argument("--num-draft-tokens", type=_count(0), default=FIXED_DRAFT_TOKENS,
+                   help="drafts a round the target's loop runs with (0: target-only; a request's num_draft_tokens "
+                        "field overrides it)")
+    p.add_argument("--timeout", type=_seconds, help="deadline in seconds for each generation (default: none)")
+    p.add_argument("--recovery-window", type=_seconds, metavar="SECONDS",
+                   help="how long a target that is gone, restarting or still loading is waited for before a request "
+                        "fails 503 (default: until --timeout, or 300 s without one)")
+    env = os.environ.get
+    p.add_argument("--tls-cert", default=env("DELTASPEC_TLS_CERT"), help="PEM certificate chain: serve HTTPS "
+                   "(default: $DELTASPEC_TLS_CERT)")
+    p.add_argument("--tls-key", default=env("DELTASPEC_TLS_KEY"), help="PEM private key (default: $DELTASPEC_TLS_KEY)")
+    _add_client_security(p, "target-", "target service").add_argument(
+        "--insecure", action="store_true", default=_env_flag("DELTASPEC_INSECURE"),
+        help="allow plain HTTP on a non-loopback host (TLS terminated in front of it) and plaintext gRPC to a "
+             "non-loopback target (default: $DELTASPEC_INSECURE=1)")
+    p.set_defaults(func=cmd_serve_openai)
+
     p = sub.add_parser("models", help="paths of the embedded default target and draft")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_models)
@@ -582,8 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a shared 2-core machine)")
     p.add_argument("--only", type=lambda text: tuple(x.strip() for x in text.split(",") if x.strip()),
                    help="comma-separated sections to run: steps, acceptance, generations, grpc, tracing, rollback, "
-                        "memory, pipeline, load, sessions, moe, cost_model, prefix, compiled, gpu (default: all; "
-                        "benchmarks/results/bench.txt and docs/figures/bench.png are written by full runs only)")
+                        "memory, pipeline, load, sessions, moe, cost_model, prefix, compiled, gpu, openai "
+                        "(default: all; benchmarks/results/bench.txt and docs/figures/bench.png are written by full "
+                        "runs only)")
     p.set_defaults(func=cmd_benchmarks)
 
     p = sub.add_parser("study", help="no-GDN-rollback study: divergence and state error, plots under docs/figures/ "

@@ -26,7 +26,6 @@ between tries (`deltaspec.shared.rpc.recovery`). Past it the call raises `Unavai
 """
 from __future__ import annotations
 
-import asyncio
 import time
 import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -40,7 +39,7 @@ from grpc_status import rpc_status
 
 from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.speculative import Generation
-from deltaspec.shared.rpc.generation import (Messages, Resume, StreamTotals, generate_client_driven,
+from deltaspec.shared.rpc.generation import (Messages, Resume, StreamTotals, aio_server_stream, generate_client_driven,
                                              generate_on_server, server_stream)
 from deltaspec.shared.rpc.recovery import check_window
 from deltaspec.shared.rpc.security import ClientSecurity
@@ -285,19 +284,11 @@ class AsyncClient:
         """`server_stream` for asyncio: reopened after a break on the prompt plus the tokens received."""
         resume = Resume(*_prompt(prompt), max_new_tokens, num_draft_tokens, sampling, self._options.deadline(),
                         self._options.recovery_window_s, messages, list(stop_strings), address=self._options.target)
-        while True:
-            try:
-                async for msg in self._stub.Generate(resume.request(), timeout=resume.timeout(),
-                                                     wait_for_ready=False, metadata=resume.metadata):
-                    resume.seen(msg)
-                    yield msg
-                return
-            except grpc.RpcError as e:
-                try:
-                    delay = resume.after_break(e)
-                except grpc.RpcError as final:
-                    raise DeltaspecRpcError.from_rpc_error(final) from e
-                await asyncio.sleep(delay)
+        try:
+            async for msg in aio_server_stream(self._stub, resume):
+                yield msg
+        except grpc.RpcError as e:
+            raise DeltaspecRpcError.from_rpc_error(e) from e
 
     async def close(self) -> None:
         await self._channel.close()

@@ -23,6 +23,7 @@ from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.shared.decoding.batcher import BatchConfig, serving
 from deltaspec.shared.decoding.draft_length import COST_MODEL_K_MAX, CostModelLength, PassCosts, Tally, drafting_cost
 from deltaspec.shared.decoding.drafters import attach, make_drafter
+from deltaspec.shared.decoding.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from deltaspec.shared.decoding.pipelined import decode_pipelined
 from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.session_table import Limits, SessionTable
@@ -57,14 +58,15 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
     def __init__(self, load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
                  draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None,
                  local_draft: str = "none", pipeline_depth: int = 1, batching: BatchConfig | None = BatchConfig(),
-                 draft_length: str = "fixed") -> None:
+                 draft_length: str = "fixed", model_name: str = "deltaspec-target") -> None:
         """`draft_length`: 'fixed' (Generate drafts `num_draft_tokens` a round) or 'cost' (k per round, up to
         `num_draft_tokens`, from this server's pass costs measured at load at each batch size, the batch the
-        round joins and the session's acceptance: `deltaspec.shared.decoding.draft_length`)."""
+        round joins and the session's acceptance: `deltaspec.shared.decoding.draft_length`). `model_name`: what
+        GetModel calls the model."""
         if draft_length not in ("fixed", "cost"):
             raise ValueError(f"draft_length is 'fixed' or 'cost', not {draft_length!r}")
         self._load, self.limits, self.draft, self.batching = load, limits, draft, batching
-        self.draft_length = draft_length
+        self.draft_length, self.model_name = draft_length, model_name
         self.pass_costs: PassCosts | None = None  # measured at load with draft_length 'cost'
         self.tally = Tally()  # what the sessions' rounds have shown: where a new session's cost model starts
         self.pipeline_depth = pipeline_depth  # pipelined rounds staged at once per session; Generate pipelines if > 0
@@ -197,6 +199,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         prompt, sampling = self._prompt(request), sampling_from_proto(request.sampling)
         check_num_draft_tokens(request.num_draft_tokens)
         stops = _stop_strings(request.stop_strings)
+        top_logprobs, max_new_tokens = _top_logprobs(request), _max_new_tokens(request, len(prompt))
+        eos = set() if request.ignore_eos else self.eos
         owner = caller()
         self.sessions.reserve(owner)
         remaining = context.time_remaining()
@@ -214,7 +218,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                 drafter = remote or make_drafter(local, self.model, sampling)
                 drafter.start(list(prompt))  # a remote draft opens its session while the target prefills
                 session = TargetSession(self.model, prompt, sampling, self.pipeline_depth,
-                                        chain_ended=self.metrics.chain_ended)
+                                        chain_ended=self.metrics.chain_ended, top_logprobs=top_logprobs)
                 attach(drafter, session)
                 _annotate_prefill(len(prompt), session.cached_tokens)
                 stats = Stats(cached_prompt_tokens=session.cached_tokens)
@@ -227,14 +231,17 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                         pipelined = (remote and self.pipeline_depth and isinstance(k, int)
                                      and not remote.drafts_dynamically())
                         rounds = decode_pipelined if pipelined else decode
-                        for new in rounds(session, drafter, request.max_new_tokens, k,
-                                        self.eos, stats, self.telemetry.tracer, self.metrics):
+                        emitted = _Emitted(session)
+                        for new in rounds(session, drafter, max_new_tokens, k,
+                                          eos, stats, self.telemetry.tracer, self.metrics):
                             stats.first_token_seconds = stats.first_token_seconds or time.perf_counter() - started
-                            loop.call_soon_threadsafe(queue.put_nowait, new)
+                            loop.call_soon_threadsafe(queue.put_nowait, emitted.ready(new))
                             if cancelled.is_set():
                                 return
                             if stopped.is_set():  # a stop string: the rounds end, the stats still go out
                                 break
+                        else:
+                            loop.call_soon_threadsafe(queue.put_nowait, emitted.ready([]))
                 finally:  # the stream's session ends with it (nobody else knows its id): free its slot and state
                     self.sessions.remove(session.session_id, owner)  # type: ignore[attr-defined]
                 stats.seconds = time.perf_counter() - started
@@ -256,18 +263,31 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
             while not isinstance(item := await queue.get(), sampling_pb2.GenerationStats):
                 if isinstance(item, Exception):
                     raise item
-                if text.stopped is None:  # rounds the loop ran before it saw the stop are dropped
-                    ids, piece = text.push(item)
+                new, scores = item
+                if text.stopped is None and new:  # rounds the loop ran before it saw the stop are dropped
+                    ids, piece = text.push(new)
                     generated += ids
-                    yield pb.GenerateResponse(token_ids=ids, text=piece)
+                    yield pb.GenerateResponse(token_ids=ids, text=piece, logprobs=self._logprobs(scores[:len(ids)]))
                     if text.stopped is not None:
                         stopped.set()
             reason = (pb.FINISH_REASON_STOP if text.stopped is not None else pb.FINISH_REASON_EOS
-                      if generated and generated[-1] in self.eos else pb.FINISH_REASON_LENGTH)
+                      if generated and generated[-1] in eos else pb.FINISH_REASON_LENGTH)
             yield pb.GenerateResponse(text=text.push([], final=True)[1], stats=item, finish_reason=reason,
                                       stop_string=text.stopped or "")
         finally:
             cancelled.set()
+
+    async def GetModel(self, request: pb.GetModelRequest, context) -> pb.GetModelResponse:
+        return pb.GetModelResponse(
+            name=self.model_name, max_model_len=self.model.config.raw.get("max_position_embeddings") or 0,
+            max_prompt_tokens=self.limits.max_prompt_tokens, vocab_size=self.vocab_size,
+            chat_template=self.tokenizer.chat_template is not None)
+
+    def _logprobs(self, scores: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+        decode = lambda token: self.tokenizer.decode([token])  # noqa: E731
+        return [pb.TokenLogprob(token_id=s.token_id, token=decode(s.token_id), logprob=s.logprob,
+                                top_logprobs=[pb.TopLogprob(token_id=t, token=decode(t), logprob=v) for t, v in s.top])
+                for s in scores]
 
     def _remote_drafter(self, sampling: SamplingParams, deadline: float | None, k: int,
                         open_early: bool = True) -> RemoteDrafter | None:
@@ -310,6 +330,47 @@ def _stop_strings(stops: Sequence[str]) -> list[str]:
     return list(stops)
 
 
+def _max_new_tokens(request: pb.GenerateRequest, prompt_tokens: int) -> int:
+    """max_new_tokens, within max_total_tokens when that is set."""
+    if not request.max_total_tokens:
+        return request.max_new_tokens
+    if prompt_tokens >= request.max_total_tokens:
+        raise InvalidArgument(f"the prompt has {prompt_tokens} tokens: the context of {request.max_total_tokens} "
+                              "leaves no room to generate", "max_total_tokens")
+    return min(request.max_new_tokens, request.max_total_tokens - prompt_tokens)
+
+
+def _top_logprobs(request: pb.GenerateRequest) -> int | None:
+    """How many most likely tokens each generated token's log-probability comes with; None: no log-probabilities."""
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidArgument("top_logprobs needs logprobs", "top_logprobs")
+    if request.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs = {request.top_logprobs}, the limit is {MAX_TOP_LOGPROBS}",
+                              "top_logprobs")
+    return request.top_logprobs if request.logprobs else None
+
+
+class _Emitted:
+    """A Generate loop's rounds as the stream sends them: the tokens, with their log-probabilities when the session
+    keeps them. A pipelined round's tokens come out at its verdict, before its commit records their
+    log-probabilities, so with log-probabilities tokens wait for their commit (until the next round, or the end)."""
+
+    def __init__(self, session: TargetSession) -> None:
+        self.session, self.waiting, self.sent = session, [], 0
+
+    def ready(self, new: list[int]) -> tuple[list[int], list[TokenLogprob]]:
+        """What can go out after the loop yielded `new` ([] once the loop is over: everything is committed)."""
+        self.waiting += new
+        if self.session.top_logprobs is None:
+            out, self.waiting = self.waiting, []
+            return out, []
+        n = min(len(self.waiting), len(self.session.logprobs) - self.sent)
+        out, self.waiting = self.waiting[:n], self.waiting[n:]
+        scores = self.session.logprobs[self.sent:self.sent + n]
+        self.sent += n
+        return out, scores
+
+
 def _commit(session: TargetSession, round_id: str, accepted: int) -> tuple[int, list[int], Round | None]:
     """Commit; the tokens the round appended (also on a retry: nothing moves the head in between), and the
     round when this call committed it (None for a retry)."""
@@ -347,8 +408,8 @@ def _staged(rnd: Round) -> pb.StagedRound:
 def service(load: Callable[[], tuple[HybridLM, Tokenizer]], limits: Limits = Limits(),
             draft: DraftPeer | None = None, advertise_address: str = "", telemetry: Telemetry | None = None,
             local_draft: str = "none", pipeline_depth: int = 1, batching: BatchConfig | None = BatchConfig(),
-            draft_length: str = "fixed") -> Service:
+            draft_length: str = "fixed", model_name: str = "deltaspec-target") -> Service:
     servicer = TargetServicer(load, limits, draft, advertise_address, telemetry, local_draft, pipeline_depth, batching,
-                              draft_length)
+                              draft_length, model_name)
     return Service(NAME, lambda server: target_service_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
                    servicer.load)

@@ -25,7 +25,7 @@ import yaml
 from deltaspec.draft_service.servicer import NAME as DRAFT_NAME
 from deltaspec.shared.cli import build_parser
 from deltaspec.shared.rpc.routing import HEADER
-from deltaspec.shared.rpc.security import Grants, TokenStore
+from deltaspec.shared.rpc.security import Grants, TokenStore, check_token
 from deltaspec.target_service.servicer import NAME as TARGET_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,6 +167,8 @@ def test_every_workload_has_a_disruption_budget_and_the_draft_scales(rendered):
     _, _, docs = rendered
     budgets = {d["metadata"]["name"]: d["spec"]["selector"]["matchLabels"] for d in docs
                if d["kind"] == "PodDisruptionBudget"}
+    assert budgets["deltaspec-openai"] == find(docs, "Deployment", "deltaspec-openai")["spec"]["selector"][
+        "matchLabels"]
     assert budgets["deltaspec-target"] == find(docs, "StatefulSet", "deltaspec-target")["spec"]["selector"][
         "matchLabels"]
     assert budgets["deltaspec-draft"] == find(docs, "Deployment", "deltaspec-draft")["spec"]["selector"]["matchLabels"]
@@ -378,6 +380,30 @@ def test_the_placeholder_tokens_do_not_start_a_server(rendered, tmp_path):
         (tmp_path / key).write_bytes(base64.b64decode(value))
     with pytest.raises(ValueError, match="placeholder"):
         TokenStore(tmp_path)
+
+def test_the_openai_front_is_a_client_of_the_target_with_its_own_service_and_key(rendered, tmp_path):
+    _, _, docs = rendered
+    spec = pod_spec(docs, "Deployment", "deltaspec-openai")
+    args = parsed_args(docs, "Deployment", "deltaspec-openai")
+    service = find(docs, "Service", "deltaspec-openai")["spec"]
+    template = find(docs, "Deployment", "deltaspec-openai")["spec"]["template"]
+    assert service["selector"] == find(docs, "Deployment", "deltaspec-openai")["spec"]["selector"]["matchLabels"]
+    assert service["ports"] == [{"name": "http", "port": 8000, "targetPort": "http"}] and args.port == 8000
+    assert template["metadata"]["labels"]["deltaspec.io/client"] == "true"  # the target's NetworkPolicy admits it
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == "8000"
+    assert args.target_addr == "deltaspec-target:50051" and args.target_tls_ca and not args.embedded
+    tls = mounted(docs, "Deployment", "deltaspec-openai", args.target_tls_ca)
+    assert tls["secret"]["secretName"] == "deltaspec-tls"
+    assert mounted(docs, "Deployment", "deltaspec-openai", args.target_token_file)["secret"]["items"] == [
+        {"key": "client", "path": "client"}]
+    container = spec["containers"][0]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    key = next(e for e in container["env"] if e["name"] == "DELTASPEC_OPENAI_API_KEY")["valueFrom"]["secretKeyRef"]
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].startswith("deltaspec-openai"))
+    assert key["name"] == secret["metadata"]["name"] and key["key"] in secret["data"]
+    with pytest.raises(ValueError, match="placeholder"):
+        check_token(base64.b64decode(secret["data"][key["key"]]).decode(), "--api-key")
+
 
 def test_gpu_overlay_puts_the_target_on_a_gpu_node():
     if KUBECTL is None:

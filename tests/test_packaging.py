@@ -24,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"shared": "deltaspec.shared", "draft_service": "deltaspec.draft_service",
-           "target_service": "deltaspec.target_service"}
+           "target_service": "deltaspec.target_service", "openai_service": "deltaspec.openai_service"}
 
 
 def test_every_package_folder_is_listed_in_pyproject():
@@ -38,7 +38,8 @@ def test_every_package_folder_is_listed_in_pyproject():
 
 def test_code_imports_the_folders_only_through_the_namespace():
     """From the repository root `import shared` would also work, and load a second copy of every module."""
-    bare = re.compile(r"^\s*(from|import) (shared|draft_service|target_service)\b|-m\W+(shared|draft_service)\.", re.M)
+    bare = re.compile(r"^\s*(from|import) (shared|draft_service|target_service|openai_service)\b"
+                      r"|-m\W+(shared|draft_service)\.", re.M)
     offenders = [str(p.relative_to(ROOT)) for folder in (*FOLDERS, "benchmarks", "tests", "scripts")
                  for p in (ROOT / folder).rglob("*.py") if bare.search(p.read_text())]
     assert not offenders
@@ -87,8 +88,7 @@ def installed(tmp_path_factory) -> Path:
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"deltaspec"}, tops
     sources = {str(p.relative_to(ROOT / folder)) for folder in FOLDERS for p in (ROOT / folder).rglob("*.py")}
-    packed = {n.split("/", 2)[2] for n in names if n.startswith(("deltaspec/shared/", "deltaspec/draft_service/",
-                                                                  "deltaspec/target_service/"))}
+    packed = {n.split("/", 2)[2] for n in names if n.startswith(tuple(f"deltaspec/{folder}/" for folder in FOLDERS))}
     assert sources <= packed, sources - packed  # every module made it into the wheel
     assert "deltaspec/shared/assets/models/target/model.safetensors" in names
     assert {"deltaspec/__init__.py", "deltaspec/cli.py", "deltaspec/v1/target_service_pb2.py"} <= set(names)

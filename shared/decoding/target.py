@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from deltaspec.shared.decoding.answers import Answers
+from deltaspec.shared.decoding.logprobs import TokenLogprob, round_logprobs
 from deltaspec.shared.decoding.sampling import SamplingParams, probabilities
 from deltaspec.shared.decoding.verify import Verdict, accept_greedy, accept_rejection
 from deltaspec.shared.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -57,6 +58,7 @@ class Round:
     committed: int | None = None  # accept count actually committed
     new_version: int | None = None
     committed_tokens: list[int] = field(default_factory=list)  # what the commit appended
+    logprobs: list[TokenLogprob] | None = None  # rows 0..accepted's emitted tokens, when the session keeps them
 
 
 def check_num_draft_tokens(k: int) -> None:
@@ -79,15 +81,19 @@ class TargetSession:
 
     def __init__(self, model: HybridLM, prompt_ids: list[int], sampling: SamplingParams = SamplingParams(),
                  max_chain: int = 1, answers_sent_by_caller: bool = False,
-                 chain_ended: Callable[[str], None] | None = None) -> None:
+                 chain_ended: Callable[[str], None] | None = None, top_logprobs: int | None = None) -> None:
         """`chain_ended(outcome)` is told how each chained round ended: kept (its parent's commit made it the
-        pending round), dropped (the commit kept fewer drafts or another next token) or reverted (a metric)."""
+        pending round), dropped (the commit kept fewer drafts or another next token) or reverted (a metric).
+        `top_logprobs`: None keeps no log-probabilities; n keeps, in `logprobs`, each committed token's and the n
+        most likely at its position (`deltaspec.shared.decoding.logprobs`)."""
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty", "prompt")
         check_tokens(prompt_ids, model.config.vocab_size, "prompt_ids")
         self.model, self.sampling = model, sampling
         self.tokens = list(prompt_ids)  # committed history; the last one is the pending input
         self.prompt_len = len(prompt_ids)
+        self.top_logprobs = top_logprobs
+        self.logprobs: list[TokenLogprob] = []  # with top_logprobs: one per committed token after the prompt
         self.version = 0
         self.round: Round | None = None  # the pending round, or the last finished one (for retries)
         self.chained: Round | None = None  # a pipelined round staged on top of the pending one
@@ -203,7 +209,7 @@ class TargetSession:
             verdict = self._verdict(logits, drafts_t, draft_probs, len(self.tokens))
             self.earlier = tuple(r for r in (self.round, *self.earlier[1:]) if r)
             self.round = Round(round_id, self.version, drafts_t, verdict, self.state.staged_bytes(), hidden, parent,
-                               guess)
+                               guess, logprobs=self._logprobs(logits, drafts_t, verdict))
             return self.round
 
     def _await_parent(self, round_id: str, parent: str, guess: int | None) -> None:
@@ -234,6 +240,11 @@ class TargetSession:
             return accept_greedy(logits, list(drafts))
         probs = probabilities(logits, self.sampling)
         return accept_rejection(probs, list(drafts), draft_probs, self.sampling.generator(position))
+
+    def _logprobs(self, logits: Tensor, drafts: tuple[int, ...], verdict: Verdict) -> list[TokenLogprob] | None:
+        if self.top_logprobs is None:
+            return None
+        return round_logprobs(logits, drafts, verdict.accepted, verdict.next_token, self.top_logprobs)
 
     def _committed_as_assumed(self, parent: str, guess: int) -> bool:
         """The parent is the last round, committed with every draft kept and `guess` after them."""
@@ -279,7 +290,8 @@ class TargetSession:
         logits, hidden = self.model(torch.tensor([guess, *drafts]), self.state)
         verdict = self._verdict(logits, drafts, draft_probs, len(self.tokens) + len(rnd.drafts) + 1)
         self.chained = Round(round_id, rnd.base_version + 1, drafts, verdict,
-                             self.state.staged_bytes() - rnd.staged_bytes, hidden, parent, guess)
+                             self.state.staged_bytes() - rnd.staged_bytes, hidden, parent, guess,
+                             logprobs=self._logprobs(logits, drafts, verdict))
         return self.chained
 
     def commit(self, round_id: str, accepted: int) -> int:
@@ -311,6 +323,8 @@ class TargetSession:
                 self._drop_chained()
             rnd.committed_tokens = [*rnd.drafts[:accepted], next_token]
             self.tokens.extend(rnd.committed_tokens)
+            if rnd.logprobs is not None:
+                self.logprobs += rnd.logprobs[:accepted + 1]
             self.version += 1
             rnd.outcome, rnd.committed, rnd.new_version = "committed", accepted, self.version
             if keep_child:

@@ -21,8 +21,9 @@ the bearer token); the default is plaintext, which it allows only to loopback ad
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 
 import grpc
@@ -106,18 +107,19 @@ class Resume:
     with the first token a reopened stream brings; it is waited out until the deadline or the recovery window).
     Draws are keyed by (seed, position), so a resumed generation is the one an unbroken stream would have made,
     sampled too (a stop string that straddles the break is not seen: the reopened stream searches the new text
-    only)."""
+    only). `fields`: other GenerateRequest fields (logprobs, top_logprobs, ignore_eos), sent on every opening."""
 
     def __init__(self, prompt_ids: list[int] | None, prompt_text: str, max_new_tokens: int, num_draft_tokens: int,
                  sampling: SamplingParams, deadline: float | None, recovery_window_s: float | None = None,
                  messages: Messages | None = None, stop_strings: list[str] = (),
-                 health: health_pb2_grpc.HealthStub | None = None, address: str = "") -> None:
+                 health: health_pb2_grpc.HealthStub | None = None, address: str = "",
+                 fields: dict | None = None) -> None:
         self.prompt, self.out, self.prompt_text = list(prompt_ids or []), [], prompt_text
         self.messages, self.stop_strings = chat_messages(messages), list(stop_strings)
         self.metadata = prefix_metadata(prompt_ids, prompt_text, messages)
         self.max_new_tokens, self.num_draft_tokens, self.sampling = max_new_tokens, num_draft_tokens, sampling
         self.deadline, self.recovery_window_s = deadline, check_window(recovery_window_s)
-        self.health, self.address = health, address
+        self.health, self.address, self.fields = health, address, fields or {}
         self.outage: Recovery | None = None  # the target's outage being waited out: from a break to the next token
         self.outages: list[float] = []  # how long each outage lasted, seconds
 
@@ -126,7 +128,7 @@ class Resume:
             prompt_ids=self.prompt + self.out, prompt_text="" if self.prompt else self.prompt_text,
             messages=[] if self.prompt else self.messages, sampling=sampling_to_proto(self.sampling),
             max_new_tokens=self.max_new_tokens - len(self.out), num_draft_tokens=self.num_draft_tokens,
-            stop_strings=self.stop_strings)
+            stop_strings=self.stop_strings, **self.fields)
 
     def timeout(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -178,6 +180,25 @@ def server_stream(stub: target_service_pb2_grpc.TargetServiceStub, prompt_ids: l
             return
         except grpc.RpcError as e:
             resume.wait_after_break(e)
+
+
+async def aio_server_stream(stub: target_service_pb2_grpc.TargetServiceStub,
+                            resume: Resume) -> AsyncIterator[target_service_pb2.GenerateResponse]:
+    """`server_stream` for asyncio (`stub` on a grpc.aio channel): the stream reopened after a break as `resume`
+    says, backing off with jitter between tries (no health Watch on the event loop); the last error raised as it
+    came. Closing the iterator, or cancelling the task reading it, cancels the call."""
+    while True:
+        call = stub.Generate(resume.request(), timeout=resume.timeout(), wait_for_ready=False, metadata=resume.metadata)
+        try:
+            async for msg in call:
+                resume.seen(msg)
+                yield msg
+            return
+        except grpc.RpcError as e:
+            delay = resume.after_break(e)
+        finally:
+            call.cancel()
+        await asyncio.sleep(delay)
 
 
 def generate_client_driven(target_address: str, draft_address: str | None, prompt_ids: list[int] | None,

@@ -32,7 +32,7 @@ import ipaddress
 import logging
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,7 +146,7 @@ class TokenStore(_Reloaded):
                        if line.strip() and not line.lstrip().startswith("#")]
         tokens: dict[str, str] = {}
         for name, token in entries:
-            _check_token(token, f"{self.path}: {name}")
+            check_token(token, f"{self.path}: {name}")
             if name in tokens:
                 raise ValueError(f"{self.path}: the name {name!r} is given twice")
             tokens[name] = token
@@ -162,7 +162,8 @@ def _name_token(line: str) -> tuple[str, str]:
     return f"token-{hashlib.sha256(name.encode()).hexdigest()[:8]}", name
 
 
-def _check_token(token: str, where: str) -> None:
+def check_token(token: str, where: str) -> None:
+    """ValueError for a placeholder or a token too short to guess at (a bearer token, an API key)."""
     if PLACEHOLDER in token.lower():
         raise ValueError(f"{where} is the placeholder {PLACEHOLDER!r}, not a token: put generated tokens there "
                          "(openssl rand -hex 32); on Kubernetes, replace the deltaspec-auth Secret with an overlay's "
@@ -513,17 +514,18 @@ class ClientSecurity:
         token = self._token_source()
         return grpc.intercept_channel(ch, _BearerToken(token)) if token else ch
 
-    def aio_channel(self, address: str) -> grpc.aio.Channel:
-        """The same channel for asyncio callers (`grpc.aio`), the token added by an aio interceptor."""
+    def aio_channel(self, address: str, interceptors: Sequence = ()) -> grpc.aio.Channel:
+        """The same channel for asyncio callers (`grpc.aio`), the token added by an aio interceptor, after
+        `interceptors` (tracing's: `Telemetry.aio_interceptors`)."""
         self.check(address)
         token = self._token_source()
-        interceptors = [_AioBearerTokenUnary(token), _AioBearerTokenStream(token)] if token else None
+        chain = [*interceptors, *([_AioBearerTokenUnary(token), _AioBearerTokenStream(token)] if token else [])]
         if self.tls:
             creds = grpc.ssl_channel_credentials(*(_read(p) if p else None for p in (self.ca, self.key, self.cert)))
             override = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
             return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS + override,
-                                           interceptors=interceptors)
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+                                           interceptors=chain or None)
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=chain or None)
 
     def files(self) -> list[Path]:
         """The TLS files a channel is made from."""

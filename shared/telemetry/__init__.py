@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Tracer
 
-CLIENT, TARGET, DRAFT = "deltaspec-client", "deltaspec-target", "deltaspec-draft"
+CLIENT, TARGET, DRAFT, OPENAI = "deltaspec-client", "deltaspec-target", "deltaspec-draft", "deltaspec-openai"
 
 
 @dataclass
@@ -47,6 +47,12 @@ class Telemetry:
 
         return tracing.traced_channel(channel, self.provider)
 
+    def aio_interceptors(self) -> list:
+        """Client interceptors for a grpc.aio channel (`ClientSecurity.aio_channel`): `channel` for asyncio."""
+        from deltaspec.shared.telemetry import tracing
+
+        return tracing.aio_interceptors(self.provider)
+
     def shutdown(self) -> None:
         """Flush and stop the exporters (spans still batched are sent); safe to call twice."""
         if self.provider is not None:
@@ -60,4 +66,4 @@ def setup_tracing(default_service_name: str, install: bool = True) -> TracerProv
     return tracing.setup_tracing(default_service_name, install)
 
 
-__all__ = ["CLIENT", "DRAFT", "TARGET", "Metrics", "Telemetry", "setup_tracing"]
+__all__ = ["CLIENT", "DRAFT", "OPENAI", "TARGET", "Metrics", "Telemetry", "setup_tracing"]

@@ -18,7 +18,7 @@ import sys
 
 import grpc
 from opentelemetry import trace
-from opentelemetry.instrumentation.grpc import aio_server_interceptor, client_interceptor
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, client_interceptor
 from opentelemetry.instrumentation.grpc.filters import health_check, negate
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -101,3 +101,10 @@ def traced_channel(channel: grpc.Channel, provider: TracerProvider | None) -> gr
     from opentelemetry.instrumentation.grpc import grpcext
 
     return grpcext.intercept_channel(channel, client_interceptor(provider, filter_=negate(health_check())))
+
+
+def aio_interceptors(provider: TracerProvider | None) -> list:
+    """For a grpc.aio channel: the current trace context sent with each call when tracing is on; none when off."""
+    if provider is None:
+        return []
+    return aio_client_interceptors(provider, filter_=negate(health_check()))

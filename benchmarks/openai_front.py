@@ -1,0 +1,142 @@
+"""The OpenAI-compatible front's cost: the same requests through it and to the target's gRPC `Generate` directly.
+
+`serve-draft`, `serve-target` (speculating with it) and `serve-openai` run as child processes on loopback. For each
+concurrency (1, 4, 8), drafts a round (4: speculative; 0: target-only) and path (`grpc`: `deltaspec.Client.stream`;
+`openai`: OpenAI's client, streamed, `num_draft_tokens` in the body), that many client threads run greedy
+generations of the same prompts back to back. Per row: aggregate output tokens/s, median time to first token, and
+time per output token per token (a delivery of m tokens g seconds after the one before counts m tokens of g/m; the
+embedded pair is byte-level, so a chunk's tokens are its text's UTF-8 bytes; the total is the usage's), p50.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks.loopback import PROMPTS, percentile, start_pair, stop_all
+
+LEVELS, KS, PATHS = (1, 4, 8), (4, 0), ("grpc", "openai")
+FIELDS = ("path", "k", "concurrency", "tokens", "tokens_per_s", "ttft_ms_p50", "tpot_ms_p50")
+
+
+class Front:
+    """`deltaspec serve-openai` as a child process on a free loopback port, up once /health answers."""
+
+    def __init__(self, target_address: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "deltaspec.shared.cli", "serve-openai", "--target-addr",
+                                      target_address, "--port", "0"], stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        line = ""
+        while not line.startswith("listening on"):
+            line = self.proc.stderr.readline()  # type: ignore[union-attr]
+            if not line:
+                raise RuntimeError(f"serve-openai exited with {self.proc.wait()}")
+        self.address = line.split()[-1]
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # type: ignore[union-attr]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{self.address}/health", timeout=5):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def _grpc_stream(address: str, prompt: str, n: int, k: int):
+    from deltaspec.shared.client import Client
+
+    with Client(address) as client:
+        for piece in client.stream(prompt, max_new_tokens=n, num_draft_tokens=k):
+            yield len(piece.token_ids)
+
+
+def _openai_stream(address: str, prompt: str, n: int, k: int):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="none", max_retries=0)
+    for chunk in client.completions.create(model="deltaspec-embedded", prompt=prompt, max_tokens=n, temperature=0,
+                                           stream=True, extra_body={"num_draft_tokens": k}):
+        if chunk.choices and chunk.choices[0].text:
+            yield len(chunk.choices[0].text.encode())
+    client.close()
+
+
+def row(stream, address: str, k: int, concurrency: int, n: int, generations: int) -> dict:
+    """`concurrency` threads, `generations` each, of `n` greedy tokens from the shared prompts."""
+    first, per_token, counts = [], [], []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        for g in range(generations):
+            sent = last = time.perf_counter()
+            mine_first, mine, total = None, [], 0
+            for m in stream(address, PROMPTS[(i + g) % len(PROMPTS)], n, k):
+                now = time.perf_counter()
+                if mine_first is None:
+                    mine_first = now - sent
+                else:
+                    mine += [(now - last) / m] * m
+                last, total = now, total + m
+            with lock:
+                first.append(mine_first)
+                per_token.extend(mine)
+                counts.append(total)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - started
+    return {"k": k, "concurrency": concurrency, "tokens": sum(counts), "tokens_per_s": sum(counts) / seconds,
+            "ttft_ms_p50": 1000 * statistics.median(first), "tpot_ms_p50": 1000 * percentile(sorted(per_token), 0.5)}
+
+
+def openai_front(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
+    servers = start_pair(target_dir, draft_dir)
+    front = None
+    try:
+        front = Front(servers["target"].address)
+        n, generations = (48, 2) if quick else (96, 4)
+        rows = []
+        for concurrency in LEVELS:
+            for k in KS:
+                for path in PATHS:
+                    stream, address = ((_grpc_stream, servers["target"].address) if path == "grpc"
+                                       else (_openai_stream, front.address))
+                    row(stream, address, k, 1, 8, 1)  # warm: connections, the prefix cache's first blocks
+                    rows.append({"path": path, **row(stream, address, k, concurrency, n, generations)})
+        return rows
+    finally:
+        if front is not None:
+            front.stop()
+        stop_all(servers)
+
+
+def print_rows(rows: list[dict]) -> None:
+    print("\nOpenAI front vs gRPC Generate (greedy, embedded pair, streamed; ttft median, tpot per token p50)")
+    print(" ".join(f"{f:>13}" for f in FIELDS))
+    for r in rows:
+        print(" ".join(f"{r[f]:>13.1f}" if isinstance(r[f], float) else f"{r[f]:>13}" for f in FIELDS))
+    by = {(r["path"], r["k"], r["concurrency"]): r for r in rows}
+    print("\nfront / gRPC: tokens/s ratio, median TTFT difference (ms); speculative over target-only, each path")
+    for c in LEVELS:
+        for k in KS:
+            front, direct = by[("openai", k, c)], by[("grpc", k, c)]
+            print(f"  concurrency {c}, k {k}: tok/s {front['tokens_per_s'] / direct['tokens_per_s']:.3f}, "
+                  f"TTFT {front['ttft_ms_p50'] - direct['ttft_ms_p50']:+.2f} ms")
+        speedup = {p: by[(p, 4, c)]["tokens_per_s"] / by[(p, 0, c)]["tokens_per_s"] for p in PATHS}
+        print(f"  concurrency {c}: speculative / target-only: grpc {speedup['grpc']:.2f}x, "
+              f"openai {speedup['openai']:.2f}x")
