@@ -163,7 +163,8 @@ def test_no_family_is_named_outside_the_model_and_state_floors():
     """Decoding, the services, the client and the RPC layer work for every family without naming one: none imports
     a family or a mixer, or branches on a family or model_type."""
     root = Path(__file__).resolve().parents[1]
-    names = re.compile(r"model\.families\.\w|model\.mixers\.\w|\bfamily\s*[!=]=|model_type\s*[!=]=|GatedDeltaNet|Mamba2")
+    names = re.compile(r"model\.families\.\w|model\.mixers\.\w|\bfamily\s*[!=]=|model_type\s*[!=]="
+                       r"|GatedDeltaNet|Mamba2")
     places = [root / "shared" / "decoding", root / "shared" / "rpc", root / "target_service", root / "draft_service",
               root / "shared" / "client.py"]
     files = [path for place in places for path in ([place] if place.is_file() else sorted(place.rglob("*.py")))]

@@ -229,7 +229,8 @@ class DraftSession:
         """Refuse a speculation of k drafts the drafter cannot hold on top of what is staged (asked before the outcome
         is applied, which only frees room; one made ahead is taken or replaced, so its room counts as free)."""
         if not self.drafter.can_speculate(k, replacing_last=self.ahead is not None):
-            raise FailedPrecondition(f"no room in the draft's logs ({self.drafter.state.recurrent.log_capacity} tokens) "
+            capacity = self.drafter.state.recurrent.log_capacity
+            raise FailedPrecondition(f"no room in the draft's logs ({capacity} tokens) "
                                      f"for another round of {k} drafts", "k")
 
     def _ahead_of(self, rnd: DraftRound, k: int) -> None:

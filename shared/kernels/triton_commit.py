@@ -2,7 +2,8 @@
 
     S_n = exp(G_n) S_0 + sum_{t<n} exp(G_n - G_t) k_t delta_t^T,   G_t = g_0 + ... + g_t
 
-from the logs a verify pass wrote (`deltaspec.shared.state.rollback.RecurrentStates`: k `(.., Dk, C)`, delta `(.., C, Dv)`,
+from the logs a verify pass wrote (`deltaspec.shared.state.rollback.RecurrentStates`: k `(.., Dk, C)`, delta
+`(.., C, Dv)`,
 g `(.., C)` per layer and head), where the torch form is three calls and a batched matmul per sequence. Each program
 holds one (Dk, BLOCK_V) tile of one (sequence, layer x head) state in registers and walks the n logged tokens
 backwards, so each decay exp(G_n - G_t) is the running sum of the g after t (no G_n - G_t cancellation), as the torch

@@ -11,7 +11,8 @@ mask, and the token count is symbolic. So a new position, round or cache size ne
 (or a layer kind) gets one graph for one token (the recurrent update) and one for 2 tokens up to the state's
 log capacity (one chunk; a draft's states log more than a target's, so it has graphs of its own), each for a
 pass from the head and one on top of a staging (the two read different GDN buffers: an attention layer kind
-has just the first two). Passes longer than the logs (prefill) take the eager path. The fused path stays the truth: `tests/test_compiled.py`
+has just the first two). Passes longer than the logs (prefill) take the eager path. The fused path stays the truth:
+`tests/test_compiled.py`
 compares logits and every state buffer of both on random weights. A sparse MoE model compiles in bfloat16, its
 experts as grouped matmuls (`kernels.experts.apply_experts`): fixed shapes whatever the routing.
 
@@ -63,7 +64,8 @@ def _static_layer(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, cos: Tens
 def static_pass(model: fused.Model, x: Tensor, cos: Tensor, signed_sin: Tensor, positions: Tensor, slots: Tensor,
                 gdn: dict[str, Tensor], kv: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """`HybridLM.forward` on the fused path from the embeddings, every state write in the pass: tokens at
-    `positions`, logged at `slots`, on the buffers `StaticAccess.recurrent_buffers` names and the K/V buffers `kv`. What a
+    `positions`, logged at `slots`, on the buffers `StaticAccess.recurrent_buffers` names and the K/V buffers `kv`.
+    What a
     whole-model graph compiles, and what `deltaspec.shared.model.captured` records."""
     return fused.forward(model, x, (cos, signed_sin), StaticAccess(positions, slots, gdn, kv))
 

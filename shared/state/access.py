@@ -2,7 +2,8 @@
 
 The one forward pass (`deltaspec.shared.model.fused.forward`) computes every projection, gate and output itself and
 leaves to a `StateAccess` only what depends on where the state lives: a recurrent layer's window and state before the
-pass, running its mixer's recurrence (`Recurrence`) from them, and where the staging goes; an attention layer's K/V writes and the causal read.
+pass, running its mixer's recurrence (`Recurrence`) from them, and where the staging goes; an attention layer's K/V
+writes and the causal read.
 
 - `SequenceAccess`: one sequence's `ModelState`, by Python offsets (`RecurrentSlot`); the eager pass.
 - `StaticAccess`: buffers and index tensors (positions, log slots) that do not depend on where the pass sits, so a
@@ -96,7 +97,8 @@ RECURRENT_BUFFERS = ("conv_in", "state_in", "window", "spare", "x", "k", "delta"
 @dataclass
 class StaticAccess:
     """Buffers addressed by index tensors: tokens at `positions (T,)`, logged at `slots (T,)`; `buffers` maps each of
-    `RECURRENT_BUFFERS` to the recurrent layers' buffers (a stacked tensor or a list of per-layer views), `kv` holds each attention
+    `RECURRENT_BUFFERS` to the recurrent layers' buffers (a stacked tensor or a list of per-layer views), `kv` holds
+    each attention
     layer's K/V buffers, read whole under a position mask. Nothing depends on where the pass sits."""
 
     positions: Tensor
@@ -145,7 +147,7 @@ class _Group:
     T: int
     rows: slice | Tensor  # rows of the packed tokens in (member, t) order; padding repeats a member's last row
     valid: Tensor | None  # (G, T, 1) 1 for real tokens, 0 for padding; None when nothing is padded
-    logs: VerifyLogs | None = None  # where the Triton kernel logs the members: made at the first recurrent layer that runs it
+    logs: VerifyLogs | None = None  # where the Triton kernel logs the members: made at the first layer that runs it
 
     def take(self, x: Tensor) -> Tensor:
         """Rows of the packed `x` for this group as `(G, T, ...)`."""
@@ -159,7 +161,8 @@ class BatchAccess:
     - Recurrent: the sequences' windows and states are gathered (`stack`) into a padded `(G, T_max)` group (every
       short sequence together; each one longer than a chunk alone) and run through one call of the mixer's
       recurrence. Padding sits after each sequence's last token, marked by `Start.valid`, where the recurrence adds
-      nothing to the state (GDN: beta = 0 and g = 0) and touches no real output (causal). The staged state, window and logs go back to each sequence's own
+      nothing to the state (GDN: beta = 0 and g = 0) and touches no real output (causal). The staged state, window
+      and logs go back to each sequence's own
       buffers in one `_foreach_copy_`; where the Triton kernel runs (CUDA) and the sequences are slots of one
       `StatePool`, it logs k, delta and g itself.
     - Attention: each sequence writes its K/V at its own positions in its own cache; the caches are gathered into

@@ -62,7 +62,8 @@ class Lease:
 
 
 class StatePool:
-    """Slots for up to `max_slots` sequences of one model shape within `budget` bytes (recurrent slots + K/V); each slot's
+    """Slots for up to `max_slots` sequences of one model shape within `budget` bytes (recurrent slots + K/V); each
+    slot's
     round logs hold `log_capacity` staged tokens."""
 
     def __init__(self, spec: StateSpec, budget: int, max_slots: int | None = None,

@@ -126,7 +126,8 @@ def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 class PrefixCache:
-    """Cached heads of one model's sequences: K/V every `block` positions, recurrent states every `state_every` blocks and
+    """Cached heads of one model's sequences: K/V every `block` positions, recurrent states every `state_every` blocks
+    and
     at leaves and branch points. Thread-safe."""
 
     def __init__(self, block: int, budget: Budget, keep_hidden: bool = False, state_every: int = 1) -> None:
@@ -403,7 +404,8 @@ class Cursor:
         return range(0) if self.stopped else range(first, len(self.ids) + n + 1, self.cache.block)
 
     def _kept(self, ends: range) -> list[int]:
-        """Which of the blocks ending at `ends` get a recurrent state: those on the cache's grid, the last (the sequence's
+        """Which of the blocks ending at `ends` get a recurrent state: those on the cache's grid, the last (the
+        sequence's
         new tip), and the matched block without one where this sequence branches off."""
         return [e for e in ends if self.cache.on_grid(e) or e == ends[-1] or e == self.branch]
 

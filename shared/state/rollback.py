@@ -122,7 +122,8 @@ class RecurrentStates:
                  slot: dict[str, Tensor] | None = None, log_capacity: int = LOG_CAPACITY,
                  rows: LogRows | None = None) -> None:
         """`slot`: preallocated buffers, one per name of `spec.buffers` (a `deltaspec.shared.state.pool.StatePool`
-        slot), zeroed and used in place of fresh tensors, the mark snapshot's too (its logs' size wins over `log_capacity`);
+        slot), zeroed and used in place of fresh tensors, the mark snapshot's too (its logs' size wins over
+        `log_capacity`);
         without one `mark` allocates that snapshot. `rows`: the slot's logs as rows of the pool's (`Lease.rows`)."""
         shapes = spec.buffers(n_layers, dtype, log_capacity)
 
@@ -211,7 +212,8 @@ class RecurrentStates:
         `(L, K-1, C)` and `out_state` `(L, H, Dk, Dv)` (a prefix cache's entry, or a buffer of this state)."""
         if not self.logged:
             raise ValueError(f"partial commit ({n} of {staged}) of a staging longer than {self.log_capacity} tokens")
-        if out_state.is_cuda and self.g.ndim == 3:  # a decay per head: one Triton launch for every (layer, head) tile (`shared/kernels/triton_commit.py`):
+        if out_state.is_cuda and self.g.ndim == 3:  # a decay per head: one Triton launch for every (layer, head)
+            # tile (`shared/kernels/triton_commit.py`):
             # it reads the logs as they are, so no per-n plan and none of its buffers
             from deltaspec.shared.kernels.triton_commit import commit_states
 
@@ -423,9 +425,10 @@ class ModelState:
 
     def __init__(self, spec: StateSpec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  capacity: int = 256, lease: Lease | None = None, log_capacity: int = LOG_CAPACITY) -> None:
-        """`spec`: what the state holds, as the model's family declares it (`ModelConfig.state_spec`). `lease`: a slot of a `deltaspec.shared.state.pool.StatePool` (recurrent buffers, K/V paid for `capacity`
-        positions; its logs' size is the pool's); `log_capacity`: staged tokens a partial commit can keep (`CHAIN_LOG_CAPACITY`
-        for a draft that speculates rounds ahead)."""
+        """`spec`: what the state holds, as the model's family declares it (`ModelConfig.state_spec`). `lease`: a
+        slot of a `deltaspec.shared.state.pool.StatePool` (recurrent buffers, K/V paid for `capacity` positions; its
+        logs' size is the pool's); `log_capacity`: staged tokens a partial commit can keep (`CHAIN_LOG_CAPACITY` for a
+        draft that speculates rounds ahead)."""
         self.length = 0  # tokens in the committed head
         self.staged = 0  # tokens staged on top of it
         self.marked = 0  # with `mark`: staged tokens the snapshot covers (a chained round stages after them)
@@ -552,5 +555,6 @@ class ModelState:
         """Bytes logged for the staged tokens (the spare state is allocated once and not counted)."""
         if not self.recurrent.logged:
             return 0
-        per_token = sum(t.numel() * t.element_size() for t in (self.recurrent.x, self.recurrent.k, self.recurrent.delta, self.recurrent.g))
-        return per_token // self.recurrent.log_capacity * self.staged + (self.recurrent.marked_bytes() if self.marked else 0)
+        rec = self.recurrent
+        per_token = sum(t.numel() * t.element_size() for t in (rec.x, rec.k, rec.delta, rec.g))
+        return per_token // rec.log_capacity * self.staged + (rec.marked_bytes() if self.marked else 0)

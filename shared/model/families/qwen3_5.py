@@ -56,7 +56,8 @@ def fields(cfg: dict[str, Any], always_norm_topk: bool = ALWAYS_NORM_TOPK) -> di
     return dict(
         intermediate_size=positive_int(cfg, "intermediate_size") if dense or "intermediate_size" in cfg else 0,
         num_hidden_layers=n_layers,
-        head_dim=int(cfg.get("head_dim") or positive_int(cfg, "hidden_size") // positive_int(cfg, "num_attention_heads")),
+        head_dim=int(cfg.get("head_dim")
+                     or positive_int(cfg, "hidden_size") // positive_int(cfg, "num_attention_heads")),
         linear_num_key_heads=positive_int(cfg, "linear_num_key_heads"),
         linear_num_value_heads=positive_int(cfg, "linear_num_value_heads"),
         linear_key_head_dim=positive_int(cfg, "linear_key_head_dim"),
@@ -79,7 +80,8 @@ def _experts(cfg: dict[str, Any], always_norm_topk: bool) -> dict[str, Any]:
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise ConfigError(f"config.json: field 'mlp_only_layers' must be a list of layer indices, got {only!r}")
     return {
-        "num_experts": positive_int(cfg, "num_experts"), "num_experts_per_tok": positive_int(cfg, "num_experts_per_tok"),
+        "num_experts": positive_int(cfg, "num_experts"),
+        "num_experts_per_tok": positive_int(cfg, "num_experts_per_tok"),
         "moe_intermediate_size": positive_int(cfg, "moe_intermediate_size"),
         "shared_expert_intermediate_size": positive_int(cfg, "shared_expert_intermediate_size"),
         "norm_topk_prob": True if always_norm_topk else bool(cfg.get("norm_topk_prob", True)),

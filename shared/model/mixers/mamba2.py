@@ -3,7 +3,8 @@
 A pass is split in three so that the state's addressing stays with the engine's state access: `inputs` (the input
 projection), `recurrence` (conv window and recurrent state in, a `Step` out) and `output` (gated norm, output
 projection, residual); `Mamba2Mixer.fused` runs them over a `StateAccess`, `Mamba2Mixer.forward` is the reference
-(`reference`: one token at a time through the state). In the state algebra `S_t = exp(g_t) S_{t-1} + k_t d_t^T`, per head h, state `(N, P)`:
+(`reference`: one token at a time through the state). In the state algebra `S_t = exp(g_t) S_{t-1} + k_t d_t^T`,
+per head h, state `(N, P)`:
 k_t = B_t and q_t = C_t (of the head's group), d_t = dt_t x_t, g_t = dt_t A_h, and the output is S_t^T C_t + D_h x_t.
 The state is `(H, N, P)`: HF's cache holds its transpose `(H, P, N)`.
 
