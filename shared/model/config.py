@@ -28,10 +28,10 @@ class ModelConfig:
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     layer_types: tuple[str, ...]  # the family's layer kinds, layer by layer
+    num_attention_heads: int = 0  # 0: no attention layers (a pure state-space model)
+    num_key_value_heads: int = 0
+    head_dim: int = 0
     intermediate_size: int = 0
     rms_norm_eps: float = 1e-6
     norm_offset: float = 1.0  # RMSNorm applies (offset + w): 1 for Qwen's zero-centred norms, 0 for the usual
@@ -82,7 +82,7 @@ class ModelConfig:
             raise ConfigError(f"layer_types: unknown layer kind {bad[0]!r} (expected one of {kinds})")
         if self.linear_num_key_heads and self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError("linear_num_value_heads must be a whole multiple of linear_num_key_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
+        if self.num_key_value_heads and self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a whole multiple of num_key_value_heads")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"num_experts_per_tok must be between 1 and num_experts ({self.num_experts}), "
@@ -133,10 +133,7 @@ class ModelConfig:
         common = dict(
             vocab_size=positive_int(cfg, "vocab_size"),
             hidden_size=positive_int(cfg, "hidden_size"),
-            num_attention_heads=positive_int(cfg, "num_attention_heads"),
-            num_key_value_heads=positive_int(cfg, "num_key_value_heads"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
             eos_token_id=eos_ids,
         )
         return cls(**{**common, **family.fields(cfg)}, family=family.name, raw=cfg)  # the family's own reading wins

@@ -61,6 +61,8 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config.json: field 'time_step_limit' must be [low, high], got {limit!r}")
     return dict(
         num_hidden_layers=len(layer_types), layer_types=layer_types,
+        num_attention_heads=positive_int(cfg, "num_attention_heads"),
+        num_key_value_heads=positive_int(cfg, "num_key_value_heads"),
         head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // positive_int(cfg, "num_attention_heads")),
         intermediate_size=positive_int(cfg, "intermediate_size") if "mlp" in layer_types else 0,
         rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), norm_offset=0.0,

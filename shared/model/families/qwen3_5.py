@@ -54,6 +54,9 @@ def fields(cfg: dict[str, Any], always_norm_topk: bool = ALWAYS_NORM_TOPK) -> di
     if dense and "intermediate_size" not in cfg:
         raise ConfigError("config.json: field 'intermediate_size' is needed by the dense MLP layers")
     return dict(
+        num_attention_heads=positive_int(cfg, "num_attention_heads"),
+        num_key_value_heads=positive_int(cfg, "num_key_value_heads"),
+        attention_bias=bool(cfg.get("attention_bias", False)),
         intermediate_size=positive_int(cfg, "intermediate_size") if dense or "intermediate_size" in cfg else 0,
         num_hidden_layers=n_layers,
         head_dim=int(cfg.get("head_dim")
