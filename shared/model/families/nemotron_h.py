@@ -13,16 +13,37 @@ names (`embed_tokens`, `input_layernorm` or `post_attention_layernorm`, `mamba`,
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Protocol
 
 from torch import Tensor, nn
 
-from deltaspec.shared.model.families.qwen3_5 import ConfigFields
 from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, refuse_unless
 from deltaspec.shared.model.mixers.attention import Attention
 from deltaspec.shared.model.mixers.mamba2 import Mamba2Mixer
 from deltaspec.shared.model.mlp import ReluSquaredMLP
 from deltaspec.shared.state.spec import ATTENTION, RECURRENT, STATELESS, RecurrentSpec, StateSpec
+
+
+
+class NemotronFields(Protocol):
+    """What this module reads of a `ModelConfig`."""
+
+    layer_types: tuple[str, ...]
+    hidden_size: int
+    intermediate_size: int
+    mlp_bias: bool
+    num_key_value_heads: int
+    head_dim: int
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    mamba_n_groups: int
+    mamba_conv_kernel: int
+    mamba_conv_bias: bool
+    mamba_proj_bias: bool
+    mamba_norm_eps: float
+    mamba_dt_limit: tuple[float, float]
+
 
 TEXT_TYPES = ("nemotron_h",)
 WRAPPER_TYPES: dict[str, str] = {}
@@ -80,7 +101,7 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def layer(cfg: Any, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.Module | None]:
+def layer(cfg: NemotronFields, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.Module | None]:
     if kind == "mlp":
         return "", None, ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
     if kind == "full_attention":
@@ -90,7 +111,7 @@ def layer(cfg: Any, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.
                                 norm_eps=cfg.mamba_norm_eps, dt_limit=cfg.mamba_dt_limit), None
 
 
-def state_spec(cfg: Any) -> StateSpec:
+def state_spec(cfg: NemotronFields) -> StateSpec:
     width = cfg.mamba_num_heads * cfg.mamba_head_dim
     ssd = RecurrentSpec("ssd", conv_dim=width + 2 * cfg.mamba_n_groups * cfg.ssm_state_size,
                         conv_width=cfg.mamba_conv_kernel, heads=cfg.mamba_num_heads, key_dim=cfg.ssm_state_size,
@@ -102,7 +123,7 @@ def state_spec(cfg: Any) -> StateSpec:
 _BLOCK = re.compile(r"^(?:model|backbone)\.layers\.(\d+)\.(norm|mixer)\.(.*)$")
 
 
-def convert(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:
+def convert(tensors: dict[str, Tensor], cfg: NemotronFields) -> None:
     """HF's (or the published `backbone.`) names -> the shared layers', in place."""
     for name in list(tensors):
         m = _BLOCK.match(name)
@@ -122,7 +143,7 @@ def convert(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:
                 name = new + name[len(old):]
 
 
-def publish(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:
+def publish(tensors: dict[str, Tensor], cfg: NemotronFields) -> None:
     """`convert`'s inverse, in place: HF 5.25's names."""
     for name in list(tensors):
         m = re.match(r"^model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm|mamba|self_attn|mlp)\.(.*)$",

@@ -8,7 +8,7 @@ they are read is the state access's business (`StateAccess.attend`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +20,23 @@ from deltaspec.shared.state.access import StateAccess, attend
 from deltaspec.shared.state.rollback import AttnLayerState
 from deltaspec.shared.state.spec import ATTENTION
 
-if TYPE_CHECKING:
-    from deltaspec.shared.model.config import ModelConfig
+
+
+class AttentionFields(Protocol):
+    """What the mixer reads of `ModelConfig` (which imports the families, which import the mixers)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    attention_output_gate: bool
+    attention_qk_norm: bool
+    rms_norm_eps: float
+    norm_offset: float
+
+    @property
+    def rotary_dim(self) -> int: ...
 
 
 @dataclass
@@ -36,7 +51,7 @@ class FusedAttention:
 class Attention(nn.Module):
     state = ATTENTION
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: AttentionFields) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.gated, self.rotary = cfg.attention_output_gate, cfg.rotary_dim > 0

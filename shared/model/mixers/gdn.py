@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +22,24 @@ from deltaspec.shared.state.rollback import RecurrentSlot
 from deltaspec.shared.state.spec import RECURRENT
 from deltaspec.shared.state.steps import Start, Step
 
-if TYPE_CHECKING:
-    from deltaspec.shared.model.config import ModelConfig
+
+class GDNFields(Protocol):
+    """What the mixer reads of `ModelConfig` (which imports the families, which import the mixers)."""
+
+    hidden_size: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    rms_norm_eps: float
+
+    @property
+    def conv_dim(self) -> int: ...
+
+    @property
+    def value_dim(self) -> int: ...
+
 
 L2NORM_EPS = 1e-6  # the l2norm of q and k (HF's default, not the config's rms_norm_eps)
 
@@ -42,7 +58,7 @@ class FusedGDN:
 class GatedDeltaNet(nn.Module):
     state = RECURRENT
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: GDNFields) -> None:
         super().__init__()
         self.n_k, self.n_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.d_k, self.d_v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
