@@ -29,6 +29,15 @@ CONFIGS = {
         intermediate_size=48, mamba_num_heads=4, mamba_head_dim=12, ssm_state_size=16, n_groups=1, conv_kernel=3,
         use_conv_bias=False, tie_word_embeddings=True, time_step_limit=[0.05, 2.0],
         layers_block_type=["full_attention", "linear_attention", "linear_attention", "mlp"])),
+    "lfm2-a": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        vocab_size=97, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        block_multiple_of=16, block_ffn_dim_multiplier=1.5, conv_L_cache=3, conv_bias=True, norm_eps=1e-6,
+        tie_word_embeddings=False, num_hidden_layers=5,
+        layer_types=["conv", "conv", "full_attention", "conv", "full_attention"])),
+    "lfm2-b": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        vocab_size=89, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=40,
+        block_auto_adjust_ff_dim=False, conv_L_cache=5, rope_parameters={"rope_type": "default", "rope_theta": 5e4},
+        full_attn_idxs=[0], num_hidden_layers=4)),
 }
 
 
@@ -147,12 +156,20 @@ def test_greedy_matches_hf_generate_with_every_drafter(checkpoint):
         assert generate(ours, prompt, 20, drafter, k).token_ids == want
 
 
+# per model_type: config changes that a load must refuse, and what its message names
+REFUSALS = {
+    "nemotron_h": (({"layers_block_type": ["linear_attention", "moe"]}, "'moe'"),
+                   ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
+                   ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers")),
+    "lfm2": (({"layer_types": ["conv", "sliding_attention"], "num_hidden_layers": 2}, "'sliding_attention'"),
+             ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}}, "rope_type")),
+}
+
+
 def test_unsupported_parts_are_refused_at_load(checkpoint, tmp_path):
     directory, _ = checkpoint
     config = json.loads((directory / "config.json").read_text())
-    for change, named in (({"layers_block_type": ["linear_attention", "moe"]}, "'moe'"),
-                          ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
-                          ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers")):
+    for change, named in REFUSALS[config["model_type"]]:
         (tmp_path / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
         (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(CheckpointError, match=re.escape(named)):

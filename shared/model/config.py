@@ -61,6 +61,9 @@ class ModelConfig:
     mamba_proj_bias: bool = False
     mamba_norm_eps: float = 1e-5
     mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # short conv layers (LFM2)
+    short_conv_kernel: int = 3
+    short_conv_bias: bool = False
     # sparse MoE blocks (0 experts: every MLP dense)
     num_experts: int = 0
     num_experts_per_tok: int = 0

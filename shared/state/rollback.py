@@ -83,7 +83,7 @@ def commit_plan(g: Tensor, k: Tensor, delta: Tensor, x_tail: Tensor | None = Non
     L, H, Dk, n = k.shape
     exps = g.new_empty(g.shape[0], n + 1)
     scaled = k.new_empty(L, H, Dk, n)
-    per_head = g.shape[0] // (L * H)  # 1, or Dk
+    per_head = g.shape[0] // (L * H) if H else 1  # 1, or Dk (no heads: a conv window alone, every operand empty)
     return CommitPlan(g=g, sums=torch.ones(n, n + 1, device=g.device).tril(), exps=exps,
                       exp_total=exps[:, :1].view(L, H, per_head, 1), decays=exps[:, 1:].view(L, H, per_head, n), k=k,
                       scaled_k=scaled, scaled_k_flat=scaled.view(L * H, Dk, n), delta=delta, x_tail=x_tail)
@@ -101,6 +101,12 @@ def closed_form(p: CommitPlan, state: Tensor, out: Tensor, out_flat: Tensor) -> 
     torch.mul(state, p.exp_total, out=out)
     torch.mul(p.k, p.decays, out=p.scaled_k)
     out_flat.baddbmm_(p.scaled_k_flat, p.delta)
+
+
+def layer_heads(state: Tensor) -> Tensor:
+    """States `(L, H, Dk, Dv)` as the `(L H, Dk, Dv)` view the closed form writes (sizes spelled out: `view(-1, ...)`
+    is ambiguous with zero heads)."""
+    return state.view(state.shape[0] * state.shape[1], *state.shape[2:])
 
 
 class LogRows(NamedTuple):
@@ -126,6 +132,7 @@ class RecurrentStates:
         `log_capacity`);
         without one `mark` allocates that snapshot. `rows`: the slot's logs as rows of the pool's (`Lease.rows`)."""
         shapes = spec.buffers(n_layers, dtype, log_capacity)
+        self.decay = spec.decay
 
         def buffer(name: str) -> Tensor:
             if slot is not None:
@@ -166,7 +173,7 @@ class RecurrentStates:
         if name in ("conv", "window", "marked_window"):
             self.tails[name] = [t[:, n:] for n in range(t.shape[1])]
         elif name in ("state", "spare", "marked_state"):
-            self.flat[name] = t.view(-1, *t.shape[2:])
+            self.flat[name] = layer_heads(t)
 
     def log_views(self, i: int, start: int, end: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Layer i's log slots for staged tokens start..end-1: x `(T, C)`, k `(H, Dk, T)`, delta `(H, T, Dv)`, g
@@ -191,7 +198,7 @@ class RecurrentStates:
         plan = self._prefixes.get(n)
         if plan is None:
             L, H, Dk, C = self.k.shape
-            plan = self._prefixes[n] = commit_plan(self.g.view(-1, C)[:, :n], self.k[..., :n],
+            plan = self._prefixes[n] = commit_plan(self.g.flatten(0, -2)[:, :n], self.k[..., :n],
                                                    self.delta[:, :, :n].view(L * H, n, self.delta.shape[-1]),
                                                    self._x_tail(n))
         return plan
@@ -212,7 +219,7 @@ class RecurrentStates:
         `(L, K-1, C)` and `out_state` `(L, H, Dk, Dv)` (a prefix cache's entry, or a buffer of this state)."""
         if not self.logged:
             raise ValueError(f"partial commit ({n} of {staged}) of a staging longer than {self.log_capacity} tokens")
-        if out_state.is_cuda and self.g.ndim == 3:  # a decay per head: one Triton launch for every (layer, head)
+        if out_state.is_cuda and self.decay == "head":  # a decay per head: one Triton launch for every (layer, head)
             # tile (`shared/kernels/triton_commit.py`):
             # it reads the logs as they are, so no per-n plan and none of its buffers
             from deltaspec.shared.kernels.triton_commit import commit_states
@@ -223,7 +230,7 @@ class RecurrentStates:
         p = self._prefix(n)
         self._window_after(n, out_window, p.x_tail)
         closed_form(p, self.state, out_state,
-                    out_state.view(-1, *out_state.shape[2:]) if out_flat is None else out_flat)
+                    layer_heads(out_state) if out_flat is None else out_flat)
         return out_window, out_state
 
     def _x_tail(self, n: int) -> Tensor:

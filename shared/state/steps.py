@@ -17,9 +17,10 @@ from deltaspec.shared.kernels import VerifyLogs
 
 class Step(NamedTuple):
     """A recurrence's pass over T tokens (any leading batch axis on all): `out (..., T, H, Dv)` its output before
-    the mixer's gate and projection; what is logged per token, `k (..., T, H, Dk)`, `d (..., T, H, Dv)` and the log
-    decay `g (..., T, H)` (or `(..., T, H, Dk)`, a decay per key channel); the state after them `final
-    (..., H, Dk, Dv)`; `logged`: the kernel wrote k, d and g into the logs itself (`Start.logs`)."""
+    the mixer's gate and projection (a short conv's `(..., T, C)`: the access hands it back as it is); what is
+    logged per token, `k (..., T, H, Dk)`, `d (..., T, H, Dv)` and the log decay `g (..., T, H)` (or
+    `(..., T, H, Dk)`, a decay per key channel); the state after them `final (..., H, Dk, Dv)`; `logged`: the kernel
+    wrote k, d and g into the logs itself (`Start.logs`)."""
 
     out: Tensor
     k: Tensor
