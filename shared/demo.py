@@ -60,6 +60,7 @@ def embedded_pair() -> Iterator[tuple[BackgroundServer, BackgroundServer]]:
 
 def run(prompt: str, max_new_tokens: int, sampling, num_draft_tokens: int = NUM_DRAFT_TOKENS) -> int:
     """Serve the pair, stream one generation to stdout, then a one-line report; a bar while models load."""
+    quiet_grpc()  # before the first import of grpc
     from deltaspec.shared.rpc.generation import generate_on_server
 
     started = time.perf_counter()

@@ -348,6 +348,15 @@ CASES = [
     Case("Generate 17 stop strings", T, "committed",
          lambda L: list(L.t.Generate(pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=2,
                                                         stop_strings=["a"] * 17))), IA, "stop_strings"),
+    Case("Generate top_logprobs without logprobs", T, "committed",
+         lambda L: list(L.t.Generate(pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=2, top_logprobs=2))),
+         IA, "top_logprobs"),
+    Case("Generate 21 top_logprobs", T, "committed",
+         lambda L: list(L.t.Generate(pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=2, logprobs=True,
+                                                        top_logprobs=21))), IA, "top_logprobs"),
+    Case("Generate a prompt that fills max_total_tokens", T, "committed",
+         lambda L: list(L.t.Generate(pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=2,
+                                                        max_total_tokens=len(PROMPT)))), IA, "max_total_tokens"),
     # TargetService sessions
     Case("Verify on an unknown session", T, "proposed",
          lambda L: L.t.Verify(L.verify_request(session_id="nope", round_id="x")), NF, "session_id"),
@@ -610,6 +619,8 @@ ANY_VALUE = {
     "max_new_tokens": "0 generates none",
     "sparse_probs": "a switch: dense or sparse draft distributions",
     "speculative": "a switch; a parent round without it is refused (parent_round_id)",
+    "logprobs": "a switch: the emitted tokens' log-probabilities, or none",
+    "ignore_eos": "a switch: whether EOS ends the generation",
 }
 
 
