@@ -1,6 +1,7 @@
 """Families beyond the Qwen ones, against HF transformers' own classes as the oracle: each loads as
 `save_pretrained` writes it, and every path (layer, fused, static, batched; decode, verify, commits of every length,
-rounds of zero drafts after accepted ones) gives HF's logits and HF's greedy tokens."""
+rounds of zero drafts after accepted ones; prefix cache hits in a state pool's slots) gives HF's logits and HF's
+greedy tokens. A pure Mamba2 runs all of it with no attention layer at all."""
 from __future__ import annotations
 
 import json
@@ -9,12 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.drafters.ngram import NgramDrafter
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.batched import forward_batch
+from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.loader import CheckpointError, load_model
+from deltaspec.shared.state import pool as state_pool
+from deltaspec.shared.state import prefix_cache
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,6 +43,32 @@ CONFIGS = {
         vocab_size=89, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=40,
         block_auto_adjust_ff_dim=False, conv_L_cache=5, rope_parameters={"rope_type": "default", "rope_theta": 5e4},
         full_attn_idxs=[0], num_hidden_layers=4)),
+    "bamba-a": ("BambaConfig", "BambaForCausalLM", dict(
+        vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=6, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=2, mamba_d_conv=4, time_step_limit=[0.05, 2.0])),
+    "bamba-b": ("BambaConfig", "BambaForCausalLM", dict(
+        vocab_size=89, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, attn_layer_indices=[0, 2], mamba_n_heads=4, mamba_d_head=8, mamba_d_state=16,
+        mamba_n_groups=1, mamba_d_conv=3, mamba_expand=1, mamba_conv_bias=False, mamba_proj_bias=True,
+        mlp_bias=True, tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=500.0))),
+    "mamba2-a": ("Mamba2Config", "Mamba2ForCausalLM", dict(
+        vocab_size=97, hidden_size=48, num_hidden_layers=3, num_heads=12, head_dim=8, state_size=8, n_groups=3,
+        conv_kernel=4, tie_word_embeddings=True)),
+    "mamba2-b": ("Mamba2Config", "Mamba2ForCausalLM", dict(
+        vocab_size=89, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=16, n_groups=1,
+        conv_kernel=3, use_bias=True, use_conv_bias=False, time_step_limit=[0.05, 2.0])),
+}
+# per model_type: config changes a load refuses, and what its message names
+REFUSED = {
+    "nemotron_h": (({"layers_block_type": ["linear_attention", "moe"]}, "'moe'"),
+                   ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
+                   ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers")),
+    "bamba": (({"hidden_act": "gelu"}, "hidden_act"), ({"rope_parameters": {"rope_type": "llama3"}}, "rope_type"),
+              ({"mamba_d_head": 5}, "mamba_d_head")),
+    "mamba2": (({"hidden_act": "gelu"}, "hidden_act"), ({"head_dim": 5}, "head_dim")),
+    "lfm2": (({"layer_types": ["conv", "sliding_attention"], "num_hidden_layers": 2}, "'sliding_attention'"),
+             ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}}, "rope_type")),
 }
 
 
@@ -108,9 +139,7 @@ def test_batched_pass_equals_each_alone(checkpoint):
     want = []
     for ids, state in items:  # the same sequences, one at a time, on copies of their states
         copy = ours.new_state()
-        copy.load_head(state.length, state.recurrent.conv, state.recurrent.state,
-                       torch.stack([torch.stack([a.k[:, :state.length], a.v[:, :state.length]]) for a in state.attn])
-                       if state.attn else [])
+        copy.load_head(state.length, state.recurrent.conv, state.recurrent.state, state.kv(0, state.length))
         want.append(ours(ids, copy)[0])
     got = forward_batch(ours, items)
     for (logits, _), expected in zip(got, want):
@@ -156,20 +185,52 @@ def test_greedy_matches_hf_generate_with_every_drafter(checkpoint):
         assert generate(ours, prompt, 20, drafter, k).token_ids == want
 
 
-# per model_type: config changes that a load must refuse, and what its message names
-REFUSALS = {
-    "nemotron_h": (({"layers_block_type": ["linear_attention", "moe"]}, "'moe'"),
-                   ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
-                   ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers")),
-    "lfm2": (({"layer_types": ["conv", "sliding_attention"], "num_hidden_layers": 2}, "'sliding_attention'"),
-             ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}}, "rope_type")),
-}
+def test_prefix_cache_hits_and_a_state_pool_give_hf_tokens(checkpoint):
+    """Sessions in a state pool's slots resuming from cached prefixes (no K/V at all for a pure Mamba2) generate
+    what HF generates."""
+    directory, hf = checkpoint
+    ours = load_model(directory)
+    state_pool.attach(ours, state_pool.StatePool(ours.config.state_spec, 2**26))
+    prefix_cache.attach(ours, block=4)
+    prompt = torch.randint(0, ours.config.vocab_size, (14,), generator=torch.Generator().manual_seed(5)).tolist()
+    for turn in (prompt, prompt[:11] + [3, 1]):  # a miss that fills the cache, then a hit on 8 of its tokens
+        with torch.no_grad():  # a mask of ones: else HF masks the prompt's pad_token_id (Mamba2's is 1) as padding
+            want = hf.generate(torch.tensor([turn]), attention_mask=torch.ones(1, len(turn), dtype=torch.long),
+                               max_new_tokens=12, do_sample=False)[0, len(turn):].tolist()
+        result = generate(ours, turn, 12, NgramDrafter(), 3)
+        assert result.token_ids == want
+    assert result.stats.cached_prompt_tokens == 8
+
+
+def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoint, tmp_path):
+    """A `mamba_ssm` conversion's `backbone.embedding.` loads as HF's load hook renames it; a config without the
+    fields `save_pretrained` fills in gets HF's defaults (Bamba's rotary on half of each head)."""
+    directory, _ = checkpoint
+    config = json.loads((directory / "config.json").read_text())
+    if config["model_type"] == "mamba2":
+        tensors = load_file(directory / "model.safetensors")
+        tensors["backbone.embedding.weight"] = tensors.pop("backbone.embeddings.weight")
+        save_file(tensors, tmp_path / "model.safetensors")
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        ids = torch.arange(12) % config["vocab_size"]
+        want = load_model(directory)(ids, load_model(directory).new_state())[0]
+        ours = load_model(tmp_path)
+        assert torch.equal(ours(ids, ours.new_state())[0], want)
+    if config["model_type"] == "bamba":
+        bare = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                       "num_attention_heads", "num_key_value_heads", "mamba_n_heads", "mamba_d_state")}
+        hf = transformers.BambaConfig(**bare, rope_theta=300.0)
+        ours = ModelConfig.from_dict({**bare, "model_type": "bamba", "rope_theta": 300.0})
+        assert ours.rotary_dim == hf.hidden_size // hf.num_attention_heads * hf.rope_parameters["partial_rotary_factor"]
+        assert ours.rope_theta == hf.rope_parameters["rope_theta"] == 300.0
+        assert ours.mamba_head_dim == hf.mamba_d_head and ours.num_key_value_heads == hf.num_key_value_heads
+        assert ours.layer_types == tuple(hf.layers_block_type)
 
 
 def test_unsupported_parts_are_refused_at_load(checkpoint, tmp_path):
     directory, _ = checkpoint
     config = json.loads((directory / "config.json").read_text())
-    for change, named in REFUSALS[config["model_type"]]:
+    for change, named in REFUSED[config["model_type"]]:
         (tmp_path / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
         (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(CheckpointError, match=re.escape(named)):

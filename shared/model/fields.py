@@ -1,7 +1,12 @@
-"""Reading `config.json` fields: one error type, naming the field, for every family's parser."""
+"""What every family's module shares: reading `config.json` fields (one error type, naming the field) and renaming
+its published tensors."""
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Any
+
+from torch import Tensor
 
 
 class ConfigError(ValueError):
@@ -30,3 +35,15 @@ def refuse_unless(cfg: dict[str, Any], name: str, supported: tuple[Any, ...], mo
     if name in cfg and cfg[name] not in supported:
         raise ConfigError(f"config.json: {model_type} with {name}={cfg[name]!r} is not supported (supported: "
                           f"{', '.join(repr(v) for v in supported)})")
+
+
+def rename(tensors: dict[str, Tensor], table: Iterable[tuple[str, str]]) -> None:
+    """Rename, in place, every tensor whose name starts with a table entry's first prefix to start with its second;
+    a `*` stands for a layer index, the same in both. The first entry that matches wins."""
+    rules = [(re.compile(re.escape(old).replace(r"\*", r"(\d+)")), new) for old, new in table]
+    for name in list(tensors):
+        for pattern, new in rules:
+            m = pattern.match(name)
+            if m:
+                tensors[(new.replace("*", m.group(1)) if m.groups() else new) + name[m.end():]] = tensors.pop(name)
+                break

@@ -18,26 +18,32 @@ from deltaspec.shared.model.norms import concat
 class FusedMLP:
     w_in: Tensor  # (2 intermediate, hidden) [gate; up], or (intermediate, hidden) up alone
     down_t: Tensor  # down_proj.weight.t(), a view
+    b_in: Tensor | None = None  # [gate; up] biases, with `bias` (Bamba's `mlp_bias`)
+    b_out: Tensor | None = None  # down_proj.bias
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x) (Qwen, Llama, Bamba)."""
+    """SwiGLU: down(silu(gate x) * up x) (Qwen, Llama, Bamba), with biases where the config asks for them."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def fuse(self) -> FusedMLP:
-        return FusedMLP(concat(self.gate_proj, self.up_proj), self.down_proj.weight.detach().t())
+        biased = self.down_proj.bias is not None
+        b_in = torch.cat([self.gate_proj.bias.detach(), self.up_proj.bias.detach()]) if biased else None
+        return FusedMLP(concat(self.gate_proj, self.up_proj), self.down_proj.weight.detach().t(), b_in,
+                        self.down_proj.bias.detach() if biased else None)
 
     def fused(self, f: FusedMLP, h: Tensor, residual: Tensor) -> Tensor:
-        gate, up = F.linear(h, f.w_in).chunk(2, dim=-1)
-        return torch.addmm(residual, F.silu(gate) * up, f.down_t)
+        gate, up = F.linear(h, f.w_in, f.b_in).chunk(2, dim=-1)
+        out = torch.addmm(residual, F.silu(gate) * up, f.down_t)
+        return out if f.b_out is None else out + f.b_out
 
 
 class ReluSquaredMLP(nn.Module):

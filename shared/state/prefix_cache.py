@@ -432,7 +432,7 @@ class Cursor:
             if self.tail is not None:  # the hidden states an MTP drafter resuming here reads
                 rest = torch.cat(self.tail)
                 rows, self.tail = rest[:block].clone(), [rest[block:]]
-            kv = torch.stack([torch.stack([a.k[:, start:end], a.v[:, start:end]]) for a in state.attn])
+            kv = state.kv(start, end)
             entry = self.cache._add(self.tip, tuple(self.ids[start:end]), None if window is None else window.clone(),
                                     None if gdn_state is None else gdn_state.clone(), kv, rows)
             if entry is None:

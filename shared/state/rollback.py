@@ -464,6 +464,14 @@ class ModelState:
             layer.v[:, :length] = v
         self.length = length
 
+    def kv(self, start: int, end: int) -> Tensor:
+        """Every attention layer's K/V of positions start..end-1 `(A, 2, H_kv, end - start, D)`, as `load_head` takes
+        it; A = 0 for a model without attention layers (pure Mamba2), whose prefix cache entries hold none."""
+        if not self.attn:
+            window = self.recurrent.conv
+            return window.new_empty(0, 2, self.spec.kv_heads, end - start, self.spec.head_dim)
+        return torch.stack([torch.stack([a.k[:, start:end], a.v[:, start:end]]) for a in self.attn])
+
     def load_from(self, source: ModelState, n: int) -> None:
         """Make a fresh state's head `source`'s after its first n staged tokens, computed as `source.commit(n)`
         would compute it, so a sequence continued here equals one continued there bit for bit (a draft's branch:

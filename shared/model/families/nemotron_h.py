@@ -17,12 +17,11 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
-from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, refuse_unless
+from deltaspec.shared.model.families.mamba2 import mixer, ssd_spec, time_step_limit
+from deltaspec.shared.model.fields import ConfigError, positive_int, refuse_unless
 from deltaspec.shared.model.mixers.attention import Attention
-from deltaspec.shared.model.mixers.mamba2 import Mamba2Mixer
 from deltaspec.shared.model.mlp import ReluSquaredMLP
-from deltaspec.shared.state.spec import ATTENTION, RECURRENT, STATELESS, RecurrentSpec, StateSpec
-
+from deltaspec.shared.state.spec import ATTENTION, RECURRENT, STATELESS, StateSpec
 
 
 class NemotronFields(Protocol):
@@ -77,9 +76,6 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
     def get(name: str, old: str, default: Any) -> Any:
         return cfg.get(name, cfg.get(old, default))
 
-    limit = get("time_step_limit", "mamba_dt_limit", (0.0, float("inf")))
-    if not isinstance(limit, (list, tuple)) or len(limit) != 2:
-        raise ConfigError(f"config.json: field 'time_step_limit' must be [low, high], got {limit!r}")
     return dict(
         num_hidden_layers=len(layer_types), layer_types=layer_types,
         num_attention_heads=positive_int(cfg, "num_attention_heads"),
@@ -97,7 +93,7 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
         mamba_conv_bias=bool(get("use_conv_bias", "mamba_conv_bias", True)),
         mamba_proj_bias=bool(cfg.get("use_bias", False)),  # HF's mixer reads use_bias, not mamba_proj_bias
         mamba_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
-        mamba_dt_limit=(json_float(limit[0], "time_step_limit"), json_float(limit[1], "time_step_limit")),
+        mamba_dt_limit=time_step_limit(get("time_step_limit", "mamba_dt_limit", (0.0, float("inf")))),
     )
 
 
@@ -106,18 +102,12 @@ def layer(cfg: NemotronFields, kind: str, sparse: bool) -> tuple[str, nn.Module 
         return "", None, ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
     if kind == "full_attention":
         return "self_attn", Attention(cfg), None
-    return "mamba", Mamba2Mixer(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size,
-                                cfg.mamba_n_groups, cfg.mamba_conv_kernel, cfg.mamba_conv_bias, cfg.mamba_proj_bias,
-                                norm_eps=cfg.mamba_norm_eps, dt_limit=cfg.mamba_dt_limit), None
+    return "mamba", mixer(cfg), None
 
 
 def state_spec(cfg: NemotronFields) -> StateSpec:
-    width = cfg.mamba_num_heads * cfg.mamba_head_dim
-    ssd = RecurrentSpec("ssd", conv_dim=width + 2 * cfg.mamba_n_groups * cfg.ssm_state_size,
-                        conv_width=cfg.mamba_conv_kernel, heads=cfg.mamba_num_heads, key_dim=cfg.ssm_state_size,
-                        value_dim=cfg.mamba_head_dim)
     kinds = {"linear_attention": RECURRENT, "full_attention": ATTENTION, "mlp": STATELESS}
-    return StateSpec(tuple(kinds[k] for k in cfg.layer_types), ssd, cfg.num_key_value_heads, cfg.head_dim)
+    return StateSpec(tuple(kinds[k] for k in cfg.layer_types), ssd_spec(cfg), cfg.num_key_value_heads, cfg.head_dim)
 
 
 _BLOCK = re.compile(r"^(?:model|backbone)\.layers\.(\d+)\.(norm|mixer)\.(.*)$")
