@@ -31,8 +31,8 @@ import json
 import torch
 from tqdm import tqdm
 
-from benchmarks import (cost_model, generation, gpu, load, moe_passes as moe, openai_front, pipeline, prefix, report,
-                        session_memory, steps as step_costs, wire)
+from benchmarks import (cost_model, families, generation, gpu, load, moe_passes as moe, openai_front, pipeline, prefix,
+                        report, session_memory, steps as step_costs, wire)
 from benchmarks.report import FIGURES, RESULTS
 from benchmarks.rollback_cost import compare
 from benchmarks.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
@@ -46,7 +46,7 @@ from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY
 
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
 SECTIONS = ("steps", "acceptance", "generations", "grpc", "wire", "tracing", "rollback", "memory", "pipeline", "load",
-            "sessions", "moe", "cost_model", "prefix", "compiled", "gpu", "openai")
+            "sessions", "moe", "cost_model", "prefix", "compiled", "gpu", "openai", "families")
 
 
 def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
@@ -146,6 +146,9 @@ def run(args: argparse.Namespace) -> dict:
         if "openai" in steps:
             result["openai"] = openai_front.openai_front(DEFAULT_TARGET, DEFAULT_DRAFT, quick)
             bar.update()
+        if "families" in steps:
+            result["families"] = families.families(quick)
+            bar.update()
     return result
 
 
@@ -199,6 +202,8 @@ def print_tables(result: dict) -> None:
         prefix.print_rows(result["prefix"])
     if "openai" in result:
         openai_front.print_rows(result["openai"])
+    if "families" in result:
+        families.print_rows(result["families"])
     if "gpu" in result:
         gpu.print_rows(result["gpu"])
         print("\nGPU: load (both servers --device cuda)", end="")

@@ -18,8 +18,11 @@ from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.loader import CheckpointError, load_model
+from deltaspec.shared.rpc.generation import generate_on_server
 from deltaspec.shared.state import pool as state_pool
 from deltaspec.shared.state import prefix_cache
+from support import Served, both_loops
+from test_batching import run_threads
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,15 +88,19 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim == 1 else p.shape[-1] ** -0.5))
 
 
+def saved(name: str, directory: Path) -> torch.nn.Module:
+    """HF's model of config `name` with random weights, written by its own `save_pretrained` into `directory`."""
+    config_class, model_class, fields = CONFIGS[name]
+    hf = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields)).eval()
+    randomise(hf, len(name))
+    hf.save_pretrained(directory)
+    return hf
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
-    config_class, model_class, fields = CONFIGS[request.param]
-    cfg = getattr(transformers, config_class)(**fields)
-    hf = getattr(transformers, model_class)(cfg).eval()
-    randomise(hf, len(request.param))
     directory = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(directory)
-    return directory, hf
+    return directory, saved(request.param, directory)
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -249,3 +256,27 @@ def test_no_family_is_named_outside_the_model_and_state_floors():
     found = [f"{path.relative_to(root)}:{i}" for path in files
              for i, line in enumerate(path.read_text().splitlines(), 1) if names.search(line)]
     assert not found, found
+
+
+@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a"])  # a Mamba2 state and a conv window alone
+def test_services_serve_hf_tokens(name, tmp_path):
+    """serve-target beside serve-draft (the same checkpoint as draft: a near-copy), as an operator starts them:
+    HF's greedy tokens through the target's loop and the client-driven one (pipelined), then five Generate streams
+    of different lengths and k at once on a batching target, joining and leaving, each HF's."""
+    hf = saved(name, tmp_path)
+    prompt = torch.randint(0, CONFIGS[name][2]["vocab_size"], (10,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = hf.generate(prompt[None], attention_mask=torch.ones(1, 10, dtype=torch.long), max_new_tokens=16,
+                           do_sample=False)[0, 10:].tolist()
+    with Served("serve-draft", tmp_path) as drafted, \
+            Served("serve-target", tmp_path, "--draft-addr", drafted.address, "--draft-timeout", "30") as served:
+        assert both_loops(served, drafted, prompt.tolist(), 16, 3) == (want, want)
+        streams = [(prompt.tolist(), 4, 16), (prompt[:6].tolist(), 2, 8), (prompt[:3].tolist(), 0, 12)] * 2
+        out = run_threads(lambda i: generate_on_server(served.address, streams[i][0], "", streams[i][2],
+                                                       streams[i][1])[0].token_ids, list(range(5)))
+    for (ids, _, n), got in zip(streams, out):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                   max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+        assert got == expected
+

@@ -2,7 +2,8 @@
 
 Over many seeded runs on tiny random models (vocabulary 16, so every cell of the test is
 populated; a dense Qwen3.5 target and a Qwen3-Next MoE one with its MTP head), the empirical distribution of the first three generated tokens, taken as the marginal
-of t1, the joint of (t1, t2) and the marginal of t3, is compared with the target's exact distribution, computed
+of t1, the joint of (t1, t2) and the marginal of t3 (also on a Mamba2 and a short-conv target, one of each other
+state kind), is compared with the target's exact distribution, computed
 from its logits (p(t1), p(t2 | t1), p(t3 | t1, t2) after temperature, top-k and top-p) rather
 than sampled. The test is a G-test (likelihood-ratio chi-square; cells with expected count
 below 5 pooled), each of the three rejecting at significance ALPHA = 1e-3. The same tests catch two
@@ -42,9 +43,17 @@ def with_mtp(config: dict, seed: int):
     return model
 
 
-TARGETS = {"dense": with_mtp(CFG, 1), "moe": with_mtp(MOE_CFG, 5)}
+# one target of each other state kind: Mamba2 (`ssd`, Nemotron-H) and a short conv (`conv`, LFM2)
+SSD_CFG = dict(model_type="nemotron_h", vocab_size=V, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+               head_dim=16, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1,
+               conv_kernel=4, layers_block_type=["linear_attention", "full_attention", "mlp"])
+CONV_CFG = dict(model_type="lfm2", vocab_size=V, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=64, block_auto_adjust_ff_dim=False, conv_L_cache=3, num_hidden_layers=2,
+                layer_types=["conv", "full_attention"])
+TARGETS = {"dense": with_mtp(CFG, 1), "moe": with_mtp(MOE_CFG, 5), "ssd": random_model(SSD_CFG, seed=11),
+           "conv": random_model(CONV_CFG, seed=12)}
 TARGET = TARGETS["dense"]
-HEADS = {name: MTPHead(model) for name, model in TARGETS.items()}
+HEADS = {name: MTPHead(TARGETS[name]) for name in ("dense", "moe")}
 DRAFT = random_model(CFG, seed=2)  # a different model: q differs from p, so both accepts and rejections occur
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so the n-gram drafter proposes in the first round
 T1 = SamplingParams(temperature=1.0)
@@ -101,6 +110,7 @@ def g_test(counts: torch.Tensor, probs: torch.Tensor) -> float:
     if (obs[~keep] > 0).any():
         return 0.0  # a token the target never draws
     obs, exp = obs[keep], exp[keep]
+    assert len(obs) > 1, "every cell expected below 5: too few runs for this distribution to test anything"
     g = 2 * float((obs[obs > 0] * (obs[obs > 0] / exp[obs > 0]).log()).sum())
     df = len(obs) - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(g / 2)))
@@ -116,9 +126,11 @@ def p_values(tokens: torch.Tensor, sampling: SamplingParams, target: str = "dens
 
 @pytest.mark.parametrize("target, drafter, sampling",
                          [("dense", "model", T1), ("dense", "model-stop", T1), ("dense", "ngram", T1),
-                          ("dense", "mtp", FILTERED), ("moe", "model", T1), ("moe", "mtp", FILTERED)],
+                          ("dense", "mtp", FILTERED), ("moe", "model", T1), ("moe", "mtp", FILTERED),
+                          ("ssd", "model", T1), ("conv", "model", FILTERED)],
                          ids=["model-T1", "model-stop_below-T1", "ngram-T1", "mtp-T0.8-topk10-topp0.9",
-                              "moe-model-T1", "moe-mtp-T0.8-topk10-topp0.9"])
+                              "moe-model-T1", "moe-mtp-T0.8-topk10-topp0.9", "ssd-model-T1",
+                              "conv-model-T0.8-topk10-topp0.9"])
 def test_speculative_sampling_matches_target(target, drafter, sampling):
     tokens, totals = sample(drafter, sampling, target=target)
     assert 0 < totals["accepted"] < totals["drafted"], totals  # both accepts and rejections happened

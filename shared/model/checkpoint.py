@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.model.norms import RMSNorm
 from deltaspec.shared.model.families import family_of
 from deltaspec.shared.model.hybrid import HybridLM
 
@@ -80,4 +81,7 @@ def random_model(config: dict[str, Any], seed: int = 0, scale: float = 0.3) -> H
             else:
                 fan_in = p.shape[-1] if p.ndim > 1 else 1
                 p.copy_(torch.randn(p.shape, generator=gen) * (scale if p.ndim == 1 else fan_in**-0.5))
+        for norm in model.modules():  # a norm applied as w itself (not 1 + w) is drawn around 1, as trained ones sit
+            if isinstance(norm, RMSNorm) and not norm.offset:
+                norm.weight += 1
     return model.eval()
