@@ -33,7 +33,8 @@ CHECKPOINTS = {
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
         **WIDE, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64, mamba_num_heads=8,
         mamba_head_dim=64, ssm_state_size=64, n_groups=2, conv_kernel=4,
-        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp", "linear_attention"])),
+        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp",
+                           "linear_attention"])),
     "bamba": ("BambaConfig", "BambaForCausalLM", dict(
         **WIDE, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
         attn_layer_indices=[2, 5], mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64, mamba_n_groups=2,

@@ -1,9 +1,9 @@
 """Speculative sampling is lossless: the first tokens are distributed exactly as the target alone draws them.
 
-Over many seeded runs on tiny random models (vocabulary 16, so every cell of the test is
-populated; a dense Qwen3.5 target and a Qwen3-Next MoE one with its MTP head), the empirical distribution of the first three generated tokens, taken as the marginal
-of t1, the joint of (t1, t2) and the marginal of t3 (also on a Mamba2 and a short-conv target, one of each other
-state kind), is compared with the target's exact distribution, computed
+Over many seeded runs on tiny random models (vocabulary 16, so every cell of the test is populated; a dense
+Qwen3.5 target and a Qwen3-Next MoE one with its MTP head, and a Mamba2 and a short-conv target, one of each other
+state kind), the empirical distribution of the first three generated tokens, taken as the marginal of t1, the joint
+of (t1, t2) and the marginal of t3, is compared with the target's exact distribution, computed
 from its logits (p(t1), p(t2 | t1), p(t3 | t1, t2) after temperature, top-k and top-p) rather
 than sampled. The test is a G-test (likelihood-ratio chi-square; cells with expected count
 below 5 pooled), each of the three rejecting at significance ALPHA = 1e-3. The same tests catch two
