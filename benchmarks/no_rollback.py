@@ -95,7 +95,7 @@ def stale_run(model: HybridLM, prompt: list[int], want: list[int], drafter: Draf
         exact_logits, _ = model(torch.tensor(new_inputs), shadow)
         shadow.commit(shadow.staged)
         # the round's first input is the same token on the same history in both: compare their predictions
-        stale_logits = model.lm_head(model.model.norm(rnd.hidden[0]))
+        stale_logits = model.logits(model.model.norm(rnd.hidden[0]))
         agree.append(bool(stale_logits.argmax() == exact_logits[0].argmax()))
         fed += len(new_inputs)
         errors.append(state_error(session.state, shadow))

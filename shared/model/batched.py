@@ -49,7 +49,7 @@ def forward_batch(model: HybridLM, items: Sequence[tuple[Tensor, ModelState]]) -
         st.ensure_positions(start + T)
     access = BatchAccess([st for _, st in items], lengths, device)
     positions = torch.tensor([p for s, T in zip(starts, lengths) for p in range(s, s + T)], device=device)
-    x = model.model.embed_tokens(ids)
+    x = model.model.embed(ids)
     cos, _, signed_sin = model.rope(0, max(s + T for s, T in zip(starts, lengths)), x)
     logits, x = fused.forward(model, x, (cos[positions], signed_sin[positions]), access)
     for (_, st), T in zip(items, lengths):

@@ -68,7 +68,7 @@ class _Recorded:
         and another state allocated where they were replays it."""
         model, compiled = self.model, self.model.compiled
         positions = self.first + self.steps
-        x = model.model.embed_tokens(self.ids)
+        x = model.model.embed(self.ids)
         rope = (self.table[0].index_select(0, positions), self.table[2].index_select(0, positions))
         slots = self.offset + self.steps
         kv = [(layer.k, layer.v) for layer in state.attn]

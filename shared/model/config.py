@@ -72,6 +72,11 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # muP-style multipliers (Granite-4.0-H), each applied in one place every pass uses; 1 (None) is a no-op
+    embedding_multiplier: float = 1.0  # scales the embeddings (`HybridStack.embed`)
+    residual_multiplier: float = 1.0  # scales each mixer's and MLP's output before its residual add (their `alpha`)
+    attention_scale: float | None = None  # the attention's softmax scale; None: 1/sqrt(head_dim)
+    logits_scaling: float = 1.0  # divides the logits (`HybridLM.logits`)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -47,6 +47,8 @@ class Model(Protocol):
 
     def rope(self, start: int, end: int, like: Tensor) -> tuple[Tensor, Tensor, Tensor]: ...
 
+    def logits(self, y: Tensor) -> Tensor: ...
+
     def new_state(self, capacity: int = ..., log_capacity: int = ...) -> ModelState: ...
 
     def __call__(self, ids: Tensor, state: ModelState) -> tuple[Tensor, Tensor]: ...
@@ -109,4 +111,4 @@ def forward(model: Model, x: Tensor, rope: tuple[Tensor, Tensor], access: StateA
 
 def head(model: Model, x: Tensor) -> Tensor:
     """The final norm and the LM head: float32 logits."""
-    return model.lm_head(F.rms_norm(x, x.shape[-1:], model.fused.final_norm, model.model.norm.eps)).float()
+    return model.logits(F.rms_norm(x, x.shape[-1:], model.fused.final_norm, model.model.norm.eps))

@@ -49,6 +49,13 @@ class HybridLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    def logits(self, y: Tensor) -> Tensor:
+        """The LM head on final-normed hidden states `y`, divided by `logits_scaling` (Granite's) in the weights'
+        dtype as HF divides them: float32 logits. Every pass and the MTP drafter compute logits here."""
+        logits = self.lm_head(y)
+        scaling = self.config.logits_scaling
+        return (logits if scaling == 1.0 else logits / scaling).float()
+
     def new_state(self, capacity: int = 256, log_capacity: int = LOG_CAPACITY) -> ModelState:
         """A fresh sequence state; in a slot of the model's state pool when one is attached
         (`deltaspec.shared.state.pool`), whose logs are the pool's size."""
@@ -129,12 +136,12 @@ class HybridLM(nn.Module):
             state.staged += T
             return logits, x
         start = state.length + state.staged
-        x = self.model.embed_tokens(ids.to(self.device))
+        x = self.model.embed(ids.to(self.device))
         cos, sin, signed_sin = self.rope(start, start + T, x)
         if self.fused is None:  # the reference layers: the naive twin of the one pass
             for layer, st in zip(self.model.layers, state.layer_views()):
                 x = layer(x, st, start, (cos, sin))
-            logits = self.lm_head(self.model.norm(x)).float()
+            logits = self.logits(self.model.norm(x))
         elif self.compiled is not None and self.compiled.fits(state, T):
             logits, x = self.compiled(self, x, state, (cos, signed_sin))
         else:

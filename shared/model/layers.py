@@ -60,3 +60,9 @@ class HybridStack(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, kind, cfg.sparse(i)) for i, kind in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.embedding_multiplier = cfg.embedding_multiplier
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """The embeddings of `ids`, scaled by `embedding_multiplier` (Granite's): what every pass starts from."""
+        x = self.embed_tokens(ids)
+        return x if self.embedding_multiplier == 1.0 else x * self.embedding_multiplier

@@ -1,6 +1,7 @@
 """The channel mixers after a layer's token mixer, with HF's parameter names, each with the faces the one pass uses
 (`deltaspec.shared.model.mixers`): `forward` (the reference), `fuse()` and `fused(f, h, residual)` (the fast path,
-its input projections as one matmul and the residual add riding on `addmm`)."""
+its input projections as one matmul and the residual add riding on `addmm`). `out_multiplier` (Granite's
+`residual_multiplier`) scales what a block adds to the residual: `addmm`'s and `add`'s alpha, no extra call."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,30 +20,33 @@ class FusedMLP:
     w_in: Tensor  # (2 intermediate, hidden) [gate; up], or (intermediate, hidden) up alone
     down_t: Tensor  # down_proj.weight.t(), a view
     b_in: Tensor | None = None  # [gate; up] biases, with `bias` (Bamba's `mlp_bias`)
-    b_out: Tensor | None = None  # down_proj.bias
+    b_out: Tensor | None = None  # down_proj.bias, times the MLP's out_multiplier
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x) (Qwen, Llama, Bamba), with biases where the config asks for them."""
+    """SwiGLU: down(silu(gate x) * up x) (Qwen, Llama, Bamba, Granite), with biases where the config asks for them,
+    times `out_multiplier`."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, out_multiplier: float = 1.0) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.out_multiplier = out_multiplier
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.out_multiplier == 1.0 else out * self.out_multiplier
 
     def fuse(self) -> FusedMLP:
         biased = self.down_proj.bias is not None
         b_in = torch.cat([self.gate_proj.bias.detach(), self.up_proj.bias.detach()]) if biased else None
         return FusedMLP(concat(self.gate_proj, self.up_proj), self.down_proj.weight.detach().t(), b_in,
-                        self.down_proj.bias.detach() if biased else None)
+                        self.down_proj.bias.detach() * self.out_multiplier if biased else None)
 
     def fused(self, f: FusedMLP, h: Tensor, residual: Tensor) -> Tensor:
         gate, up = F.linear(h, f.w_in, f.b_in).chunk(2, dim=-1)
-        out = torch.addmm(residual, F.silu(gate) * up, f.down_t)
+        out = torch.addmm(residual, F.silu(gate) * up, f.down_t, alpha=self.out_multiplier)
         return out if f.b_out is None else out + f.b_out
 
 
@@ -66,43 +70,51 @@ class ReluSquaredMLP(nn.Module):
 
 @dataclass
 class FusedMoE:
-    w_in: Tensor  # (E + 2 shared intermediate + 1, hidden): router, shared expert gate and up, shared expert gate
-    splits: tuple[int, int, int]
+    w_in: Tensor  # (E + 2 shared intermediate [+ 1], hidden): router, shared expert gate and up, [shared expert gate]
+    splits: tuple[int, ...]
     shared_down_t: Tensor  # shared_expert.down_proj.weight.t(), a view
 
 
 class SparseMoE(nn.Module):
-    """Router (`gate`), routed experts, and a shared expert behind a sigmoid gate (Qwen3-Next, Qwen3.5-MoE)."""
+    """Router (`gate`), routed experts, and a shared expert, behind a sigmoid gate (Qwen3-Next, Qwen3.5-MoE) or
+    added as it is (`shared_gate` False: Granite's `shared_mlp`); the sum times `out_multiplier`."""
 
     def __init__(self, hidden: int, n_experts: int, top_k: int, intermediate: int, shared_intermediate: int,
-                 renormalise: bool) -> None:
+                 renormalise: bool, shared_gate: bool = True, out_multiplier: float = 1.0) -> None:
         super().__init__()
-        self.top_k, self.renormalise = top_k, renormalise
+        self.top_k, self.renormalise, self.out_multiplier = top_k, renormalise, out_multiplier
         self.gate = nn.Linear(hidden, n_experts, bias=False)
         self.experts = Experts(n_experts, hidden, intermediate)
         self.shared_expert = MLP(hidden, shared_intermediate)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_gate else None
         self.touched: Tensor | int = 0  # distinct experts the last eager pass read
 
     def forward(self, x: Tensor) -> Tensor:
         weights, chosen = route(self.gate(x), self.top_k, self.renormalise)
         routed, self.touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, x, weights, chosen)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        out = routed + shared
+        return out if self.out_multiplier == 1.0 else out * self.out_multiplier
 
     def fuse(self) -> FusedMoE:
         shared = self.shared_expert
-        return FusedMoE(w_in=concat(self.gate, shared.gate_proj, shared.up_proj, self.shared_expert_gate),
-                        splits=(self.gate.weight.shape[0], 2 * shared.gate_proj.weight.shape[0], 1),
+        gates = () if self.shared_expert_gate is None else (self.shared_expert_gate,)
+        return FusedMoE(w_in=concat(self.gate, shared.gate_proj, shared.up_proj, *gates),
+                        splits=(self.gate.weight.shape[0], 2 * shared.gate_proj.weight.shape[0], *(1,) * len(gates)),
                         shared_down_t=shared.down_proj.weight.detach().t())
 
     def fused(self, f: FusedMoE, h: Tensor, residual: Tensor) -> Tensor:
         """`forward` with the router and the shared expert's input projections in one matmul, over all of h's
         tokens at once."""
-        logits, gate_up, shared_gate = F.linear(h, f.w_in).split(f.splits, dim=-1)
+        logits, gate_up, *shared_gate = F.linear(h, f.w_in).split(f.splits, dim=-1)
         weights, chosen = route(logits, self.top_k, self.renormalise)
         routed, touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, h, weights, chosen)
         if not torch.compiler.is_compiling():  # a graph's count would be one of its own buffers
             self.touched = touched
         gate, up = gate_up.chunk(2, dim=-1)
-        shared = torch.sigmoid(shared_gate) * torch.mm(F.silu(gate) * up, f.shared_down_t)
-        return residual + (routed + shared)
+        shared = torch.mm(F.silu(gate) * up, f.shared_down_t)
+        if shared_gate:
+            shared = torch.sigmoid(shared_gate[0]) * shared
+        return torch.add(residual, routed + shared, alpha=self.out_multiplier)

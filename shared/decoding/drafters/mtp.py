@@ -117,7 +117,7 @@ class MTPDrafter:
             raise RuntimeError("MTPDrafter needs the target session: call attach(drafter, session) after start")
         if k == 0 or (self.last is None and not self.rows_x):
             return Proposal([])
-        embed, lm_head = self.target.model.embed_tokens, self.target.lm_head
+        embed, logits = self.target.model.embed, self.target.logits
         if self.rows_x:  # the trunk's rows: committed in the head's cache
             hidden = self.target.model.norm(torch.cat(self.rows_h))
             ids = torch.tensor(self.rows_x, device=hidden.device)
@@ -129,7 +129,7 @@ class MTPDrafter:
         generator = self.sampling.generator(len(self.session.tokens), stream=2)  # keyed by position, like the target's
         with torch.inference_mode():
             for j in range(k):
-                q = probabilities(lm_head(y).float(), self.sampling)
+                q = probabilities(logits(y), self.sampling)
                 token = int(q.argmax()) if self.sampling.greedy else draw(q, generator)
                 tokens.append(token)
                 dists.append(q)

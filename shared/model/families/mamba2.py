@@ -60,10 +60,12 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def mixer(cfg: Any) -> Mamba2Mixer:
-    """The Mamba2 mixer of a config's `mamba_*` fields (every family whose mixer is Mamba2's, gated norm first)."""
+    """The Mamba2 mixer of a config's `mamba_*` fields (every family whose mixer is Mamba2's, gated norm first), its
+    output scaled by the config's `residual_multiplier` (Granite's; 1 elsewhere)."""
     return Mamba2Mixer(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size,
                        cfg.mamba_n_groups, cfg.mamba_conv_kernel, cfg.mamba_conv_bias, cfg.mamba_proj_bias,
-                       norm_eps=cfg.mamba_norm_eps, dt_limit=cfg.mamba_dt_limit)
+                       norm_eps=cfg.mamba_norm_eps, dt_limit=cfg.mamba_dt_limit,
+                       out_multiplier=cfg.residual_multiplier)
 
 
 def ssd_spec(cfg: Any) -> RecurrentSpec:

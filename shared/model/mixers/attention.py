@@ -1,5 +1,7 @@
 """Full attention with grouped K/V, as the families have it: Qwen's (q/k RMSNorm, partial rotary, a per-head sigmoid
-output gate) or the plain one (Nemotron-H: no norm, no rotary, no gate), by the config's switches.
+output gate) or the plain one (Nemotron-H: no norm, no rotary, no gate), by the config's switches. Granite's softmax
+scale (`attention_scale`, in place of 1/sqrt(D)) scales q before the state access attends at 1/sqrt(D); its
+`residual_multiplier` scales the output as it is added to the residual.
 
 K/V are written past the committed length and cut by position, so a rejected token costs nothing to roll back. The
 fast path runs q (with its gate), k and v as one matmul and q and k through one rotary call; where K/V live and how
@@ -7,6 +9,7 @@ they are read is the state access's business (`StateAccess.attend`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,6 +37,8 @@ class AttentionFields(Protocol):
     attention_qk_norm: bool
     rms_norm_eps: float
     norm_offset: float
+    attention_scale: float | None
+    residual_multiplier: float
 
     @property
     def rotary_dim(self) -> int: ...
@@ -55,6 +60,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.gated, self.rotary = cfg.attention_output_gate, cfg.rotary_dim > 0
+        # q times this, attended at 1/sqrt(D), is attended at `attention_scale`
+        self.q_scale = 1.0 if cfg.attention_scale is None else cfg.attention_scale * math.sqrt(self.head_dim)
+        self.out_multiplier = cfg.residual_multiplier
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, (1 + self.gated) * self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
@@ -76,9 +84,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             q, k = apply_partial_rotary(q, *rope), apply_partial_rotary(k, *rope)  # (T, H, D)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
         out = attend(st, q, k, v, start).reshape(T, -1)  # (T, H D)
-        return self.o_proj(out if gate is None else out * torch.sigmoid(gate.reshape(T, -1)))
+        out = self.o_proj(out if gate is None else out * torch.sigmoid(gate.reshape(T, -1)))
+        return out if self.out_multiplier == 1.0 else out * self.out_multiplier
 
     def fuse(self) -> FusedAttention:
         splits = (self.q_proj.weight.shape[0], self.k_proj.weight.shape[0], self.v_proj.weight.shape[0])
@@ -99,7 +110,9 @@ class Attention(nn.Module):
             k = F.rms_norm(k, (D,), f.k_norm, self.k_norm.eps)
         if self.rotary:
             q, k = rotary(torch.cat([q, k], dim=1), *rope).split([H, Hkv], dim=1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         out = access.attend(j, q, k, v.view(T, Hkv, D))
         if self.gated:
             out = out * torch.sigmoid(q_gate[..., D:])
-        return torch.addmm(residual, out.reshape(T, -1), f.out_t)
+        return torch.addmm(residual, out.reshape(T, -1), f.out_t, alpha=self.out_multiplier)
