@@ -49,14 +49,7 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     refuse_unless(rope, "rope_type", ("default",), "bamba")
     n_layers, hidden = positive_int(cfg, "num_hidden_layers"), positive_int(cfg, "hidden_size")
-    heads, mamba_heads = positive_int(cfg, "num_attention_heads"), positive_int(cfg, "mamba_n_heads")
-    width = int(cfg.get("mamba_expand", 2)) * hidden
-    d_head = cfg.get("mamba_d_head", "auto")
-    d_head = width // mamba_heads if d_head == "auto" else positive_int(cfg, "mamba_d_head")
-    if d_head * mamba_heads != width:
-        raise ConfigError(f"config.json: bamba needs mamba_n_heads x mamba_d_head ({mamba_heads} x {d_head}) to "
-                          f"equal mamba_expand x hidden_size ({width})")
-    eps = float(cfg.get("rms_norm_eps", 1e-5))
+    heads, eps = positive_int(cfg, "num_attention_heads"), float(cfg.get("rms_norm_eps", 1e-5))
     return dict(
         num_hidden_layers=n_layers, layer_types=_layer_types(cfg, n_layers),
         num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", 8) or heads),
@@ -66,10 +59,25 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
         partial_rotary_factor=float(rope.get("partial_rotary_factor", 0.5)),
         attention_output_gate=False, attention_qk_norm=False,
         attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
+        **mamba_fields(cfg, "bamba", eps),
+    )
+
+
+def mamba_fields(cfg: dict[str, Any], model_type: str, norm_eps: float) -> dict[str, Any]:
+    """The Mamba2 mixer's `ModelConfig` fields as Bamba's config names them (`mamba_n_heads`, `mamba_d_head`...;
+    Granite-4.0-H's names them so too), HF's defaults where absent; its gated norm's eps is the model's."""
+    mamba_heads = positive_int(cfg, "mamba_n_heads")
+    width = int(cfg.get("mamba_expand", 2)) * positive_int(cfg, "hidden_size")
+    d_head = cfg.get("mamba_d_head", "auto")
+    d_head = width // mamba_heads if d_head == "auto" else positive_int(cfg, "mamba_d_head")
+    if d_head * mamba_heads != width:
+        raise ConfigError(f"config.json: {model_type} needs mamba_n_heads x mamba_d_head ({mamba_heads} x {d_head}) "
+                          f"to equal mamba_expand x hidden_size ({width})")
+    return dict(
         mamba_num_heads=mamba_heads, mamba_head_dim=d_head, ssm_state_size=positive_int(cfg, "mamba_d_state"),
         mamba_n_groups=int(cfg.get("mamba_n_groups", 1)), mamba_conv_kernel=int(cfg.get("mamba_d_conv", 4)),
         mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)), mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        mamba_norm_eps=eps, mamba_dt_limit=time_step_limit(cfg.get("time_step_limit", (0.0, float("inf")))),
+        mamba_norm_eps=norm_eps, mamba_dt_limit=time_step_limit(cfg.get("time_step_limit", (0.0, float("inf")))),
     )
 
 
