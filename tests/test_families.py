@@ -16,6 +16,7 @@ from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.drafters.ngram import NgramDrafter
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.batched import forward_batch
+from deltaspec.shared.model.checkpoint import save_checkpoint
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.loader import CheckpointError, load_model
 from deltaspec.shared.rpc.generation import generate_on_server
@@ -55,6 +56,19 @@ CONFIGS = {
         num_key_value_heads=1, attn_layer_indices=[0, 2], mamba_n_heads=4, mamba_d_head=8, mamba_d_state=16,
         mamba_n_groups=1, mamba_d_conv=3, mamba_expand=1, mamba_conv_bias=False, mamba_proj_bias=True,
         mlp_bias=True, tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=500.0))),
+    "granitemoehybrid-a": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        vocab_size=97, hidden_size=48, intermediate_size=24, shared_intermediate_size=40, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=6, mamba_d_state=8, mamba_n_groups=2,
+        mamba_d_conv=4, time_step_limit=[0.05, 2.0], position_embedding_type="rope", embedding_multiplier=12.0,
+        residual_multiplier=0.25, attention_multiplier=0.5, logits_scaling=4.0)),
+    "granitemoehybrid-b": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        vocab_size=89, hidden_size=32, shared_intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=0,
+        layer_types=["full_attention", "linear_attention", "linear_attention"], mamba_n_heads=4, mamba_d_head=8,
+        mamba_d_state=16, mamba_expand=1, mamba_d_conv=3, mamba_conv_bias=False, mamba_proj_bias=True,
+        tie_word_embeddings=True, position_embedding_type="nope", embedding_multiplier=6.0, residual_multiplier=0.5,
+        attention_multiplier=0.125, logits_scaling=2.5)),
     "mamba2-a": ("Mamba2Config", "Mamba2ForCausalLM", dict(
         vocab_size=97, hidden_size=48, num_hidden_layers=3, num_heads=12, head_dim=8, state_size=8, n_groups=3,
         conv_kernel=4, tie_word_embeddings=True)),
@@ -70,6 +84,10 @@ REFUSED = {
     "bamba": (({"hidden_act": "gelu"}, "hidden_act"), ({"rope_parameters": {"rope_type": "llama3"}}, "rope_type"),
               ({"mamba_d_head": 5}, "mamba_d_head")),
     "mamba2": (({"hidden_act": "gelu"}, "hidden_act"), ({"head_dim": 5}, "head_dim")),
+    "granitemoehybrid": (({"hidden_act": "gelu"}, "hidden_act"), ({"mamba_d_head": 5}, "mamba_d_head"),
+                         ({"position_embedding_type": "alibi"}, "position_embedding_type"),
+                         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type"),
+                         ({"layer_types": ["mamba", "sliding_attention"]}, "'sliding_attention'")),
     "lfm2": (({"layer_types": ["conv", "sliding_attention"], "num_hidden_layers": 2}, "'sliding_attention'"),
              ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}}, "rope_type")),
 }
@@ -211,7 +229,7 @@ def test_prefix_cache_hits_and_a_state_pool_give_hf_tokens(checkpoint):
 
 def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoint, tmp_path):
     """A `mamba_ssm` conversion's `backbone.embedding.` loads as HF's load hook renames it; a config without the
-    fields `save_pretrained` fills in gets HF's defaults (Bamba's rotary on half of each head)."""
+    fields `save_pretrained` fills in gets HF's defaults (Bamba's rotary on half of each head); Granite's names."""
     directory, _ = checkpoint
     config = json.loads((directory / "config.json").read_text())
     if config["model_type"] == "mamba2":
@@ -232,6 +250,39 @@ def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoi
         assert ours.rope_theta == hf.rope_parameters["rope_theta"] == 300.0
         assert ours.mamba_head_dim == hf.mamba_d_head and ours.num_key_value_heads == hf.num_key_value_heads
         assert ours.layer_types == tuple(hf.layers_block_type)
+    if config["model_type"] == "granitemoehybrid":
+        _granite_names_and_defaults(directory, config, tmp_path)
+
+
+def _granite_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> None:
+    """HF's in-memory expert names and the published configs' layer kinds load the same model; `publish` writes the
+    layout `save_pretrained` wrote; a bare config reads as HF's (8 experts, no rotary, multipliers 1)."""
+    tensors = load_file(directory / "model.safetensors")
+    for name in list(tensors):
+        for old, new in (("router.layer.", "router."), ("input_linear.weight", "experts.gate_up_proj"),
+                         ("output_linear.weight", "experts.down_proj")):
+            if ".block_sparse_moe." in name and old in name:
+                tensors[name.replace(old, new)] = tensors.pop(name)
+    save_file(tensors, tmp_path / "model.safetensors")
+    legacy = {"linear_attention": "mamba", "full_attention": "attention"}
+    layers_block_type = [legacy[kind] for kind in config.pop("layer_types")]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "layers_block_type": layers_block_type}))
+    ids = torch.arange(12) % config["vocab_size"]
+    want = load_model(directory)
+    ours = load_model(tmp_path)
+    assert torch.equal(ours(ids, ours.new_state())[0], want(ids, want.new_state())[0])
+    written = load_file(save_checkpoint(ours, tmp_path / "saved") / "model.safetensors")
+    original = load_file(directory / "model.safetensors")
+    assert sorted(written) == sorted(original) and all(torch.equal(written[k], original[k]) for k in original)
+    bare = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "shared_intermediate_size",
+                                   "num_hidden_layers", "num_attention_heads", "mamba_n_heads", "mamba_d_state")}
+    hf = transformers.GraniteMoeHybridConfig(**bare)
+    ours = ModelConfig.from_dict({**bare, "model_type": "granitemoehybrid"})
+    assert (ours.num_experts, ours.num_experts_per_tok) == (hf.num_local_experts, hf.num_experts_per_tok)
+    assert ours.layer_types == tuple(hf.layer_types) and ours.rotary_dim == 0 and hf.position_embedding_type is None
+    assert (ours.attention_scale, ours.embedding_multiplier, ours.residual_multiplier, ours.logits_scaling) == (
+        hf.attention_multiplier, hf.embedding_multiplier, hf.residual_multiplier, hf.logits_scaling)
+    assert ours.num_key_value_heads == hf.num_key_value_heads and ours.mamba_head_dim == hf.mamba_d_head
 
 
 def test_unsupported_parts_are_refused_at_load(checkpoint, tmp_path):
