@@ -39,6 +39,12 @@ CHECKPOINTS = {
         **WIDE, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
         attn_layer_indices=[2, 5], mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64, mamba_n_groups=2,
         mamba_d_conv=4)),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        **WIDE, intermediate_size=128, shared_intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2, mamba_n_heads=8, mamba_d_head=64,
+        mamba_d_state=64, mamba_n_groups=2, mamba_d_conv=4, embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.015625, logits_scaling=4.0)),
     "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(
         **WIDE, num_hidden_layers=6, num_heads=8, head_dim=64, state_size=64, n_groups=2, conv_kernel=4)),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
@@ -124,10 +130,10 @@ def families(quick: bool) -> list[dict]:
 
 def print_rows(rows: list[dict]) -> None:
     print("\nFamilies: target-only greedy against HF generate() on the same random checkpoint (medians, alternated)")
-    print(f"{'model_type':<13} {'kind':<5} {'ours tok/s':>10} {'HF tok/s':>9} {'x HF':>6} {'range':>11} "
+    print(f"{'model_type':<16} {'kind':<5} {'ours tok/s':>10} {'HF tok/s':>9} {'x HF':>6} {'range':>11} "
           f"{'verify5/decode':>14} {'staged KiB':>10} {'commit %':>8} same")
     for r in rows:
         low, high = r["over_hf_range"]
-        print(f"{r['model_type']:<13} {r['state_kind']:<5} {r['ours_tok_s']:>10.1f} {r['hf_tok_s']:>9.1f} "
+        print(f"{r['model_type']:<16} {r['state_kind']:<5} {r['ours_tok_s']:>10.1f} {r['hf_tok_s']:>9.1f} "
               f"{r['over_hf']:>6.2f} {low:>5.2f}-{high:<5.2f} {r['verify_over_decode']:>14.2f} "
               f"{r['staged_kib']:>10.1f} {100 * r['commit_share']:>8.2f} {r['identical']}")
