@@ -61,6 +61,17 @@ CONFIGS = {
     "mamba2-b": ("Mamba2Config", "Mamba2ForCausalLM", dict(
         vocab_size=89, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=16, n_groups=1,
         conv_kernel=3, use_bias=True, use_conv_bias=False, time_step_limit=[0.05, 2.0])),
+    "mamba-a": ("MambaConfig", "MambaForCausalLM", dict(
+        vocab_size=97, hidden_size=32, num_hidden_layers=3, state_size=8, expand=2, conv_kernel=4)),
+    "mamba-b": ("MambaConfig", "MambaForCausalLM", dict(
+        vocab_size=89, hidden_size=24, num_hidden_layers=2, state_size=5, expand=3, conv_kernel=3, time_step_rank=7,
+        use_bias=True, use_conv_bias=False, tie_word_embeddings=False, layer_norm_epsilon=1e-6)),
+    "falcon_mamba-a": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, state_size=6, expand=2, conv_kernel=4,
+        mixer_rms_eps=1e-3)),
+    "falcon_mamba-b": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
+        vocab_size=89, hidden_size=16, num_hidden_layers=3, state_size=12, expand=3, conv_kernel=2, time_step_rank=3,
+        use_bias=True, use_conv_bias=False, tie_word_embeddings=False)),
 }
 # per model_type: config changes a load refuses, and what its message names
 REFUSED = {
@@ -70,6 +81,9 @@ REFUSED = {
     "bamba": (({"hidden_act": "gelu"}, "hidden_act"), ({"rope_parameters": {"rope_type": "llama3"}}, "rope_type"),
               ({"mamba_d_head": 5}, "mamba_d_head")),
     "mamba2": (({"hidden_act": "gelu"}, "hidden_act"), ({"head_dim": 5}, "head_dim")),
+    "mamba": (({"hidden_act": "gelu"}, "hidden_act"), ({"time_step_rank": 0}, "time_step_rank"),
+              ({"state_size": None}, "state_size")),
+    "falcon_mamba": (({"hidden_act": "relu"}, "hidden_act"), ({"expand": 1.5}, "expand")),
     "lfm2": (({"layer_types": ["conv", "sliding_attention"], "num_hidden_layers": 2}, "'sliding_attention'"),
              ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}}, "rope_type")),
 }
