@@ -224,20 +224,34 @@ def test_prefix_cache_hits_and_a_state_pool_give_hf_tokens(checkpoint):
 
 
 def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoint, tmp_path):
-    """A `mamba_ssm` conversion's `backbone.embedding.` loads as HF's load hook renames it; a config without the
-    fields `save_pretrained` fills in gets HF's defaults (Bamba's rotary on half of each head)."""
+    """A `mamba_ssm` conversion's `backbone.embedding.` loads as HF's load hook renames it (Mamba, Mamba2);
+    FalconMamba's weightless norms, if a checkpoint carries them, are ignored as HF ignores them; a config without
+    the fields `save_pretrained` fills in gets HF's defaults (Bamba's rotary on half of each head, Mamba's tie and
+    dt rank, its width `intermediate_size` where given, else from `expand`)."""
     directory, _ = checkpoint
     config = json.loads((directory / "config.json").read_text())
-    if config["model_type"] == "mamba2":
+    model_type = config["model_type"]
+    if model_type in ("mamba2", "mamba", "falcon_mamba"):
         tensors = load_file(directory / "model.safetensors")
-        tensors["backbone.embedding.weight"] = tensors.pop("backbone.embeddings.weight")
+        if model_type == "falcon_mamba":
+            tensors |= {f"backbone.layers.0.mixer.{x}_layernorm.weight": torch.ones(1) for x in ("b", "c", "dt")}
+        else:
+            tensors["backbone.embedding.weight"] = tensors.pop("backbone.embeddings.weight")
         save_file(tensors, tmp_path / "model.safetensors")
         (tmp_path / "config.json").write_text(json.dumps(config))
         ids = torch.arange(12) % config["vocab_size"]
         want = load_model(directory)(ids, load_model(directory).new_state())[0]
         ours = load_model(tmp_path)
         assert torch.equal(ours(ids, ours.new_state())[0], want)
-    if config["model_type"] == "bamba":
+    if model_type in ("mamba", "falcon_mamba"):
+        bare = {k: config[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "state_size")}
+        for width in ({}, {"expand": 3}, {"intermediate_size": 40}):
+            hf = getattr(transformers, CONFIGS[f"{model_type}-a"][0])(**bare, **width)
+            ours = ModelConfig.from_dict({**bare, **width, "model_type": model_type})
+            assert (ours.mamba_num_heads, ours.mamba_dt_rank) == (hf.intermediate_size, hf.time_step_rank)
+        assert ours.tie_word_embeddings == hf.tie_word_embeddings is True
+        assert ours.mamba_conv_kernel == hf.conv_kernel and ours.rms_norm_eps == hf.layer_norm_epsilon
+    if model_type == "bamba":
         bare = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                        "num_attention_heads", "num_key_value_heads", "mamba_n_heads", "mamba_d_state")}
         hf = transformers.BambaConfig(**bare, rope_theta=300.0)
@@ -272,7 +286,7 @@ def test_no_family_is_named_outside_the_model_and_state_floors():
     assert not found, found
 
 
-@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a"])  # a Mamba2 state and a conv window alone
+@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a", "falcon_mamba-a"])  # Mamba2, a conv window alone, Mamba1
 def test_services_serve_hf_tokens(name, tmp_path):
     """serve-target beside serve-draft (the same checkpoint as draft: a near-copy), as an operator starts them:
     HF's greedy tokens through the target's loop and the client-driven one (pipelined), then five Generate streams

@@ -2,8 +2,9 @@
 
 A block is one RMSNorm (w applied as it is, eps `layer_norm_epsilon`) and a Mamba1 mixer (`mixers/mamba1.py`),
 added to the residual; the final norm is `norm_f`; `lm_head` is tied to the embeddings unless `tie_word_embeddings`
-is false (HF's default: tied). The mixer's width is int(expand x hidden_size) (HF recomputes `intermediate_size`
-from `expand` whatever config.json says), dt's rank `time_step_rank` ("auto": ceil(hidden_size / 16)); `hidden_act`
+is false (HF's default: tied). The mixer's width is `intermediate_size` where config.json gives it (HF sets it from
+the file after deriving expand x hidden_size), else expand x hidden_size; dt's rank `time_step_rank` ("auto":
+ceil(hidden_size / 16)); `hidden_act`
 is the conv's activation: SiLU only. Its state is kind `mamba`: every channel of d_inner a head whose state is a
 `(state_size, 1)` column decaying per entry by exp(dt A[c, n]); the conv window holds x alone.
 
@@ -41,7 +42,7 @@ def read(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """`ModelConfig` fields of a Mamba or FalconMamba config; sizes must be given, other fields take HF's defaults."""
     refuse_unless(cfg, "hidden_act", ("silu",), model_type)  # the conv's activation
     n_layers, hidden = positive_int(cfg, "num_hidden_layers"), positive_int(cfg, "hidden_size")
-    expand, kernel = _size(cfg, "expand", 2), _size(cfg, "conv_kernel", 4)
+    width = _size(cfg, "intermediate_size", _size(cfg, "expand", 2) * hidden)
     rank = cfg.get("time_step_rank", "auto")
     rank = math.ceil(hidden / 16) if rank == "auto" else positive_int(cfg, "time_step_rank")
     eps = float(cfg.get("layer_norm_epsilon", 1e-5))
@@ -49,8 +50,8 @@ def read(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         num_hidden_layers=n_layers, layer_types=LAYER_KINDS * n_layers, rms_norm_eps=eps, norm_offset=0.0,
         partial_rotary_factor=0.0, attention_output_gate=False, attention_qk_norm=False,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        mamba_num_heads=expand * hidden, mamba_head_dim=1, ssm_state_size=positive_int(cfg, "state_size"),
-        mamba_dt_rank=rank, mamba_conv_kernel=kernel,
+        mamba_num_heads=width, mamba_head_dim=1, ssm_state_size=positive_int(cfg, "state_size"),
+        mamba_dt_rank=rank, mamba_conv_kernel=_size(cfg, "conv_kernel", 4),
         mamba_conv_bias=bool(cfg.get("use_conv_bias", True)), mamba_proj_bias=bool(cfg.get("use_bias", False)),
     )
 
