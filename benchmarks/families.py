@@ -50,6 +50,9 @@ CHECKPOINTS = {
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
         **WIDE, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
         layer_types=["conv", "conv", "full_attention"] * 2)),
+    "mamba": ("MambaConfig", "MambaForCausalLM", dict(**WIDE, num_hidden_layers=6, state_size=16, conv_kernel=4)),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
+        **WIDE, num_hidden_layers=6, state_size=16, conv_kernel=4)),
 }
 
 

@@ -3,7 +3,8 @@ decays, with and without a batch axis, token counts around the chunk size."""
 import pytest
 import torch
 
-from deltaspec.shared.kernels.decay_scan import CHUNK_SIZE, chunk_decay_scan, decay_scan, naive_decay_scan
+from deltaspec.shared.kernels.decay_scan import (CHUNK_SIZE, chunk_decay_scan, decay_scan, naive_decay_scan,
+                                                 scan_decay_scan)
 
 
 def random_inputs(batch: tuple[int, ...], T: int, per_channel: bool, seed: int, H: int = 3, Dk: int = 6,
@@ -33,7 +34,8 @@ def test_forms_match_naive(batch, T, per_channel):
     inputs = random_inputs(batch, T, bool(per_channel), seed=T + 7 * per_channel + len(batch))
     want_out, want_final = truth(*inputs)
     runs = {"naive": decay_scan(*inputs, form="naive"), "auto": decay_scan(*inputs),
-            "chunk": decay_scan(*inputs, form="chunk"), "chunk16": chunk_decay_scan(*inputs, chunk_size=16)}
+            "chunk": decay_scan(*inputs, form="chunk"), "chunk16": chunk_decay_scan(*inputs, chunk_size=16),
+            "scan": decay_scan(*inputs, form="scan"), "scan16": scan_decay_scan(*inputs, chunk_size=16)}
     if T == 1:
         runs["step"] = decay_scan(*inputs, form="step")
     if T <= CHUNK_SIZE:
@@ -41,6 +43,24 @@ def test_forms_match_naive(batch, T, per_channel):
     for name, (out, final) in runs.items():
         assert out.shape == want_out.shape and final.shape == want_final.shape, name
         assert rel_rms(out, want_out) < 1e-5 and rel_rms(final, want_final) < 1e-5, name
+
+
+MAMBA1 = [(batch, T) for batch in ((), (2,)) for T in (1, 3, 17, 63, 75)]
+
+
+@pytest.mark.parametrize("batch,T", MAMBA1, ids=[f"B{b or '-'}-T{T}" for b, T in MAMBA1])
+def test_mamba1_shape_matches_naive(batch, T):
+    """Mamba1's layout: every channel a head (H = d_inner, here 40), Dv = 1, one B and C for all heads (broadcast
+    views, as the mixer passes them); `auto` takes the step or the elementwise scan, static too."""
+    q, k, d, g, initial = random_inputs(batch, T, True, seed=T, H=40, Dk=7, Dv=1)
+    q, k = (x[..., :1, :].expand_as(x) for x in (q, k))
+    want_out, want_final = truth(q, k, d, g, initial)
+    runs = [decay_scan(q, k, d, g, initial), scan_decay_scan(q, k, d, g, initial, chunk_size=16)]
+    if T <= CHUNK_SIZE:
+        runs.append(decay_scan(q, k, d, g, initial, static=True))
+    for out, final in runs:
+        assert out.shape == want_out.shape and final.shape == want_final.shape
+        assert rel_rms(out, want_out) < 1e-5 and rel_rms(final, want_final) < 1e-5
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["head", "channel"])
@@ -51,8 +71,8 @@ def test_strong_decay_stays_finite(per_channel):
     want_out, want_final = truth(*inputs)
     for out, final in (decay_scan(*inputs), decay_scan(*(x[:, :64] for x in inputs[:4]), inputs[4], static=True)):
         assert torch.isfinite(out).all() and torch.isfinite(final).all()
-    out, final = decay_scan(*inputs)
-    assert rel_rms(out, want_out) < 1e-5 and rel_rms(final, want_final) < 1e-5
+    for out, final in (decay_scan(*inputs), decay_scan(*inputs, form="scan")):
+        assert rel_rms(out, want_out) < 1e-5 and rel_rms(final, want_final) < 1e-5
 
 
 def test_zero_decay_and_write_leave_the_state():
@@ -60,7 +80,7 @@ def test_zero_decay_and_write_leave_the_state():
     q, k, d, g, initial = random_inputs((), 3, False, seed=5)
     d[1:], g[1:] = 0, 0
     after_first = decay_scan(q[:1], k[:1], d[:1], g[:1], initial)[1]
-    for form in ("naive", "chunk"):
+    for form in ("naive", "chunk", "scan"):
         assert torch.allclose(decay_scan(q, k, d, g, initial, form=form)[1], after_first, rtol=1e-6, atol=1e-6)
     assert torch.equal(decay_scan(q[1:2], k[1:2], d[1:2], g[1:2], initial)[1], initial)
 

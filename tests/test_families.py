@@ -75,6 +75,17 @@ CONFIGS = {
     "mamba2-b": ("Mamba2Config", "Mamba2ForCausalLM", dict(
         vocab_size=89, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=16, n_groups=1,
         conv_kernel=3, use_bias=True, use_conv_bias=False, time_step_limit=[0.05, 2.0])),
+    "mamba-a": ("MambaConfig", "MambaForCausalLM", dict(
+        vocab_size=97, hidden_size=32, num_hidden_layers=3, state_size=8, expand=2, conv_kernel=4)),
+    "mamba-b": ("MambaConfig", "MambaForCausalLM", dict(
+        vocab_size=89, hidden_size=24, num_hidden_layers=2, state_size=5, expand=3, conv_kernel=3, time_step_rank=7,
+        use_bias=True, use_conv_bias=False, tie_word_embeddings=False, layer_norm_epsilon=1e-6)),
+    "falcon_mamba-a": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, state_size=6, expand=2, conv_kernel=4,
+        mixer_rms_eps=1e-3)),
+    "falcon_mamba-b": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
+        vocab_size=89, hidden_size=16, num_hidden_layers=3, state_size=12, expand=3, conv_kernel=2, time_step_rank=3,
+        use_bias=True, use_conv_bias=False, tie_word_embeddings=False)),
 }
 # per model_type: config changes a load refuses, and what its message names
 REFUSED = {
@@ -88,6 +99,9 @@ REFUSED = {
                          ({"position_embedding_type": "alibi"}, "position_embedding_type"),
                          ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type"),
                          ({"layer_types": ["mamba", "sliding_attention"]}, "'sliding_attention'")),
+    "mamba": (({"hidden_act": "gelu"}, "hidden_act"), ({"time_step_rank": 0}, "time_step_rank"),
+              ({"state_size": None}, "state_size")),
+    "falcon_mamba": (({"hidden_act": "relu"}, "hidden_act"), ({"expand": 1.5}, "expand")),
     "lfm2": (({"layer_types": ["conv", "sliding_attention"], "num_hidden_layers": 2}, "'sliding_attention'"),
              ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}}, "rope_type")),
 }
@@ -228,20 +242,34 @@ def test_prefix_cache_hits_and_a_state_pool_give_hf_tokens(checkpoint):
 
 
 def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoint, tmp_path):
-    """A `mamba_ssm` conversion's `backbone.embedding.` loads as HF's load hook renames it; a config without the
-    fields `save_pretrained` fills in gets HF's defaults (Bamba's rotary on half of each head); Granite's names."""
+    """A `mamba_ssm` conversion's `backbone.embedding.` loads as HF's load hook renames it (Mamba, Mamba2);
+    FalconMamba's weightless norms, if a checkpoint carries them, are ignored as HF ignores them; a config without
+    the fields `save_pretrained` fills in gets HF's defaults (Bamba's rotary on half of each head, Mamba's tie and
+    dt rank, its width `intermediate_size` where given, else from `expand`); Granite's names."""
     directory, _ = checkpoint
     config = json.loads((directory / "config.json").read_text())
-    if config["model_type"] == "mamba2":
+    model_type = config["model_type"]
+    if model_type in ("mamba2", "mamba", "falcon_mamba"):
         tensors = load_file(directory / "model.safetensors")
-        tensors["backbone.embedding.weight"] = tensors.pop("backbone.embeddings.weight")
+        if model_type == "falcon_mamba":
+            tensors |= {f"backbone.layers.0.mixer.{x}_layernorm.weight": torch.ones(1) for x in ("b", "c", "dt")}
+        else:
+            tensors["backbone.embedding.weight"] = tensors.pop("backbone.embeddings.weight")
         save_file(tensors, tmp_path / "model.safetensors")
         (tmp_path / "config.json").write_text(json.dumps(config))
         ids = torch.arange(12) % config["vocab_size"]
         want = load_model(directory)(ids, load_model(directory).new_state())[0]
         ours = load_model(tmp_path)
         assert torch.equal(ours(ids, ours.new_state())[0], want)
-    if config["model_type"] == "bamba":
+    if model_type in ("mamba", "falcon_mamba"):
+        bare = {k: config[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "state_size")}
+        for width in ({}, {"expand": 3}, {"intermediate_size": 40}):
+            hf = getattr(transformers, CONFIGS[f"{model_type}-a"][0])(**bare, **width)
+            ours = ModelConfig.from_dict({**bare, **width, "model_type": model_type})
+            assert (ours.mamba_num_heads, ours.mamba_dt_rank) == (hf.intermediate_size, hf.time_step_rank)
+        assert ours.tie_word_embeddings == hf.tie_word_embeddings is True
+        assert ours.mamba_conv_kernel == hf.conv_kernel and ours.rms_norm_eps == hf.layer_norm_epsilon
+    if model_type == "bamba":
         bare = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                        "num_attention_heads", "num_key_value_heads", "mamba_n_heads", "mamba_d_state")}
         hf = transformers.BambaConfig(**bare, rope_theta=300.0)
@@ -309,7 +337,7 @@ def test_no_family_is_named_outside_the_model_and_state_floors():
     assert not found, found
 
 
-@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a"])  # a Mamba2 state and a conv window alone
+@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a", "falcon_mamba-a"])  # Mamba2, a conv window alone, Mamba1
 def test_services_serve_hf_tokens(name, tmp_path):
     """serve-target beside serve-draft (the same checkpoint as draft: a near-copy), as an operator starts them:
     HF's greedy tokens through the target's loop and the client-driven one (pipelined), then five Generate streams

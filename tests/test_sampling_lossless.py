@@ -43,15 +43,18 @@ def with_mtp(config: dict, seed: int):
     return model
 
 
-# one target of each other state kind: Mamba2 (`ssd`, Nemotron-H) and a short conv (`conv`, LFM2)
+# one target of each other state kind: Mamba2 (`ssd`, Nemotron-H), a short conv (`conv`, LFM2), Mamba1 (`mamba`,
+# FalconMamba: its norms on dt, B and C too)
 SSD_CFG = dict(model_type="nemotron_h", vocab_size=V, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
                head_dim=16, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1,
                conv_kernel=4, layers_block_type=["linear_attention", "full_attention", "mlp"])
 CONV_CFG = dict(model_type="lfm2", vocab_size=V, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
                 intermediate_size=64, block_auto_adjust_ff_dim=False, conv_L_cache=3, num_hidden_layers=2,
                 layer_types=["conv", "full_attention"])
+MAMBA_CFG = dict(model_type="falcon_mamba", vocab_size=V, hidden_size=16, num_hidden_layers=2, state_size=6,
+                 conv_kernel=3)
 TARGETS = {"dense": with_mtp(CFG, 1), "moe": with_mtp(MOE_CFG, 5), "ssd": random_model(SSD_CFG, seed=11),
-           "conv": random_model(CONV_CFG, seed=12)}
+           "conv": random_model(CONV_CFG, seed=12), "mamba": random_model(MAMBA_CFG, seed=13)}
 TARGET = TARGETS["dense"]
 HEADS = {name: MTPHead(TARGETS[name]) for name in ("dense", "moe")}
 DRAFT = random_model(CFG, seed=2)  # a different model: q differs from p, so both accepts and rejections occur
@@ -127,10 +130,10 @@ def p_values(tokens: torch.Tensor, sampling: SamplingParams, target: str = "dens
 @pytest.mark.parametrize("target, drafter, sampling",
                          [("dense", "model", T1), ("dense", "model-stop", T1), ("dense", "ngram", T1),
                           ("dense", "mtp", FILTERED), ("moe", "model", T1), ("moe", "mtp", FILTERED),
-                          ("ssd", "model", T1), ("conv", "model", FILTERED)],
+                          ("ssd", "model", T1), ("conv", "model", FILTERED), ("mamba", "model", T1)],
                          ids=["model-T1", "model-stop_below-T1", "ngram-T1", "mtp-T0.8-topk10-topp0.9",
                               "moe-model-T1", "moe-mtp-T0.8-topk10-topp0.9", "ssd-model-T1",
-                              "conv-model-T0.8-topk10-topp0.9"])
+                              "conv-model-T0.8-topk10-topp0.9", "mamba-model-T1"])
 def test_speculative_sampling_matches_target(target, drafter, sampling):
     tokens, totals = sample(drafter, sampling, target=target)
     assert 0 < totals["accepted"] < totals["drafted"], totals  # both accepts and rejections happened

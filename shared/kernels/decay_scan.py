@@ -14,6 +14,10 @@ in-chunk cumulative log decay,
 Every exponent above is <= 0 (log decays are): exp(-G) is never formed on its own, since it overflows for a chunk of
 strongly decaying tokens. Layout: q, k `(..., T, H, Dk)`, d `(..., T, H, Dv)`, initial `(..., H, Dk, Dv)`, float32,
 with `...` empty or one batch axis; every form returns (out `(..., T, H, Dv)`, final `(..., H, Dk, Dv)`).
+
+Mamba1's selective scan is the per-channel form with Dv = 1 and H = d_inner (every channel a head, q = C, k = B,
+d = dt x, g = dt A): there the chunk's `(H, Dk, C, C)` decays are C times the state of every token, so `auto` takes
+the elementwise scan (`scan_decay_scan`), whose memory is the `(T, H, Dk, Dv)` states of a chunk.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 from torch import Tensor
 
 CHUNK_SIZE = 64
-FORMS = ("auto", "naive", "step", "chunk")
+FORMS = ("auto", "naive", "step", "chunk", "scan")
 
 
 def _per_channel(g: Tensor, k: Tensor) -> Tensor:
@@ -73,12 +77,47 @@ def chunk_decay_scan(q: Tensor, k: Tensor, d: Tensor, g: Tensor, initial: Tensor
     return (outs[0] if len(outs) == 1 else torch.cat(outs, -2)).transpose(-3, -2), state
 
 
+def _prefix_steps(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """Every prefix of the affine steps S -> a_t S + b_t over the token axis (-4), composed in log2(T) rounds
+    (Hillis-Steele): returns (A_t, B_t) with S_t = A_t S_0 + B_t. Products of decays in (0, 1] never overflow."""
+    T, span = a.shape[-4], 1
+    while span < T:
+        late_a, late_b = a.narrow(-4, span, T - span), b.narrow(-4, span, T - span)
+        early_a, early_b = a.narrow(-4, 0, T - span), b.narrow(-4, 0, T - span)
+        b = torch.cat([b.narrow(-4, 0, span), torch.addcmul(late_b, late_a, early_b)], -4)
+        a = torch.cat([a.narrow(-4, 0, span), late_a * early_a], -4)
+        span *= 2
+    return a, b
+
+
+def scan_decay_scan(q: Tensor, k: Tensor, d: Tensor, g: Tensor, initial: Tensor,
+                    chunk_size: int = CHUNK_SIZE) -> tuple[Tensor, Tensor]:
+    """Elementwise, chunk by chunk: the states after every token of a chunk `(..., C, H, Dk, Dv)` by a log-depth
+    scan, then each token's output read from its state. No `(C, C)` matrix: the form for Dv = 1 (Mamba1)."""
+    g = _per_channel(g, k)
+    state, outs = initial, []
+    for s in range(0, q.shape[-3], chunk_size):
+        q_c, k_c, d_c, g_c = (x[..., s:s + chunk_size, :, :] for x in (q, k, d, g))
+        A, B = _prefix_steps(g_c.exp()[..., None], k_c[..., None] * d_c[..., None, :])  # (..., C, H, Dk|1, 1|Dv)
+        states = torch.addcmul(B, A, state[..., None, :, :, :])  # (..., C, H, Dk, Dv)
+        outs.append(torch.einsum("...thk,...thkv->...thv", q_c, states))
+        state = states[..., -1, :, :, :]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, -3)), state
+
+
+def elementwise(k: Tensor, d: Tensor, g: Tensor) -> bool:
+    """Whether the elementwise scan is the cheaper multi-token form: a decay per key channel and Dv = 1."""
+    return g.dim() == k.dim() and d.shape[-1] == 1
+
+
 def decay_scan(q: Tensor, k: Tensor, d: Tensor, g: Tensor, initial: Tensor, form: str = "auto",
                static: bool = False) -> tuple[Tensor, Tensor]:
-    """The recurrence in the form asked (`FORMS`); `auto` is the step for one token and chunks otherwise.
+    """The recurrence in the form asked (`FORMS`); `auto` is the step for one token, otherwise the elementwise scan
+    where it is cheaper (`elementwise`) and chunks elsewhere.
 
-    `static`: a pass recorded as a graph (compiled or CUDA-graph) takes the step or a single chunk whatever the form,
-    so no Python loop runs over its token count; it holds at most `CHUNK_SIZE` tokens."""
+    `static`: a pass recorded as a graph (compiled or CUDA-graph) takes the step, or a single chunk of the form
+    `auto` would take, whatever the form, so no loop runs over its token count; it holds at most `CHUNK_SIZE`
+    tokens."""
     T = q.shape[-3]
     if form not in FORMS:
         raise ValueError(f"unknown decay scan form {form!r} (expected one of {FORMS})")
@@ -87,6 +126,8 @@ def decay_scan(q: Tensor, k: Tensor, d: Tensor, g: Tensor, initial: Tensor, form
             raise ValueError(f"a static pass holds at most {CHUNK_SIZE} tokens, got {T}")
         if T == 1:
             return step_decay_scan(q, k, d, g, initial)
+        if elementwise(k, d, g):
+            return scan_decay_scan(q, k, d, g, initial)
         out, final = one_chunk(*(x.transpose(-3, -2) for x in (q, k, d, _per_channel(g, k))), initial)
         return out.transpose(-3, -2), final
     if form == "naive":
@@ -95,4 +136,6 @@ def decay_scan(q: Tensor, k: Tensor, d: Tensor, g: Tensor, initial: Tensor, form
         if T != 1:
             raise ValueError(f"the step form takes one token, got {T}")
         return step_decay_scan(q, k, d, g, initial)
+    if form == "scan" or (form == "auto" and elementwise(k, d, g)):
+        return scan_decay_scan(q, k, d, g, initial)
     return chunk_decay_scan(q, k, d, g, initial)

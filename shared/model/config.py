@@ -61,6 +61,7 @@ class ModelConfig:
     mamba_proj_bias: bool = False
     mamba_norm_eps: float = 1e-5
     mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
+    mamba_dt_rank: int = 0  # Mamba1 layers (mamba_num_heads: d_inner, every channel a head): dt's low rank
     # short conv layers (LFM2)
     short_conv_kernel: int = 3
     short_conv_bias: bool = False
