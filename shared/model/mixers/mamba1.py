@@ -46,7 +46,8 @@ class Mamba1Mixer(nn.Module):
                                 bias=use_conv_bias)
         self.x_proj = nn.Linear(intermediate_size, dt_rank + 2 * state_size, bias=False)  # [dt | B | C]
         self.dt_proj = nn.Linear(dt_rank, intermediate_size, bias=True)
-        self.A_log = nn.Parameter(torch.arange(1, state_size + 1, dtype=torch.float32).log().repeat(intermediate_size, 1))
+        decay_rates = torch.arange(1, state_size + 1, dtype=torch.float32).log()
+        self.A_log = nn.Parameter(decay_rates.repeat(intermediate_size, 1))
         self.D = nn.Parameter(torch.ones(intermediate_size))
         self.out_proj = nn.Linear(intermediate_size, hidden_size, bias=use_bias)
 
@@ -72,7 +73,8 @@ class Mamba1Mixer(nn.Module):
 
 
 def inputs(m: Mamba1Mixer, h: Tensor) -> tuple[Tensor, Tensor]:
-    """h `(..., T, hidden)` -> (x `(..., T, I)`, what the conv reads and its window keeps; z `(..., T, I)`, the gate)."""
+    """h `(..., T, hidden)` -> (x `(..., T, I)`, what the conv reads and its window keeps; z `(..., T, I)`, the
+    gate)."""
     x, z = m.in_proj(h).chunk(2, dim=-1)
     return x, z
 
