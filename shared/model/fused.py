@@ -60,35 +60,49 @@ class FusedLayer:
     post_norm: Tensor | None
     mixer: Any  # the parts' own fused weights (`mixer.fuse()`, `mlp.fuse()`)
     mlp: Any
+    run_mixer: Callable[..., Tensor] | None  # the parts' `fused`, looked up once (a step is dispatch-bound)
+    run_mlp: Callable[..., Tensor] | None
+    input_eps: float = 0.0
+    post_eps: float = 0.0
 
 
 @dataclass
 class FusedStack:
     layers: list[FusedLayer]
-    final_norm: Tensor  # (hidden,) 1 + w
+    final_norm: Tensor  # (hidden,) folded
+    order: list[tuple[DecoderLayer, FusedLayer, int]]  # each layer, its fused part, its index among its state kind
 
 
 def fuse_stack(stack: HybridStack) -> FusedStack:
-    return FusedStack([fuse_layer(layer) for layer in stack.layers], stack.norm.folded())
+    layers = [fuse_layer(layer) for layer in stack.layers]
+    counts = {RECURRENT: 0, ATTENTION: 0, None: 0}  # each mixer addresses the index-th state of its kind
+    order = []
+    for layer, f in zip(stack.layers, layers):
+        order.append((layer, f, counts[layer.state]))
+        counts[layer.state] += 1
+    return FusedStack(layers, stack.norm.folded(), order)
 
 
 def fuse_layer(layer: DecoderLayer) -> FusedLayer:
     mixer, mlp = layer.mixer, layer.mlp
-    return FusedLayer(input_norm=None if mixer is None else layer.input_layernorm.folded(),
-                      post_norm=None if mlp is None else layer.post_attention_layernorm.folded(),
-                      mixer=None if mixer is None else mixer.fuse(), mlp=None if mlp is None else mlp.fuse())
+    f = FusedLayer(input_norm=None, post_norm=None, mixer=None, mlp=None, run_mixer=None, run_mlp=None)
+    if mixer is not None:
+        f.input_norm, f.input_eps = layer.input_layernorm.folded(), layer.input_layernorm.eps
+        f.mixer, f.run_mixer = mixer.fuse(), mixer.fused
+    if mlp is not None:
+        f.post_norm, f.post_eps = layer.post_attention_layernorm.folded(), layer.post_attention_layernorm.eps
+        f.mlp, f.run_mlp = mlp.fuse(), mlp.fused
+    return f
 
 
 def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
                   index: int) -> Tensor:
     """`DecoderLayer.forward` in fewer ops: the mixer (the index-th of its kind) and the MLP, each on its pre-norm and
     added to the residual. `rope` is (cos, `rotary.rotary_signed` sin) at the tokens' positions."""
-    if f.mixer is not None:
-        h = F.rms_norm(x, x.shape[-1:], f.input_norm, layer.input_layernorm.eps)
-        x = layer.mixer.fused(f.mixer, h, x, rope, access, index)
-    if f.mlp is not None:
-        h = F.rms_norm(x, x.shape[-1:], f.post_norm, layer.post_attention_layernorm.eps)
-        x = layer.mlp.fused(f.mlp, h, x)
+    if f.run_mixer is not None:
+        x = f.run_mixer(f.mixer, F.rms_norm(x, x.shape[-1:], f.input_norm, f.input_eps), x, rope, access, index)
+    if f.run_mlp is not None:
+        x = f.run_mlp(f.mlp, F.rms_norm(x, x.shape[-1:], f.post_norm, f.post_eps), x)
     return x
 
 
@@ -101,11 +115,8 @@ def forward(model: Model, x: Tensor, rope: tuple[Tensor, Tensor], access: StateA
     layer, or `decoder_layer`), then the head. Returns float32 logits `(N, vocab)` and the last layer's hidden states
     before the final norm. Where the state lives is the access's business alone."""
     run_layer = run_layer or decoder_layer
-    counts = {RECURRENT: 0, ATTENTION: 0, None: 0}  # each mixer addresses the index-th state of its kind
-    for layer, f in zip(model.model.layers, model.fused.layers):
-        kind = layer.state
-        x = run_layer(layer, f, x, rope, access, counts[kind])
-        counts[kind] += 1
+    for layer, f, index in model.fused.order:
+        x = run_layer(layer, f, x, rope, access, index)
     return head(model, x), x
 
 
