@@ -359,3 +359,21 @@ def test_services_serve_hf_tokens(name, tmp_path):
                                    max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
         assert got == expected
 
+
+
+@pytest.mark.parametrize("name", ["mamba2-b", "lfm2-b"])  # a Mamba2 state and a conv window alone
+def test_compiled_passes_equal_the_fused_path(name, tmp_path):
+    """Decode and verify as compiled graphs (one token, then several: the token count symbolic), every commit."""
+    saved(name, tmp_path)
+    fused, compiled = load_model(tmp_path), load_model(tmp_path).compile()
+    ids = torch.randint(0, fused.config.vocab_size, (12,), generator=torch.Generator().manual_seed(7))
+    a, b = fused.new_state(), compiled.new_state()
+    for piece, keep in ((ids[:4], 4), (ids[4:5], 1), (ids[5:9], 2), (ids[7:10], 3)):
+        assert rel(compiled(piece, b)[0], fused(piece, a)[0]) < 1e-5
+        a.commit(keep), b.commit(keep)
+
+
+def test_compiling_a_mixer_without_compiled_passes_is_refused(tmp_path):
+    saved("mamba-a", tmp_path)
+    with pytest.raises(ValueError, match="not built for Mamba1Mixer layers"):
+        load_model(tmp_path).compile()

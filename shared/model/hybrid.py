@@ -90,6 +90,11 @@ class HybridLM(nn.Module):
             if self.config.num_experts and self.dtype != torch.bfloat16:
                 raise ValueError("compiled passes of a sparse MoE model need bfloat16 weights (its experts run as "
                                  f"grouped matmuls, which take bfloat16), not {self.dtype}: run it without --compile")
+            slow = sorted({type(layer.mixer).__name__ for layer in self.model.layers
+                           if layer.mixer is not None and not layer.mixer.compiles})
+            if slow:
+                raise ValueError(f"compiled passes are not built for {', '.join(slow)} layers yet: run this "
+                                 f"{self.config.family} model without --compile")
             self.compiled = CompiledPasses(self.device, self.config.num_hidden_layers)
         if warm_up and self.compiled is not None:
             self.compiled.warm_up(self, log_capacity)

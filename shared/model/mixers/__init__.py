@@ -1,6 +1,8 @@
 """The token mixers a family's layers are built from, each in its module beside its reference.
 
 A mixer is an `nn.Module` with HF's parameter names and three faces, so that one forward pass serves them all:
+- `compiles`: whether its fast path traces into a graph with a symbolic token count (`HybridLM.compile` refuses
+  a model with a mixer that does not);
 - `state`: which state it holds (`RECURRENT` or `ATTENTION`, `deltaspec.shared.state.spec`), so the pass knows
   which of the layer's states to address;
 - `forward(h, st, start, rope)`: the reference, on one sequence's state slot (`RecurrentSlot` or `AttnLayerState`),

@@ -55,6 +55,7 @@ class FusedAttention:
 
 class Attention(nn.Module):
     state = ATTENTION
+    compiles = True  # its fast path traces into a graph whose token count is symbolic
 
     def __init__(self, cfg: AttentionFields) -> None:
         super().__init__()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deltaspec.shared.kernels import gated_delta_rule
+from deltaspec.shared.kernels.conv import causal_conv
 from deltaspec.shared.model.norms import GatedRMSNorm, concat, l2norm
 from deltaspec.shared.state.access import StateAccess
 from deltaspec.shared.state.rollback import RecurrentSlot
@@ -57,6 +58,7 @@ class FusedGDN:
 
 class GatedDeltaNet(nn.Module):
     state = RECURRENT
+    compiles = True  # its fast path traces into a graph whose token count is symbolic
 
     def __init__(self, cfg: GDNFields) -> None:
         super().__init__()
@@ -115,12 +117,7 @@ def gates(m: GatedDeltaNet, f: FusedGDN, full: Tensor, b: Tensor,
           a: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Conv, l2-normed q and k, v, beta and log decay g from `full = [window; x]` `(..., K-1+T, conv_dim)` and b, a
     `(..., T, Hv)`; any leading axes (a batch of sequences). q, k `(..., T, Hv, Dk)`, v `(..., T, Hv, Dv)`, float32."""
-    taps = f.conv_taps
-    if torch.compiler.is_compiling():  # a sum of shifted rows: unfold's shape checks would split a symbolic T in ranges
-        T = full.shape[-2] - taps.shape[1] + 1
-        conv = F.silu(sum(full[..., j:j + T, :] * taps[:, j] for j in range(taps.shape[1])))
-    else:
-        conv = F.silu((full.unfold(-2, taps.shape[1], 1) * taps).sum(-1))  # windows (..., T, conv_dim, K)
+    conv = F.silu(causal_conv(full, f.conv_taps))
     if conv.dtype != torch.float32:  # the delta rule runs in float32 (no cast, no dispatch, for float32 models)
         conv, b, a = conv.float(), b.float(), a.float()
     lead, key_dim = conv.shape[:-1], m.n_k * m.d_k

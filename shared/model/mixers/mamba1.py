@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deltaspec.shared.kernels.conv import causal_conv
 from deltaspec.shared.kernels.decay_scan import decay_scan
 from deltaspec.shared.state.access import StateAccess
 from deltaspec.shared.state.rollback import RecurrentSlot
@@ -35,6 +36,7 @@ class Mamba1Mixer(nn.Module):
     """The mixer's parameters and shape; the pass is the module's functions `inputs`, `recurrence`, `output`."""
 
     state = RECURRENT
+    compiles = False  # the elementwise scan's log-depth loop runs over the token count: no symbolic graph
 
     def __init__(self, hidden_size: int, intermediate_size: int, state_size: int, dt_rank: int, conv_kernel: int = 4,
                  use_conv_bias: bool = True, use_bias: bool = False, rms_eps: float | None = None) -> None:
@@ -99,8 +101,7 @@ def recurrence(m: Mamba1Mixer, full: Tensor, extras: tuple[Tensor, ...], start: 
     q = C broadcast over the heads (views), d = dt xc `(..., T, I, 1)`, g = dt A `(..., T, I, N)`.
 
     A padding token (start.valid 0) gets dt = 0: no write and no decay, so the state passes it unchanged."""
-    xc = (full.unfold(-2, m.conv_kernel, 1) * m.conv1d.weight[:, 0]).sum(-1)  # (..., T, I): a depthwise conv
-    xc = F.silu(xc if m.conv1d.bias is None else xc + m.conv1d.bias)  # as a multiply and sum (mkldnn's costs more)
+    xc = F.silu(causal_conv(full, m.conv1d.weight[:, 0], m.conv1d.bias))  # (..., T, I) (mkldnn's conv costs more)
     dt, B, C = selective(m, xc)
     if start.valid is not None:
         dt = dt * start.valid

@@ -70,6 +70,7 @@ class Mamba2Mixer(nn.Module):
     """The mixer's parameters and shape; the pass is the module's functions `inputs`, `recurrence`, `output`."""
 
     state = RECURRENT
+    compiles = True  # its fast path traces into a graph whose token count is symbolic
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, state_size: int, n_groups: int = 1,
                  conv_kernel: int = 4, use_conv_bias: bool = True, use_bias: bool = False, out_bias: bool | None = None,

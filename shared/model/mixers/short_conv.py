@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deltaspec.shared.kernels.conv import causal_conv
 from deltaspec.shared.state.access import StateAccess
 from deltaspec.shared.state.rollback import RecurrentSlot
 from deltaspec.shared.state.spec import RECURRENT
@@ -23,6 +24,7 @@ from deltaspec.shared.state.steps import Start, Step
 
 class ShortConv(nn.Module):
     state = RECURRENT
+    compiles = True  # its fast path traces into a graph whose token count is symbolic
 
     def __init__(self, hidden_size: int, kernel: int, bias: bool) -> None:
         super().__init__()
@@ -66,11 +68,6 @@ def no_logs(like: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
 
 def recurrence(m: ShortConv, full: Tensor, extras: tuple[Tensor, ...], start: Start) -> Step:
     """full = [conv window; B x] `(..., K-1+T, hidden)` -> the conv at the T tokens `(..., T, hidden)` as the `Step`'s
-    output, each token the window of K rows ending at it times the taps (one multiply and sum over every batch axis);
-    the state (none: zero heads) passes as it is."""
-    K = m.conv.kernel_size[0]
-    windows = full.unfold(-2, K, 1)  # (..., T, hidden, K)
-    conv = (windows * m.conv.weight[:, 0]).sum(-1)
-    if m.conv.bias is not None:
-        conv = conv + m.conv.bias
-    return Step(conv, *no_logs(full, full.shape[-2] - K + 1), start.initial)
+    output (`causal_conv`); the state (none: zero heads) passes as it is."""
+    conv = causal_conv(full, m.conv.weight[:, 0], m.conv.bias)
+    return Step(conv, *no_logs(full, conv.shape[-2]), start.initial)
