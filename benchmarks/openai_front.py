@@ -53,35 +53,46 @@ class Front:
         self.proc.wait(30)
 
 
-def _grpc_stream(address: str, prompt: str, n: int, k: int):
+def _grpc_client(address: str):
     from deltaspec.shared.client import Client
 
-    with Client(address) as client:
-        for piece in client.stream(prompt, max_new_tokens=n, num_draft_tokens=k):
-            yield len(piece.token_ids)
+    return Client(address)
 
 
-def _openai_stream(address: str, prompt: str, n: int, k: int):
+def _grpc_stream(client, prompt: str, n: int, k: int):
+    for piece in client.stream(prompt, max_new_tokens=n, num_draft_tokens=k):
+        yield len(piece.token_ids)
+
+
+def _openai_client(address: str):
     import openai
 
-    client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=f"http://{address}/v1", api_key="none", max_retries=0)
+
+
+def _openai_stream(client, prompt: str, n: int, k: int):
     for chunk in client.completions.create(model="deltaspec-embedded", prompt=prompt, max_tokens=n, temperature=0,
                                            stream=True, extra_body={"num_draft_tokens": k}):
         if chunk.choices and chunk.choices[0].text:
             yield len(chunk.choices[0].text.encode())
-    client.close()
 
 
-def row(stream, address: str, k: int, concurrency: int, n: int, generations: int) -> dict:
-    """`concurrency` threads, `generations` each, of `n` greedy tokens from the shared prompts."""
+PATH_FNS = {"grpc": (_grpc_client, _grpc_stream), "openai": (_openai_client, _openai_stream)}
+
+
+def row(path: str, address: str, k: int, concurrency: int, n: int, generations: int) -> dict:
+    """`concurrency` threads, `generations` each, of `n` greedy tokens from the shared prompts; each thread keeps one
+    client (one channel, one HTTP connection pool), as an application does, so what is timed is the requests."""
+    opener, stream = PATH_FNS[path]
     first, per_token, counts = [], [], []
     lock = threading.Lock()
 
     def worker(i: int) -> None:
+        client = opener(address)
         for g in range(generations):
             sent = last = time.perf_counter()
             mine_first, mine, total = None, [], 0
-            for m in stream(address, PROMPTS[(i + g) % len(PROMPTS)], n, k):
+            for m in stream(client, PROMPTS[(i + g) % len(PROMPTS)], n, k):
                 now = time.perf_counter()
                 if mine_first is None:
                     mine_first = now - sent
@@ -92,6 +103,7 @@ def row(stream, address: str, k: int, concurrency: int, n: int, generations: int
                 first.append(mine_first)
                 per_token.extend(mine)
                 counts.append(total)
+        client.close()
 
     started = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
@@ -114,10 +126,9 @@ def openai_front(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
         for concurrency in LEVELS:
             for k in KS:
                 for path in PATHS:
-                    stream, address = ((_grpc_stream, servers["target"].address) if path == "grpc"
-                                       else (_openai_stream, front.address))
-                    row(stream, address, k, 1, 8, 1)  # warm: connections, the prefix cache's first blocks
-                    rows.append({"path": path, **row(stream, address, k, concurrency, n, generations)})
+                    address = servers["target"].address if path == "grpc" else front.address
+                    row(path, address, k, 1, 8, 1)  # warm: connections, the prefix cache's first blocks
+                    rows.append({"path": path, **row(path, address, k, concurrency, n, generations)})
         return rows
     finally:
         if front is not None:
