@@ -38,6 +38,12 @@ CONFIGS = {
         intermediate_size=48, mamba_num_heads=4, mamba_head_dim=12, ssm_state_size=16, n_groups=1, conv_kernel=3,
         use_conv_bias=False, tie_word_embeddings=True, time_step_limit=[0.05, 2.0],
         layers_block_type=["full_attention", "linear_attention", "linear_attention", "mlp"])),
+    "nemotron_h-moe": ("NemotronHConfig", "NemotronHForCausalLM", dict(  # group-limited routing, latent experts
+        vocab_size=83, hidden_size=40, num_attention_heads=2, num_key_value_heads=1, head_dim=20,
+        intermediate_size=56, mamba_num_heads=4, mamba_head_dim=10, ssm_state_size=8, n_groups=2, conv_kernel=4,
+        mlp_bias=True, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=36, moe_latent_size=16, routed_scaling_factor=2.5,
+        hybrid_override_pattern="ME*-E")),
     "lfm2-a": ("Lfm2Config", "Lfm2ForCausalLM", dict(
         vocab_size=97, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
         block_multiple_of=16, block_ffn_dim_multiplier=1.5, conv_L_cache=3, conv_bias=True, norm_eps=1e-6,
@@ -89,7 +95,7 @@ CONFIGS = {
 }
 # per model_type: config changes a load refuses, and what its message names
 REFUSED = {
-    "nemotron_h": (({"layers_block_type": ["linear_attention", "moe"]}, "'moe'"),
+    "nemotron_h": (({"layers_block_type": ["linear_attention", "moe"], "n_routed_experts": 6, "n_group": 4}, "n_group"),
                    ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
                    ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers")),
     "bamba": (({"hidden_act": "gelu"}, "hidden_act"), ({"rope_parameters": {"rope_type": "llama3"}}, "rope_type"),
@@ -108,9 +114,13 @@ REFUSED = {
 
 
 def randomise(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter drawn at random, decays and norms included, so no path is trivially exact."""
+    """Every parameter drawn at random, decays and norms included, so no path is trivially exact; and Nemotron-H's
+    router bias, a buffer, so that it moves the choice of experts."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.3)
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
                 p.copy_(torch.empty(p.shape).uniform_(0.01, 8, generator=g).log())
@@ -245,8 +255,9 @@ def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoi
     """A `mamba_ssm` conversion's `backbone.embedding.` loads as HF's load hook renames it (Mamba, Mamba2);
     FalconMamba's weightless norms, if a checkpoint carries them, are ignored as HF ignores them; a config without
     the fields `save_pretrained` fills in gets HF's defaults (Bamba's rotary on half of each head, Mamba's tie and
-    dt rank, its width `intermediate_size` where given, else from `expand`); Granite's names."""
-    directory, _ = checkpoint
+    dt rank, its width `intermediate_size` where given, else from `expand`); Granite's names; what `publish` writes
+    of a Nemotron-H (stacked experts, the router's bias) HF loads back to its own logits."""
+    directory, hf = checkpoint
     config = json.loads((directory / "config.json").read_text())
     model_type = config["model_type"]
     if model_type in ("mamba2", "mamba", "falcon_mamba"):
@@ -278,6 +289,11 @@ def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoi
         assert ours.rope_theta == hf.rope_parameters["rope_theta"] == 300.0
         assert ours.mamba_head_dim == hf.mamba_d_head and ours.num_key_value_heads == hf.num_key_value_heads
         assert ours.layer_types == tuple(hf.layers_block_type)
+    if model_type == "nemotron_h":
+        again = transformers.NemotronHForCausalLM.from_pretrained(save_checkpoint(load_model(directory), tmp_path))
+        ids = torch.arange(12)[None] % config["vocab_size"]
+        with torch.no_grad():
+            assert torch.equal(again.eval()(ids).logits, hf(ids).logits)
     if config["model_type"] == "granitemoehybrid":
         _granite_names_and_defaults(directory, config, tmp_path)
 

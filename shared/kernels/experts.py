@@ -1,6 +1,9 @@
 """Routed experts applied to the tokens that chose them, and the one place that picks how: one grouped matmul per
-projection over every (token, expert) pair, or a loop over the distinct experts used (`apply_experts`)."""
+projection over every (token, expert) pair, or a loop over the distinct experts used (`apply_experts`). An expert is
+down(act(w_in x)): `swiglu` for gated experts (w_in = [gate; up]), `relu_squared` for Nemotron-H's non-gated ones."""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +24,23 @@ def grouped_gemm_fast(device: torch.device, dtype: torch.dtype, hidden: int, int
             and torch.cuda.get_device_capability(device) in ((9, 0), (10, 0)))
 
 
-def apply_experts(gate_up_proj: Tensor, down_proj: Tensor, x: Tensor, weights: Tensor, chosen: Tensor,
-                  grouped: bool | None = None) -> tuple[Tensor, Tensor | int]:
-    """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for every token t, each distinct expert applied once to
-    all the tokens that chose it; the experts as HF keeps them, `gate_up_proj` (E, 2 I, H) and `down_proj` (E, H, I).
+def swiglu(h: Tensor) -> Tensor:
+    """silu(gate) * up of h = [gate; up] (Qwen's and Granite's experts)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def relu_squared(h: Tensor) -> Tensor:
+    """relu(h)^2, HF's `relu2` (Nemotron-H's experts and MLPs)."""
+    return F.relu(h).square()
+
+
+def apply_experts(w_in: Tensor, down_proj: Tensor, x: Tensor, weights: Tensor, chosen: Tensor,
+                  grouped: bool | None = None, act: Callable[[Tensor], Tensor] = swiglu) -> tuple[Tensor, Tensor | int]:
+    """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for every token t, expert e being
+    down_proj[e] act(w_in[e] x), each distinct expert applied once to all the tokens that chose it; the experts as HF
+    keeps them: `w_in` its `gate_up_proj` (E, 2 I, H) (`swiglu`) or `up_proj` (E, I, H), `down_proj` (E, H, I).
+    Each product with its weight is in their promoted dtype (float32 weights: HF's Nemotron-H), then cast to x's.
     Returns the sum (N, H) and how many distinct experts were read.
 
     Two ways to apply the experts to their groups, the same arithmetic: one grouped matmul per projection over all
@@ -43,17 +59,15 @@ def apply_experts(gate_up_proj: Tensor, down_proj: Tensor, x: Tensor, weights: T
         grouped = (torch.compiler.is_compiling() or grouped_gemm_fast(x.device, x.dtype, *down_proj.shape[1:])
                    or (x.device.type == "cpu" and many))
     if grouped:
-        everyone = torch.arange(gate_up_proj.shape[0], device=x.device)
+        everyone = torch.arange(w_in.shape[0], device=x.device)
         ends = torch.searchsorted(by_expert, everyone, right=True).to(torch.int32)  # where each expert's group ends
-        gate, up = torch._grouped_mm(xs, gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=ends)
+        y = torch._grouped_mm(act(torch._grouped_mm(xs, w_in.transpose(1, 2), offs=ends)), down_proj.transpose(1, 2),
+                              offs=ends)
         touched: Tensor | int = (ends.diff(prepend=ends.new_zeros(1)) > 0).sum()
     else:
         used, counts = torch.unique_consecutive(by_expert, return_counts=True)
-        outs = []
-        for e, group in zip(used.tolist(), xs.split(counts.tolist())):
-            gate, up = F.linear(group, gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, down_proj[e]))
+        outs = [F.linear(act(F.linear(group, w_in[e])), down_proj[e])
+                for e, group in zip(used.tolist(), xs.split(counts.tolist()))]
         y, touched = torch.cat(outs), len(outs)
-    y = y * weights.flatten().index_select(0, order)[:, None]
+    y = (y * weights.flatten().index_select(0, order)[:, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, y), touched

@@ -100,7 +100,8 @@ def covers_experts(model: Model) -> bool:
     grouped matmuls, which a CUDA graph holds only where they are one kernel (off a GPU nothing is recorded)."""
     cfg = model.config
     return (not cfg.num_experts or model.device.type != "cuda"
-            or grouped_gemm_fast(model.device, model.dtype, cfg.hidden_size, cfg.moe_intermediate_size))
+            or grouped_gemm_fast(model.device, model.dtype, cfg.moe_latent_size or cfg.hidden_size,
+                                 cfg.moe_intermediate_size))
 
 
 class CapturedPasses:

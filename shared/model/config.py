@@ -73,6 +73,11 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Nemotron-H's group-limited routing (`route_groups`) and latent experts; the defaults change nothing
+    n_group: int = 1  # the experts in this many contiguous groups, the choice within the `topk_group` best
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # scales the routing weights
+    moe_latent_size: int = 0  # 0: the experts work on the hidden state itself
     # muP-style multipliers (Granite-4.0-H), each applied in one place every pass uses; 1 (None) is a no-op
     embedding_multiplier: float = 1.0  # scales the embeddings (`HybridStack.embed`)
     residual_multiplier: float = 1.0  # scales each mixer's and MLP's output before its residual add (their `alpha`)

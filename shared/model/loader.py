@@ -4,9 +4,11 @@ Reads `config.json` and `model.safetensors` or its shards (`model.safetensors.in
 `model.` and `model.language_model.`; float32, bfloat16, float16. Routed experts come per expert
 (`mlp.experts.N.gate_proj.weight`, `up_proj`, `down_proj`) or fused as HF keeps them (`mlp.experts.gate_up_proj`
 (E, 2 I, H), `mlp.experts.down_proj` (E, H, I)), or both in one checkpoint (the published Qwen3.5-35B-A3B: main
-layers fused, MTP per expert); per-expert ones are stacked. A multimodal wrapper's vision tower (`model.visual.*`)
-is skipped with a log line. `mtp.*` tensors are kept on `model.mtp`. Every tensor must be consumed and every
-parameter found: any mismatch stops with one `CheckpointError` naming the tensor or field.
+layers fused, MTP per expert); per-expert ones are stacked (non-gated ones too: Nemotron-H's `up_proj` alone). A
+multimodal wrapper's vision tower (`model.visual.*`) is skipped with a log line. `mtp.*` tensors are kept on
+`model.mtp`. Every tensor must be consumed and every parameter found: any mismatch stops with one `CheckpointError`
+naming the tensor or field. A module marked `keep_float32` (Nemotron-H's router) is loaded in float32 whatever the
+dtype, as HF keeps it.
 """
 from __future__ import annotations
 
@@ -105,7 +107,10 @@ def load_model(directory: str | Path, dtype: torch.dtype | None = None, device: 
             raise CheckpointError(
                 f"{directory}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(shape)}"
             )
-    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
+    float32 = {f"{m}.{t}" for m, module in model.named_modules() if getattr(module, "keep_float32", False)
+               for t in module.state_dict()}  # HF's router of Nemotron-H: float32 whatever the model's dtype
+    model.load_state_dict({k: v.to(torch.float32 if k in float32 else dtype) for k, v in tensors.items()},
+                          strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.mtp = {k: v.to(dtype) for k, v in mtp.items()}
@@ -113,26 +118,29 @@ def load_model(directory: str | Path, dtype: torch.dtype | None = None, device: 
 
 
 def stack_experts(tensors: dict[str, Tensor], cfg: ModelConfig) -> None:
-    """Per-expert tensors -> HF's fused ones, in place: `gate_up_proj` = [gate; up] per expert, stacked over experts.
+    """Per-expert tensors -> HF's fused ones, in place: `gate_up_proj` = [gate; up] per expert, stacked over experts;
+    `up_proj` alone for non-gated experts (Nemotron-H's: no expert has a `gate_proj`).
 
-    Every expert 0..E-1 of a block must be there, with all three projections, and a block must not come both ways."""
+    Every expert 0..E-1 of a block must be there, with all its projections, and a block must not come both ways."""
     blocks: dict[str, dict[int, dict[str, Tensor]]] = {}
     for name in [n for n in tensors if _PER_EXPERT.match(n)]:
         prefix, index, proj = _PER_EXPERT.match(name).groups()  # type: ignore[union-attr]
         blocks.setdefault(prefix, {}).setdefault(int(index), {})[proj] = tensors.pop(name)
     for prefix, experts in sorted(blocks.items()):
-        if f"{prefix}.gate_up_proj" in tensors or f"{prefix}.down_proj" in tensors:
-            raise ValueError(f"{prefix} comes both fused ({prefix}.gate_up_proj) and per expert ({prefix}.0.*)")
+        gated = any("gate_proj" in e for e in experts.values())
+        w_in = f"{prefix}.gate_up_proj" if gated else f"{prefix}.up_proj"
+        if w_in in tensors or f"{prefix}.down_proj" in tensors:
+            raise ValueError(f"{prefix} comes both fused ({w_in}) and per expert ({prefix}.0.*)")
+        projs = ("gate_proj", "up_proj") if gated else ("up_proj",)
         for e in range(cfg.num_experts):
-            for proj in ("gate_proj", "up_proj", "down_proj"):
+            for proj in (*projs, "down_proj"):
                 if proj not in experts.get(e, {}):
                     raise KeyError(f"{prefix}.{e}.{proj}.weight")
         extra = sorted(e for e in experts if not 0 <= e < cfg.num_experts)
         if extra:
-            raise ValueError(f"unexpected tensor '{prefix}.{extra[0]}.gate_proj.weight': the config has "
+            raise ValueError(f"unexpected tensor '{prefix}.{extra[0]}.{projs[0]}.weight': the config has "
                              f"{cfg.num_experts} experts")
-        tensors[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in range(cfg.num_experts)])
+        tensors[w_in] = torch.stack([torch.cat([experts[e][p] for p in projs]) for e in range(cfg.num_experts)])
         tensors[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(cfg.num_experts)])
 
 

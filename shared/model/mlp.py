@@ -5,13 +5,14 @@ its input projections as one matmul and the residual add riding on `addmm`). `ou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deltaspec.shared.kernels.experts import apply_experts
-from deltaspec.shared.model.moe import Experts, route
+from deltaspec.shared.kernels.experts import apply_experts, relu_squared
+from deltaspec.shared.model.moe import Experts, GroupRouter, UngatedExperts, route, route_groups
 from deltaspec.shared.model.norms import concat
 
 
@@ -59,13 +60,13 @@ class ReluSquaredMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
+        return self.down_proj(relu_squared(self.up_proj(x)))
 
     def fuse(self) -> ReluSquaredMLP:
         return self  # already one matmul in and one out
 
     def fused(self, f: ReluSquaredMLP, h: Tensor, residual: Tensor) -> Tensor:
-        return residual + self.down_proj(F.relu(self.up_proj(h)).square())
+        return residual + self.down_proj(relu_squared(self.up_proj(h)))
 
 
 @dataclass
@@ -118,3 +119,72 @@ class SparseMoE(nn.Module):
         if shared_gate:
             shared = torch.sigmoid(shared_gate[0]) * shared
         return torch.add(residual, routed + shared, alpha=self.out_multiplier)
+
+
+class GroupMoEFields(Protocol):
+    """What `GroupMoE` reads of a `ModelConfig`."""
+
+    hidden_size: int
+    mlp_bias: bool
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    moe_latent_size: int
+
+
+@dataclass
+class FusedGroupMoE:
+    w_in: Tensor  # (latent + shared intermediate, hidden): [fc1_latent_proj; shared_experts.up_proj], or the latter
+    b_in: Tensor | None  # their biases, with `mlp_bias`
+    splits: tuple[int, ...]  # (latent, shared intermediate), or (shared intermediate,)
+
+
+class GroupMoE(nn.Module):
+    """Nemotron-H's MoE block: a `GroupRouter` (sigmoid scores, group-limited top-k: `route_groups`), non-gated
+    relu^2 experts that work in a latent space when `moe_latent_size` is set (`fc1_latent_proj` in,
+    `fc2_latent_proj` out), and a relu^2 shared expert (`shared_experts`) on the block's input, added after."""
+
+    def __init__(self, cfg: GroupMoEFields) -> None:
+        super().__init__()
+        self.cfg = cfg
+        latent, bias = cfg.moe_latent_size, cfg.mlp_bias
+        self.experts = UngatedExperts(cfg.num_experts, latent or cfg.hidden_size, cfg.moe_intermediate_size)
+        self.gate = GroupRouter(cfg.num_experts, cfg.hidden_size)
+        self.shared_experts = ReluSquaredMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, bias)
+        self.fc1_latent_proj = nn.Linear(cfg.hidden_size, latent, bias=bias) if latent else None
+        self.fc2_latent_proj = nn.Linear(latent, cfg.hidden_size, bias=bias) if latent else None
+        self.touched: Tensor | int = 0  # distinct experts the last eager pass read
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        cfg = self.cfg
+        return route_groups(self.gate(x), self.gate.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
+                            cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+    def experts_on(self, z: Tensor, x: Tensor) -> Tensor:
+        """The routed experts' sum for the block input x, z being x in the experts' space (fc1's output)."""
+        routed, touched = apply_experts(self.experts.up_proj, self.experts.down_proj, z, *self.route(x),
+                                        act=relu_squared)
+        if not torch.compiler.is_compiling():  # a graph's count would be one of its own buffers
+            self.touched = touched
+        return routed if self.fc2_latent_proj is None else self.fc2_latent_proj(routed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        return self.experts_on(z, x) + self.shared_experts(x)
+
+    def fuse(self) -> FusedGroupMoE:
+        up = self.shared_experts.up_proj
+        ins = (up,) if self.fc1_latent_proj is None else (self.fc1_latent_proj, up)
+        b_in = None if up.bias is None else torch.cat([i.bias.detach() for i in ins])
+        return FusedGroupMoE(concat(*ins), b_in, splits=tuple(i.weight.shape[0] for i in ins))
+
+    def fused(self, f: FusedGroupMoE, h: Tensor, residual: Tensor) -> Tensor:
+        """`forward` with fc1_latent_proj and the shared expert's up_proj in one matmul."""
+        *z, up = F.linear(h, f.w_in, f.b_in).split(f.splits, dim=-1)
+        shared = self.shared_experts.down_proj(relu_squared(up))
+        return residual + (self.experts_on(z[0] if z else h, h) + shared)

@@ -16,10 +16,13 @@ float32, top-k, renormalised per `norm_topk_prob`). Passes of different lengths 
 rounding, not bit for bit (the delta rule runs as a recurrence for one token and in chunked form for several), so
 they route identically except where two experts' probabilities sit within that rounding of the top-k boundary;
 `tests/test_moe.py` builds routers whose boundary margin is small and checks every pass picks the same experts.
+Nemotron-H routes with `route_groups` instead (sigmoid scores, a bias for the choice, group-limited top-k), under
+the same discipline: one function, every pass.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -30,6 +33,52 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(n, hidden, intermediate))
+
+
+class UngatedExperts(nn.Module):
+    """Non-gated routed experts as HF's Nemotron-H keeps them: `up_proj` (E, I, H) and `down_proj` (E, H, I)."""
+
+    def __init__(self, n: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(n, intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(n, hidden, intermediate))
+
+
+class GroupRouter(nn.Module):
+    """HF's `NemotronHTopkRouter` tensors: `weight` (E, H) and the buffer `e_score_correction_bias` (E,), which
+    `save_pretrained` writes. Both float32 whatever the model's dtype, as HF keeps them (`keep_float32`: the loader
+    reads them so)."""
+
+    keep_float32 = True
+
+    def __init__(self, n: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, hidden, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(n, dtype=torch.float32))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Router logits (N, E), float32 (HF's: input and weight in float32)."""
+        return F.linear(x.float(), self.weight.float())
+
+
+def route_groups(logits: Tensor, bias: Tensor, top_k: int, groups: int, top_groups: int, renormalise: bool,
+                 scale: float) -> tuple[Tensor, Tensor]:
+    """Routing weights (N, k) float32 and expert indices (N, k), as HF's `NemotronHTopkRouter` makes them: sigmoid
+    scores; the choice by scores + `bias`, among the experts of the `top_groups` of `groups` (contiguous) groups whose
+    two best biased scores sum highest; the weights from the unbiased scores, renormalised (sum + 1e-20) per
+    `renormalise`, times `scale`. With every group kept the group step changes nothing and is skipped."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    if top_groups < groups:
+        by_group = choice.view(-1, groups, choice.shape[-1] // groups)  # (N, G, E / G)
+        best = torch.topk(by_group.topk(2, dim=-1)[0].sum(dim=-1), top_groups, dim=-1, sorted=False)[1]
+        kept = torch.zeros(by_group.shape[:2], dtype=torch.bool, device=logits.device).scatter_(1, best, True)
+        choice = by_group.masked_fill(~kept[..., None], float("-inf")).flatten(1)
+    experts = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, experts)
+    if renormalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, experts
 
 
 def route(logits: Tensor, top_k: int, renormalise: bool) -> tuple[Tensor, Tensor]:

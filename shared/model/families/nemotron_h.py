@@ -1,14 +1,17 @@
 """Nemotron-H (`nemotron_h`: NVIDIA Nemotron-H, Nemotron Nano 2): blocks of one part each, behind one RMSNorm.
 
 A block is a Mamba2 mixer (`linear_attention`, the `M` of a `hybrid_override_pattern`), a plain attention
-(`full_attention`, `*`: grouped K/V, no rotary, no norm, no gate), or a ReLU-squared MLP (`mlp`, `-`). Norms are the
+(`full_attention`, `*`: grouped K/V, no rotary, no norm, no gate), a ReLU-squared MLP (`mlp`, `-`), or a MoE block
+(`moe`, `E`: `deltaspec.shared.model.mlp.GroupMoE`, sigmoid group-limited routing, non-gated ReLU-squared experts,
+optionally in a latent space, and a shared expert). Norms are the
 usual RMSNorm (w applied as it is). The Mamba2 state is kind `ssd`: per head h a `(state, head_dim)` matrix decaying
 by exp(dt A_h), written with B_t (dt x_t)^T, so a round logs B, dt x and dt A per token and commits in closed form.
 
 Tensors: HF 5.25 saves `model.embeddings`, `model.layers.i.norm`, `model.layers.i.mixer.*`, `model.norm_f`; NVIDIA's
 published checkpoints name the trunk `backbone.` instead of `model.`. `convert` maps both onto the shared layers'
 names (`embed_tokens`, `input_layernorm` or `post_attention_layernorm`, `mamba`, `self_attn` or `mlp`, `norm`);
-`publish` writes HF's. Not run yet: the MoE blocks (`moe`, `E`) and the MTP head; a checkpoint with them is refused.
+the published per-expert `mixer.experts.j.up_proj.weight` are stacked by the loader into HF's `experts.up_proj`.
+`publish` writes HF's. Not run yet: the MTP head; a checkpoint with one is refused.
 """
 from __future__ import annotations
 
@@ -18,13 +21,13 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from deltaspec.shared.model.families.mamba2 import mixer, ssd_spec, time_step_limit
-from deltaspec.shared.model.fields import ConfigError, positive_int, refuse_unless
+from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, refuse_unless
 from deltaspec.shared.model.mixers.attention import Attention
-from deltaspec.shared.model.mlp import ReluSquaredMLP
+from deltaspec.shared.model.mlp import GroupMoE, GroupMoEFields, ReluSquaredMLP
 from deltaspec.shared.state.spec import ATTENTION, RECURRENT, STATELESS, StateSpec
 
 
-class NemotronFields(Protocol):
+class NemotronFields(GroupMoEFields, Protocol):
     """What this module reads of a `ModelConfig`."""
 
     layer_types: tuple[str, ...]
@@ -47,9 +50,10 @@ class NemotronFields(Protocol):
 TEXT_TYPES = ("nemotron_h",)
 WRAPPER_TYPES: dict[str, str] = {}
 ALWAYS_NORM_TOPK = False
-LAYER_KINDS = ("linear_attention", "full_attention", "mlp")
+LAYER_KINDS = ("linear_attention", "full_attention", "mlp", "moe")
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
-PARTS = {"linear_attention": "mamba", "full_attention": "self_attn", "mlp": "mlp"}  # the shared layers' names
+PARTS = {"linear_attention": "mamba", "full_attention": "self_attn", "mlp": "mlp", "moe": "mlp"}  # the shared names
+CHANNEL_MIXERS = ("mlp", "moe")  # blocks behind the shared layers' post_attention_layernorm
 
 
 def _layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
@@ -61,7 +65,7 @@ def _layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
     unsupported = sorted({k for k in kinds if k not in LAYER_KINDS})
     if unsupported:
         raise ConfigError(f"config.json: nemotron_h layer kind {unsupported[0]!r} is not supported (supported: "
-                          f"{', '.join(LAYER_KINDS)}; the MoE blocks are not run yet)")
+                          f"{', '.join(LAYER_KINDS)})")
     return tuple(kinds)
 
 
@@ -94,19 +98,44 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
         mamba_proj_bias=bool(cfg.get("use_bias", False)),  # HF's mixer reads use_bias, not mamba_proj_bias
         mamba_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
         mamba_dt_limit=time_step_limit(get("time_step_limit", "mamba_dt_limit", (0.0, float("inf")))),
+        **(_experts(cfg) if "moe" in layer_types else {}),
     )
+
+
+def _experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE blocks' fields, HF's defaults where the config leaves one out (HF's model ignores `n_shared_experts`
+    and `moe_shared_expert_overlap`: one shared expert, always added)."""
+    cfg = {**dict(n_routed_experts=cfg.get("num_local_experts", 8), num_experts_per_tok=2, moe_intermediate_size=7688,
+                  moe_shared_expert_intermediate_size=7688, n_group=1, topk_group=1), **cfg}
+    n, groups, top_groups = (positive_int(cfg, k) for k in ("n_routed_experts", "n_group", "topk_group"))
+    if n % groups or n // groups < 2 or top_groups > groups:
+        raise ConfigError(f"config.json: nemotron_h's n_routed_experts ({n}) must split into n_group ({groups}) groups "
+                          f"of at least 2 experts, of which topk_group ({top_groups}) are kept")
+    top_k = positive_int(cfg, "num_experts_per_tok")
+    if top_k > top_groups * (n // groups):
+        raise ConfigError(f"config.json: nemotron_h's num_experts_per_tok ({top_k}) is more than the experts of "
+                          f"topk_group ({top_groups}) groups")
+    latent = cfg.get("moe_latent_size")
+    return dict(num_experts=n, num_experts_per_tok=top_k, n_group=groups, topk_group=top_groups,
+                moe_intermediate_size=positive_int(cfg, "moe_intermediate_size"),
+                shared_expert_intermediate_size=positive_int(cfg, "moe_shared_expert_intermediate_size"),
+                moe_latent_size=0 if latent is None else positive_int(cfg, "moe_latent_size"),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                routed_scaling_factor=json_float(cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor"))
 
 
 def layer(cfg: NemotronFields, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.Module | None]:
     if kind == "mlp":
         return "", None, ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+    if kind == "moe":
+        return "", None, GroupMoE(cfg)
     if kind == "full_attention":
         return "self_attn", Attention(cfg), None
     return "mamba", mixer(cfg), None
 
 
 def state_spec(cfg: NemotronFields) -> StateSpec:
-    kinds = {"linear_attention": RECURRENT, "full_attention": ATTENTION, "mlp": STATELESS}
+    kinds = {"linear_attention": RECURRENT, "full_attention": ATTENTION, "mlp": STATELESS, "moe": STATELESS}
     return StateSpec(tuple(kinds[k] for k in cfg.layer_types), ssd_spec(cfg), cfg.num_key_value_heads, cfg.head_dim)
 
 
@@ -122,7 +151,7 @@ def convert(tensors: dict[str, Tensor], cfg: NemotronFields) -> None:
             if i >= len(cfg.layer_types):
                 continue  # left as it is: the loader names it as unexpected
             kind = cfg.layer_types[i]
-            new = ("post_attention_layernorm" if kind == "mlp" else "input_layernorm") if part == "norm" \
+            new = ("post_attention_layernorm" if kind in CHANNEL_MIXERS else "input_layernorm") if part == "norm" \
                 else PARTS[kind]
             tensors[f"model.layers.{i}.{new}.{rest}"] = tensors.pop(name)
             continue
