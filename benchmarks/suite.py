@@ -152,6 +152,11 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+PRINTERS = {"pipeline": pipeline.print_rows, "load": load.print_rows, "sessions": session_memory.print_rows,
+            "moe": moe.print_rows, "cost_model": cost_model.print_rows, "prefix": prefix.print_rows,
+            "openai": openai_front.print_rows, "families": families.print_rows}  # sections that print their own rows
+
+
 def print_tables(result: dict) -> None:
     if "steps" in result:
         step_costs.print_rows(result["steps"])
@@ -188,22 +193,9 @@ def print_tables(result: dict) -> None:
         m = result["memory_bound"]
         print(f"\nMemory-bound regime ({m['params_m']:.0f}M-parameter random target): verify {m['k'] + 1} tokens "
               f"{m['verify_k1_ms']:.1f} ms / decode 1 {m['decode_1_ms']:.1f} ms = {m['ratio']:.2f}")
-    if "pipeline" in result:
-        pipeline.print_rows(result["pipeline"])
-    if "load" in result:
-        load.print_rows(result["load"])
-    if "sessions" in result:
-        session_memory.print_rows(result["sessions"])
-    if "moe" in result:
-        moe.print_rows(result["moe"])
-    if "cost_model" in result:
-        cost_model.print_rows(result["cost_model"])
-    if "prefix" in result:
-        prefix.print_rows(result["prefix"])
-    if "openai" in result:
-        openai_front.print_rows(result["openai"])
-    if "families" in result:
-        families.print_rows(result["families"])
+    for section, print_rows in PRINTERS.items():
+        if section in result:
+            print_rows(result[section])
     if "gpu" in result:
         gpu.print_rows(result["gpu"])
         print("\nGPU: load (both servers --device cuda)", end="")
