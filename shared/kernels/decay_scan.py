@@ -90,19 +90,25 @@ def _prefix_steps(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return a, b
 
 
+def decay_states(k: Tensor, d: Tensor, g: Tensor, initial: Tensor, chunk_size: int = CHUNK_SIZE) -> Tensor:
+    """The state after every token `(..., T, H, Dk, Dv)`, elementwise, chunk by chunk (a log-depth scan within each
+    chunk): for kinds whose state is as small as a token's inputs (Dv = 1), which keep these states as their logs."""
+    g = _per_channel(g, k)
+    state, chunks = initial, []
+    for s in range(0, k.shape[-3], chunk_size):
+        k_c, d_c, g_c = (x[..., s:s + chunk_size, :, :] for x in (k, d, g))
+        A, B = _prefix_steps(g_c.exp()[..., None], k_c[..., None] * d_c[..., None, :])  # (..., C, H, Dk|1, 1|Dv)
+        chunks.append(torch.addcmul(B, A, state[..., None, :, :, :]))  # (..., C, H, Dk, Dv)
+        state = chunks[-1][..., -1, :, :, :]
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, -4)
+
+
 def scan_decay_scan(q: Tensor, k: Tensor, d: Tensor, g: Tensor, initial: Tensor,
                     chunk_size: int = CHUNK_SIZE) -> tuple[Tensor, Tensor]:
-    """Elementwise, chunk by chunk: the states after every token of a chunk `(..., C, H, Dk, Dv)` by a log-depth
-    scan, then each token's output read from its state. No `(C, C)` matrix: the form for Dv = 1 (Mamba1)."""
-    g = _per_channel(g, k)
-    state, outs = initial, []
-    for s in range(0, q.shape[-3], chunk_size):
-        q_c, k_c, d_c, g_c = (x[..., s:s + chunk_size, :, :] for x in (q, k, d, g))
-        A, B = _prefix_steps(g_c.exp()[..., None], k_c[..., None] * d_c[..., None, :])  # (..., C, H, Dk|1, 1|Dv)
-        states = torch.addcmul(B, A, state[..., None, :, :, :])  # (..., C, H, Dk, Dv)
-        outs.append(torch.einsum("...thk,...thkv->...thv", q_c, states))
-        state = states[..., -1, :, :, :]
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, -3)), state
+    """Elementwise: the states after every token (`decay_states`), then each token's output read from its state.
+    No `(C, C)` matrix: the form for Dv = 1 (Mamba1)."""
+    states = decay_states(k, d, g, initial, chunk_size)
+    return torch.einsum("...thk,...thkv->...thv", q, states), states[..., -1, :, :, :]
 
 
 def elementwise(k: Tensor, d: Tensor, g: Tensor) -> bool:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deltaspec.shared.kernels.conv import causal_conv
-from deltaspec.shared.kernels.decay_scan import decay_scan
+from deltaspec.shared.kernels.decay_scan import decay_states
 from deltaspec.shared.state.access import StateAccess
 from deltaspec.shared.state.rollback import RecurrentSlot
 from deltaspec.shared.state.spec import RECURRENT
@@ -97,8 +97,10 @@ def selective(m: Mamba1Mixer, xc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def recurrence(m: Mamba1Mixer, full: Tensor, extras: tuple[Tensor, ...], start: Start) -> Step:
-    """full = [conv window; x] `(..., K-1+T, I)` -> the pass's `Step`: out `(..., T, I, 1)` (with D's skip), k = B and
-    q = C broadcast over the heads (views), d = dt xc `(..., T, I, 1)`, g = dt A `(..., T, I, N)`.
+    """full = [conv window; x] `(..., K-1+T, I)` -> the pass's `Step`: out `(..., T, I, 1)` (with D's skip), and what
+    the `snapshot` kind logs: the state after each token as k `(..., T, I, N)` (d and g zeros, `(..., T, I, 1)` and
+    `(..., T, I)`). The states come from `decay_states` with k = B (broadcast over the channels, a view), d = dt xc,
+    g = dt A; each token's output is its state read by C.
 
     A padding token (start.valid 0) gets dt = 0: no write and no decay, so the state passes it unchanged."""
     xc = F.silu(causal_conv(full, m.conv1d.weight[:, 0], m.conv1d.bias))  # (..., T, I) (mkldnn's conv costs more)
@@ -108,10 +110,9 @@ def recurrence(m: Mamba1Mixer, full: Tensor, extras: tuple[Tensor, ...], start: 
     xc = xc.float()
     g = dt[..., None] * -m.A_log.float().exp()  # (..., T, I, N)
     d = (dt * xc)[..., None]  # (..., T, I, 1)
-    heads = (*g.shape[:-1], m.state_size)
-    k, q = B[..., None, :].expand(heads), C[..., None, :].expand(heads)
-    out, final = decay_scan(q, k, d, g, start.initial, static=start.static)
-    return Step(out + (m.D * xc)[..., None], k, d, g, final)
+    states = decay_states(B[..., None, :].expand(g.shape), d, g, start.initial)  # (..., T, I, N, 1)
+    out = (states[..., 0] @ C[..., None]) + (m.D * xc)[..., None]  # (..., T, I, 1)
+    return Step(out, states[..., 0], torch.zeros_like(d), torch.zeros_like(dt), states[..., -1, :, :, :])
 
 
 def output(m: Mamba1Mixer, out: Tensor, z: Tensor, residual: Tensor) -> Tensor:
@@ -125,20 +126,19 @@ def reference(m: Mamba1Mixer, h: Tensor, window: Tensor,
     """The pass in its plainest form, one token at a time through the state: the fast path's twin in tests, and the
     engine's layer path. h `(T, hidden)`, window `(K-1, I)` (the last pre-conv inputs), state `(I, N, 1)`; returns
     what `output` adds to the residual `(T, hidden)`, the pre-conv inputs x `(T, I)`, the state after the tokens, and
-    what the state floor logs of them: k `(T, I, N)`, d `(T, I, 1)`, g `(T, I, N)`."""
+    what the state floor logs of them: the state after each token k `(T, I, N)`, zeros d `(T, I, 1)` and g `(T, I)`."""
     x, z = inputs(m, h)
     full = torch.cat([window, x])  # (K-1+T, I)
     xc = F.silu(F.conv1d(full.t()[None], m.conv1d.weight, m.conv1d.bias, groups=m.intermediate_size))[0].t()
     dt, B, C = selective(m, xc)
     xc = xc.float()
     A = -m.A_log.float().exp()  # (I, N)
-    ys, ks, ds, gs = [], [], [], []
+    ys, states = [], []
     for t in range(h.shape[0]):
         g, d = dt[t, :, None] * A, dt[t] * xc[t]  # (I, N), (I,)
         state = g.exp()[..., None] * state + (d[:, None] * B[t])[..., None]  # (I, N, 1)
         ys.append(state[..., 0] @ C[t] + m.D * xc[t])
-        ks.append(B[t].expand(m.intermediate_size, -1))
-        ds.append(d[:, None])
-        gs.append(g)
+        states.append(state[..., 0])
     y = output(m, torch.stack(ys)[..., None], z, torch.zeros_like(h))
-    return y, x, state, (torch.stack(ks), torch.stack(ds), torch.stack(gs))
+    T, I = dt.shape
+    return y, x, state, (torch.stack(states), xc.new_zeros(T, I, 1), xc.new_zeros(T, I))
