@@ -92,6 +92,17 @@ CONFIGS = {
     "falcon_mamba-b": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
         vocab_size=89, hidden_size=16, num_hidden_layers=3, state_size=12, expand=3, conv_kernel=2, time_step_rank=3,
         use_bias=True, use_conv_bias=False, tie_word_embeddings=False)),
+    "olmo_hybrid-a": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
+        vocab_size=97, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_conv_kernel_dim=4, attention_bias=True, pad_token_id=None,
+        eos_token_id=None, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])),
+    "olmo_hybrid-b": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
+        vocab_size=89, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=40,
+        num_hidden_layers=3, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=12,
+        linear_value_head_dim=8, linear_conv_kernel_dim=3, linear_allow_neg_eigval=False, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5e4}, pad_token_id=None,
+        eos_token_id=None, layer_types=["full_attention", "linear_attention", "full_attention"])),
 }
 # per model_type: config changes a load refuses, and what its message names
 REFUSED = {
@@ -110,6 +121,10 @@ REFUSED = {
     "falcon_mamba": (({"hidden_act": "relu"}, "hidden_act"), ({"expand": 1.5}, "expand")),
     "lfm2": (({"layer_types": ["conv", "sliding_attention"], "num_hidden_layers": 2}, "'sliding_attention'"),
              ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}}, "rope_type")),
+    "olmo_hybrid": (({"hidden_act": "gelu"}, "hidden_act"),
+                    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+                    ({"layer_types": ["linear_attention", "sliding_attention"], "num_hidden_layers": 2},
+                     "'sliding_attention'")),
 }
 
 
