@@ -311,6 +311,8 @@ def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoi
             assert torch.equal(again.eval()(ids).logits, hf(ids).logits)
     if config["model_type"] == "granitemoehybrid":
         _granite_names_and_defaults(directory, config, tmp_path)
+    if model_type == "olmo_hybrid":
+        _olmo_names_and_defaults(directory, hf, config, tmp_path)
 
 
 def _granite_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> None:
@@ -342,6 +344,31 @@ def _granite_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -
     assert (ours.attention_scale, ours.embedding_multiplier, ours.residual_multiplier, ours.logits_scaling) == (
         hf.attention_multiplier, hf.embedding_multiplier, hf.residual_multiplier, hf.logits_scaling)
     assert ours.num_key_value_heads == hf.num_key_value_heads and ours.mamba_head_dim == hf.mamba_d_head
+
+
+def _olmo_names_and_defaults(directory: Path, hf: torch.nn.Module, config: dict, tmp_path: Path) -> None:
+    """HF's in-memory names (one conv, HF's norm names) and an `mtp.*` tensor load the model `save_pretrained`'s
+    names do; what `publish` writes (the conv split at q/k/v, as published) HF loads back to its own logits; a bare
+    config reads as HF's (derived GDN head sizes, layer kinds, beta up to 2)."""
+    tied = hf.config.tie_word_embeddings
+    tensors = {k: v for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(tensors | {"mtp.norm.weight": torch.ones(4)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = torch.arange(12) % config["vocab_size"]
+    want, ours = load_model(directory), load_model(tmp_path)
+    assert torch.equal(ours(ids, ours.new_state())[0], want(ids, want.new_state())[0])
+    again = transformers.OlmoHybridForCausalLM.from_pretrained(save_checkpoint(want, tmp_path / "saved")).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids[None]).logits, hf(ids[None]).logits)
+    bare = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads")}
+    hf_cfg = transformers.OlmoHybridConfig(**bare, pad_token_id=None)
+    ours = ModelConfig.from_dict({**bare, "model_type": "olmo_hybrid"})
+    assert ours.layer_types == tuple(hf_cfg.layer_types) and ours.num_key_value_heads == hf_cfg.num_key_value_heads
+    assert (ours.linear_num_key_heads, ours.linear_num_value_heads, ours.linear_key_head_dim,
+            ours.linear_value_head_dim) == (hf_cfg.linear_num_key_heads, hf_cfg.linear_num_value_heads,
+                                            hf_cfg.linear_key_head_dim, hf_cfg.linear_value_head_dim)
+    assert ours.linear_beta_scale == 2.0 and ours.rope_theta == hf_cfg.rope_parameters["rope_theta"]
 
 
 def test_unsupported_parts_are_refused_at_load(checkpoint, tmp_path):
