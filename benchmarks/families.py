@@ -53,6 +53,11 @@ CHECKPOINTS = {
     "mamba": ("MambaConfig", "MambaForCausalLM", dict(**WIDE, num_hidden_layers=6, state_size=16, conv_kernel=4)),
     "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
         **WIDE, num_hidden_layers=6, state_size=16, conv_kernel=4)),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
+        **WIDE, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        pad_token_id=None, eos_token_id=None,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2)),
 }
 
 

@@ -92,6 +92,17 @@ CONFIGS = {
     "falcon_mamba-b": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
         vocab_size=89, hidden_size=16, num_hidden_layers=3, state_size=12, expand=3, conv_kernel=2, time_step_rank=3,
         use_bias=True, use_conv_bias=False, tie_word_embeddings=False)),
+    "olmo_hybrid-a": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
+        vocab_size=97, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_conv_kernel_dim=4, attention_bias=True, pad_token_id=None,
+        eos_token_id=None, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])),
+    "olmo_hybrid-b": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
+        vocab_size=89, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=40,
+        num_hidden_layers=3, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=12,
+        linear_value_head_dim=8, linear_conv_kernel_dim=3, linear_allow_neg_eigval=False, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5e4}, pad_token_id=None,
+        eos_token_id=None, layer_types=["full_attention", "linear_attention", "full_attention"])),
 }
 # per model_type: config changes a load refuses, and what its message names
 REFUSED = {
@@ -110,6 +121,10 @@ REFUSED = {
     "falcon_mamba": (({"hidden_act": "relu"}, "hidden_act"), ({"expand": 1.5}, "expand")),
     "lfm2": (({"layer_types": ["conv", "sliding_attention"], "num_hidden_layers": 2}, "'sliding_attention'"),
              ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}}, "rope_type")),
+    "olmo_hybrid": (({"hidden_act": "gelu"}, "hidden_act"),
+                    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+                    ({"layer_types": ["linear_attention", "sliding_attention"], "num_hidden_layers": 2},
+                     "'sliding_attention'")),
 }
 
 
@@ -296,6 +311,8 @@ def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoi
             assert torch.equal(again.eval()(ids).logits, hf(ids).logits)
     if config["model_type"] == "granitemoehybrid":
         _granite_names_and_defaults(directory, config, tmp_path)
+    if model_type == "olmo_hybrid":
+        _olmo_names_and_defaults(directory, hf, config, tmp_path)
 
 
 def _granite_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> None:
@@ -327,6 +344,31 @@ def _granite_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -
     assert (ours.attention_scale, ours.embedding_multiplier, ours.residual_multiplier, ours.logits_scaling) == (
         hf.attention_multiplier, hf.embedding_multiplier, hf.residual_multiplier, hf.logits_scaling)
     assert ours.num_key_value_heads == hf.num_key_value_heads and ours.mamba_head_dim == hf.mamba_d_head
+
+
+def _olmo_names_and_defaults(directory: Path, hf: torch.nn.Module, config: dict, tmp_path: Path) -> None:
+    """HF's in-memory names (one conv, HF's norm names) and an `mtp.*` tensor load the model `save_pretrained`'s
+    names do; what `publish` writes (the conv split at q/k/v, as published) HF loads back to its own logits; a bare
+    config reads as HF's (derived GDN head sizes, layer kinds, beta up to 2)."""
+    tied = hf.config.tie_word_embeddings
+    tensors = {k: v for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(tensors | {"mtp.norm.weight": torch.ones(4)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = torch.arange(12) % config["vocab_size"]
+    want, ours = load_model(directory), load_model(tmp_path)
+    assert torch.equal(ours(ids, ours.new_state())[0], want(ids, want.new_state())[0])
+    again = transformers.OlmoHybridForCausalLM.from_pretrained(save_checkpoint(want, tmp_path / "saved")).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids[None]).logits, hf(ids[None]).logits)
+    bare = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads")}
+    hf_cfg = transformers.OlmoHybridConfig(**bare, pad_token_id=None)
+    ours = ModelConfig.from_dict({**bare, "model_type": "olmo_hybrid"})
+    assert ours.layer_types == tuple(hf_cfg.layer_types) and ours.num_key_value_heads == hf_cfg.num_key_value_heads
+    assert (ours.linear_num_key_heads, ours.linear_num_value_heads, ours.linear_key_head_dim,
+            ours.linear_value_head_dim) == (hf_cfg.linear_num_key_heads, hf_cfg.linear_num_value_heads,
+                                            hf_cfg.linear_key_head_dim, hf_cfg.linear_value_head_dim)
+    assert ours.linear_beta_scale == 2.0 and ours.rope_theta == hf_cfg.rope_parameters["rope_theta"]
 
 
 def test_unsupported_parts_are_refused_at_load(checkpoint, tmp_path):

@@ -39,18 +39,21 @@ class ModelConfig:
     partial_rotary_factor: float = 0.25  # 0: no rotary embedding
     attention_output_gate: bool = True  # Qwen's sigmoid gate on the attention output (q_proj doubled)
     attention_qk_norm: bool = True
+    attention_qk_norm_per_head: bool = True  # False: q/k RMSNorms over the whole projection (OLMo's)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
     eos_token_id: tuple[int, ...] = ()
     mtp_num_hidden_layers: int = 0
     family: str = "qwen3_5"
+    post_norm_kinds: tuple[str, ...] = ()  # layer kinds whose norms follow their mixer and MLP (OLMo's attention)
     # Gated DeltaNet layers
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    linear_beta_scale: float = 1.0  # beta = scale * sigmoid(b): 2 lets it reach 2 (OLMo-Hybrid's allow_neg_eigval)
     # Mamba2 layers
     mamba_num_heads: int = 0
     mamba_head_dim: int = 0

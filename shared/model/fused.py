@@ -64,6 +64,7 @@ class FusedLayer:
     run_mlp: Callable[..., Tensor] | None
     input_eps: float = 0.0
     post_eps: float = 0.0
+    no_residual: Tensor | None = None  # a 0-dim zero: what a post-norm layer hands its parts for the residual
 
 
 @dataclass
@@ -92,6 +93,9 @@ def fuse_layer(layer: DecoderLayer) -> FusedLayer:
     if mlp is not None:
         f.post_norm, f.post_eps = layer.post_attention_layernorm.folded(), layer.post_attention_layernorm.eps
         f.mlp, f.run_mlp = mlp.fuse(), mlp.fused
+    if layer.norm_after:  # its parts' outputs are normed before the residual add, so they add none themselves
+        weight = layer.post_attention_layernorm.weight if mixer is None else layer.input_layernorm.weight
+        f.no_residual = weight.new_zeros(()).detach()
     return f
 
 
@@ -99,10 +103,24 @@ def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, rope: tuple[Ten
                   index: int) -> Tensor:
     """`DecoderLayer.forward` in fewer ops: the mixer (the index-th of its kind) and the MLP, each on its pre-norm and
     added to the residual. `rope` is (cos, `rotary.rotary_signed` sin) at the tokens' positions."""
+    if f.no_residual is not None:
+        return _post_norm_layer(f, x, rope, access, index)
     if f.run_mixer is not None:
         x = f.run_mixer(f.mixer, F.rms_norm(x, x.shape[-1:], f.input_norm, f.input_eps), x, rope, access, index)
     if f.run_mlp is not None:
         x = f.run_mlp(f.mlp, F.rms_norm(x, x.shape[-1:], f.post_norm, f.post_eps), x)
+    return x
+
+
+def _post_norm_layer(f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
+                     index: int) -> Tensor:
+    """A `norm_after` layer: the mixer and the MLP on the residual stream itself, each output normed, then added."""
+    if f.run_mixer is not None:
+        y = f.run_mixer(f.mixer, x, f.no_residual, rope, access, index)
+        x = x + F.rms_norm(y, y.shape[-1:], f.input_norm, f.input_eps)
+    if f.run_mlp is not None:
+        y = f.run_mlp(f.mlp, x, f.no_residual)
+        x = x + F.rms_norm(y, y.shape[-1:], f.post_norm, f.post_eps)
     return x
 
 

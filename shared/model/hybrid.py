@@ -67,10 +67,9 @@ class HybridLM(nn.Module):
     def fuse(self, enable: bool = True) -> HybridLM:
         """Take the fused path (`deltaspec.shared.model.fused`) from now on, or go back to the layer path.
 
-        For inference: the projections' parameters become slices of the fused weights. Models with
-        attention biases (not Qwen3.5's) stay on the layer path.
+        For inference: the projections' parameters become slices of the fused weights.
         """
-        if not enable or self.config.attention_bias:
+        if not enable:
             self.fused = self.compiled = self.captured = None
         elif self.fused is None:
             self.fused = fused.fuse_stack(self.model)

@@ -1,11 +1,14 @@
 """The layers of a hybrid stack, with HF's parameter names: a decoder layer is a token mixer (the family's, by layer
-kind: `deltaspec.shared.model.mixers`) and an MLP (`deltaspec.shared.model.mlp`), each behind its pre-norm.
+kind: `deltaspec.shared.model.mixers`) and an MLP (`deltaspec.shared.model.mlp`), each behind its pre-norm, or, in
+the layer kinds a family names `post_norm_kinds` (OLMo's attention layers), each followed by its norm.
 
 Every layer works on one sequence `(T, hidden)` and stages its tokens into its slice of a `ModelState` (see
 `deltaspec.shared.state.rollback`); none of them changes the committed head. This is the reference path; the fused
 path (`deltaspec.shared.model.fused`) runs the same weights in fewer calls.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import Tensor, nn
 
@@ -15,8 +18,10 @@ from deltaspec.shared.state.rollback import AttnLayerState, RecurrentSlot
 
 
 class DecoderLayer(nn.Module):
-    """A token mixer and a channel mixer (MLP), each behind its pre-norm and added to the residual; a family's layer
-    kind may have only one of them (Nemotron-H's blocks are a Mamba2, an attention or an MLP alone)."""
+    """A token mixer and a channel mixer (MLP), each behind its pre-norm (or, `norm_after`, followed by its norm)
+    and added to the residual; a family's layer kind may have only one of them (Nemotron-H's blocks are a Mamba2, an
+    attention or an MLP alone). `input_layernorm` is the mixer's norm, `post_attention_layernorm` the MLP's, wherever
+    they sit (a post-norm family's `convert` maps its names onto these)."""
 
     def __init__(self, cfg: ModelConfig, kind: str, sparse: bool = False) -> None:
         """A layer of kind `kind` (one of the family's `layer_types`), its parts as the family builds them: the
@@ -24,6 +29,7 @@ class DecoderLayer(nn.Module):
         block in place of the dense MLP."""
         super().__init__()
         self.kind = kind
+        self.norm_after = kind in cfg.post_norm_kinds
         self.mixer_name, mixer, mlp = cfg.layer_parts(kind, sparse)
         if mixer is not None:
             self.add_module(self.mixer_name, mixer)
@@ -46,10 +52,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, st: RecurrentSlot | AttnLayerState | None, start: int,
                 rope: tuple[Tensor, Tensor]) -> Tensor:
         if self.mixer is not None:
-            x = x + self.mixer(self.input_layernorm(x), st, start, rope)
+            x = x + self._normed(self.input_layernorm, lambda h: self.mixer(h, st, start, rope), x)
         if self.mlp is not None:
-            x = x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self._normed(self.post_attention_layernorm, self.mlp, x)
         return x
+
+    def _normed(self, norm: nn.Module, part: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        """`part` on the normed x, or the normed `part` of x (`norm_after`)."""
+        return norm(part(x)) if self.norm_after else part(norm(x))
 
 
 class HybridStack(nn.Module):

@@ -1,15 +1,17 @@
 """Full attention with grouped K/V, as the families have it: Qwen's (q/k RMSNorm, partial rotary, a per-head sigmoid
-output gate) or the plain one (Nemotron-H: no norm, no rotary, no gate), by the config's switches. Granite's softmax
-scale (`attention_scale`, in place of 1/sqrt(D)) scales q before the state access attends at 1/sqrt(D); its
-`residual_multiplier` scales the output as it is added to the residual.
+output gate) or the plain one (Nemotron-H: no norm, no rotary, no gate), by the config's switches (OLMo's q/k norms
+span the whole projection, all heads at once). Granite's softmax scale (`attention_scale`, in place of 1/sqrt(D))
+scales q before the state access attends at 1/sqrt(D); its `residual_multiplier` scales the output as it is added
+to the residual.
 
 K/V are written past the committed length and cut by position, so a rejected token costs nothing to roll back. The
-fast path runs q (with its gate), k and v as one matmul and q and k through one rotary call; where K/V live and how
-they are read is the state access's business (`StateAccess.attend`).
+fast path runs q (with its gate), k and v as one matmul (their biases as one) and q and k through one rotary call;
+where K/V live and how they are read is the state access's business (`StateAccess.attend`).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +37,7 @@ class AttentionFields(Protocol):
     attention_bias: bool
     attention_output_gate: bool
     attention_qk_norm: bool
+    attention_qk_norm_per_head: bool
     rms_norm_eps: float
     norm_offset: float
     attention_scale: float | None
@@ -51,6 +54,8 @@ class FusedAttention:
     q_norm: Tensor | None  # (D,) folded norm weights; None without q/k norms
     k_norm: Tensor | None
     out_t: Tensor  # o_proj.weight.t(), a view
+    b_qkv: Tensor | None = None  # the projections' biases (`attention_bias`), concatenated as w_qkv is
+    b_out: Tensor | None = None  # o_proj's, times the output multiplier
 
 
 class Attention(nn.Module):
@@ -69,9 +74,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.norm_per_head = cfg.attention_qk_norm_per_head
         if cfg.attention_qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            q_heads, k_heads = (1, 1) if self.norm_per_head else (self.n_heads, self.n_kv)
+            self.q_norm = RMSNorm(q_heads * self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(k_heads * self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
         else:
             self.q_norm = self.k_norm = None
 
@@ -82,7 +89,7 @@ class Attention(nn.Module):
         q, gate = q.chunk(2, dim=-1) if self.gated else (q, None)
         k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._normed(self.q_norm, q), self._normed(self.k_norm, k)
         if self.rotary:
             q, k = apply_partial_rotary(q, *rope), apply_partial_rotary(k, *rope)  # (T, H, D)
         if self.q_scale != 1.0:
@@ -92,23 +99,30 @@ class Attention(nn.Module):
         out = self.o_proj(out if gate is None else out * torch.sigmoid(gate.reshape(T, -1)))
         return out if self.out_multiplier == 1.0 else out * self.out_multiplier
 
+    def _normed(self, norm: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        """`norm` over each head of x `(T, H, D)`, or over all its heads at once (OLMo's)."""
+        return norm(x) if self.norm_per_head else norm(x.flatten(-2)).view_as(x)
+
     def fuse(self) -> FusedAttention:
         splits = (self.q_proj.weight.shape[0], self.k_proj.weight.shape[0], self.v_proj.weight.shape[0])
         norms = (None, None) if self.q_norm is None else (self.q_norm.folded(), self.k_norm.folded())
+        biases = [lin.bias for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)]
         return FusedAttention(w_qkv=concat(self.q_proj, self.k_proj, self.v_proj), splits=splits, q_norm=norms[0],
-                              k_norm=norms[1], out_t=self.o_proj.weight.detach().t())
+                              k_norm=norms[1], out_t=self.o_proj.weight.detach().t(),
+                              b_qkv=None if biases[0] is None else torch.cat(biases[:3]).detach(),
+                              b_out=None if biases[3] is None else biases[3].detach() * self.out_multiplier)
 
     def fused(self, f: FusedAttention, h: Tensor, residual: Tensor, rope: tuple[Tensor, Tensor],
               access: StateAccess, j: int) -> Tensor:
         """Attention layer j (among the attention layers) on the normed input h, added to the residual; `rope` is
         (cos, `rotary_signed` sin) at the tokens' positions."""
         T, H, Hkv, D = h.shape[0], self.n_heads, self.n_kv, self.head_dim
-        q_gate, k, v = F.linear(h, f.w_qkv).split(f.splits, dim=-1)
+        q_gate, k, v = F.linear(h, f.w_qkv, f.b_qkv).split(f.splits, dim=-1)
         q_gate = q_gate.view(T, H, (1 + self.gated) * D)
         q, k = q_gate[..., :D], k.view(T, Hkv, D)
         if f.q_norm is not None:
-            q = F.rms_norm(q, (D,), f.q_norm, self.q_norm.eps)
-            k = F.rms_norm(k, (D,), f.k_norm, self.k_norm.eps)
+            q = self._normed(lambda x: F.rms_norm(x, f.q_norm.shape, f.q_norm, self.q_norm.eps), q)
+            k = self._normed(lambda x: F.rms_norm(x, f.k_norm.shape, f.k_norm, self.k_norm.eps), k)
         if self.rotary:
             q, k = rotary(torch.cat([q, k], dim=1), *rope).split([H, Hkv], dim=1)
         if self.q_scale != 1.0:
@@ -116,4 +130,5 @@ class Attention(nn.Module):
         out = access.attend(j, q, k, v.view(T, Hkv, D))
         if self.gated:
             out = out * torch.sigmoid(q_gate[..., D:])
-        return torch.addmm(residual, out.reshape(T, -1), f.out_t, alpha=self.out_multiplier)
+        out = torch.addmm(residual, out.reshape(T, -1), f.out_t, alpha=self.out_multiplier)
+        return out if f.b_out is None else out + f.b_out

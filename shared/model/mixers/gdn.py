@@ -1,9 +1,12 @@
-"""Gated DeltaNet (Qwen3.5, Qwen3-Next): a causal depthwise conv + SiLU over q, k and v, then the gated delta rule.
+"""Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-Hybrid): a causal depthwise conv + SiLU over q, k and v, then the
+gated delta rule.
 
 Per head the state evolves as `S_t = exp(g_t) S_{t-1} + k_t delta_t^T` with the delta-rule correction
 `delta_t = beta_t (v_t - S'^T k_t)`, which depends on the state and is therefore logged (`Step.d`); g is a log decay
 per head. The fast path runs its four input projections as one matmul, its q/k l2norms as one `rms_norm`, and the
-kernel `deltaspec.shared.kernels.gated_delta_rule` picks by device, dtype and token count.
+kernel `deltaspec.shared.kernels.gated_delta_rule` picks by device, dtype and token count. OLMo-Hybrid's beta
+reaches 2 (`linear_beta_scale`, its `allow_neg_eigval`): beta only scales the correction, which is logged as computed,
+so the state algebra and the commit are unchanged.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class GDNFields(Protocol):
     linear_key_head_dim: int
     linear_value_head_dim: int
     linear_conv_kernel_dim: int
+    linear_beta_scale: float
     rms_norm_eps: float
 
     @property
@@ -60,10 +64,13 @@ class GatedDeltaNet(nn.Module):
     state = RECURRENT
     compiles = True  # its fast path traces into a graph whose token count is symbolic
 
-    def __init__(self, cfg: GDNFields) -> None:
+    def __init__(self, cfg: GDNFields, norm_eps: float | None = None) -> None:
+        """`norm_eps`: the gated output norm's eps where a family fixes it (OLMo-Hybrid's 1e-5), else
+        `rms_norm_eps`."""
         super().__init__()
         self.n_k, self.n_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.d_k, self.d_v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.beta_scale = cfg.linear_beta_scale
         self.kernel_name = "auto"
         conv_dim, width = cfg.conv_dim, cfg.linear_conv_kernel_dim
         self.in_proj_qkv = nn.Linear(cfg.hidden_size, conv_dim, bias=False)
@@ -73,7 +80,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, width, groups=conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.n_v))
         self.A_log = nn.Parameter(torch.log(torch.empty(self.n_v).uniform_(0.01, 16)))
-        self.norm = GatedRMSNorm(self.d_v, cfg.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.d_v, cfg.rms_norm_eps if norm_eps is None else norm_eps)
         self.out_proj = nn.Linear(cfg.value_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, st: RecurrentSlot, start: int = 0, rope: object = None) -> Tensor:
@@ -89,6 +96,8 @@ class GatedDeltaNet(nn.Module):
         k = l2norm(k.float().view(T, self.n_k, self.d_k)).repeat_interleave(rep, dim=1)  # (T, Hv, Dk)
         v = v.float().view(T, self.n_v, self.d_v)
         beta = self.in_proj_b(x).float().sigmoid()  # (T, Hv)
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         out, delta, final, logged = gated_delta_rule(self.kernel_name, q, k, v, g, beta, st.initial_state(),
                                                      logs=lambda: st.verify_logs(T))
@@ -126,7 +135,8 @@ def gates(m: GatedDeltaNet, f: FusedGDN, full: Tensor, b: Tensor,
     if m.n_v != m.n_k:
         qk = qk.repeat_interleave(m.n_v // m.n_k, dim=-2)
     q, k = qk.split(m.n_v, dim=-2)
-    return q, k, v.view(*lead, m.n_v, m.d_v), b.sigmoid(), f.neg_a * F.softplus(a + f.dt_bias)
+    beta = b.sigmoid() if m.beta_scale == 1.0 else b.sigmoid() * m.beta_scale  # no op where beta stays in [0, 1]
+    return q, k, v.view(*lead, m.n_v, m.d_v), beta, f.neg_a * F.softplus(a + f.dt_bias)
 
 
 def recurrence(m: GatedDeltaNet, f: FusedGDN, full: Tensor, inputs: tuple[Tensor, ...], start: Start) -> Step:
