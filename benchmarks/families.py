@@ -50,6 +50,10 @@ CHECKPOINTS = {
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
         **WIDE, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
         layer_types=["conv", "conv", "full_attention"] * 2)),
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
+        **WIDE, intermediate_size=512, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+        num_dense_layers=1, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["conv", "conv", "full_attention"] * 2)),
     "mamba": ("MambaConfig", "MambaForCausalLM", dict(**WIDE, num_hidden_layers=6, state_size=16, conv_kernel=4)),
     "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
         **WIDE, num_hidden_layers=6, state_size=16, conv_kernel=4)),

@@ -53,6 +53,16 @@ CONFIGS = {
         vocab_size=89, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=40,
         block_auto_adjust_ff_dim=False, conv_L_cache=5, rope_parameters={"rope_type": "default", "rope_theta": 5e4},
         full_attn_idxs=[0], num_hidden_layers=4)),
+    "lfm2_moe-a": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(  # biased choice, renormalised, scaled
+        vocab_size=97, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=2.5,
+        conv_L_cache=3, conv_bias=True, norm_eps=1e-6, tie_word_embeddings=False, num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "conv"])),
+    "lfm2_moe-b": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(  # no bias, raw sigmoid weights, two dense layers
+        vocab_size=79, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=40,
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3, num_dense_layers=2, use_expert_bias=False,
+        norm_topk_prob=False, conv_L_cache=4, rope_parameters={"rope_type": "default", "rope_theta": 5e4},
+        num_hidden_layers=4, layer_types=["full_attention", "conv", "conv", "full_attention"])),
     "bamba-a": ("BambaConfig", "BambaForCausalLM", dict(
         vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=6, mamba_d_head=16, mamba_d_state=8,
@@ -125,16 +135,18 @@ REFUSED = {
                     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
                     ({"layer_types": ["linear_attention", "sliding_attention"], "num_hidden_layers": 2},
                      "'sliding_attention'")),
+    "lfm2_moe": (({"layer_types": None}, "layer_types"), ({"num_dense_layers": -1}, "num_dense_layers"),
+                 ({"num_experts_per_tok": 9}, "num_experts_per_tok")),
 }
 
 
 def randomise(model: torch.nn.Module, seed: int) -> None:
     """Every parameter drawn at random, decays and norms included, so no path is trivially exact; and Nemotron-H's
-    router bias, a buffer, so that it moves the choice of experts."""
+    and LFM2-MoE's router biases, buffers, so that they move the choice of experts."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.3)
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
@@ -313,6 +325,8 @@ def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoi
         _granite_names_and_defaults(directory, config, tmp_path)
     if model_type == "olmo_hybrid":
         _olmo_names_and_defaults(directory, hf, config, tmp_path)
+    if config["model_type"] == "lfm2_moe":
+        _lfm2_moe_names_and_defaults(directory, config, tmp_path)
 
 
 def _granite_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> None:
@@ -369,6 +383,39 @@ def _olmo_names_and_defaults(directory: Path, hf: torch.nn.Module, config: dict,
             ours.linear_value_head_dim) == (hf_cfg.linear_num_key_heads, hf_cfg.linear_num_value_heads,
                                             hf_cfg.linear_key_head_dim, hf_cfg.linear_value_head_dim)
     assert ours.linear_beta_scale == 2.0 and ours.rope_theta == hf_cfg.rope_parameters["rope_theta"]
+def _lfm2_moe_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> None:
+    """HF's in-memory fused expert names load the same model; `publish` writes the per-expert layout
+    `save_pretrained` wrote; the expert bias stays float32 in a bfloat16 model, as HF keeps it; a bare config reads
+    as HF's (32 experts, top-4, two dense layers, the bias on)."""
+    tensors = load_file(directory / "model.safetensors")
+    for i in range(config["num_dense_layers"], config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}.feed_forward.experts"
+        w = [[tensors.pop(f"{prefix}.{e}.{p}.weight") for p in ("w1", "w3", "w2")]
+             for e in range(config["num_experts"])]
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat(e[:2]) for e in w])
+        tensors[f"{prefix}.down_proj"] = torch.stack([e[2] for e in w])
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = torch.arange(12) % config["vocab_size"]
+    want = load_model(directory)
+    ours = load_model(tmp_path)  # equal tensors, but the fused ones read in place from the file rather than stacked
+    # afresh: this CPU's matmuls round them differently at times, hence a bound rather than equality
+    assert rel(ours(ids, ours.new_state())[0], want(ids, want.new_state())[0]) < 1e-6
+    written = load_file(save_checkpoint(ours, tmp_path / "saved") / "model.safetensors")
+    original = load_file(directory / "model.safetensors")
+    assert sorted(written) == sorted(original) and all(torch.equal(written[k], original[k]) for k in original)
+    sparse = load_model(directory, torch.bfloat16).model.layers[-1].mlp
+    assert sparse.gate.weight.dtype == torch.bfloat16
+    assert sparse.expert_bias is None if not config["use_expert_bias"] else sparse.expert_bias.dtype == torch.float32
+    bare = {k: config[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "layer_types")}
+    hf = transformers.Lfm2MoeConfig(**bare)
+    ours = ModelConfig.from_dict({**bare, "model_type": "lfm2_moe"})
+    assert (ours.num_experts, ours.num_experts_per_tok, ours.moe_intermediate_size, ours.intermediate_size) == (
+        hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.intermediate_size)
+    assert ours.mlp_only_layers == tuple(range(hf.num_dense_layers)) and ours.use_expert_bias == hf.use_expert_bias
+    assert (ours.norm_topk_prob, ours.routed_scaling_factor) == (hf.norm_topk_prob, hf.routed_scaling_factor)
+    assert ours.tie_word_embeddings == hf.tie_word_embeddings and ours.rope_theta == hf.rope_parameters["rope_theta"]
 
 
 def test_unsupported_parts_are_refused_at_load(checkpoint, tmp_path):

@@ -81,6 +81,7 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # scales the routing weights
     moe_latent_size: int = 0  # 0: the experts work on the hidden state itself
+    use_expert_bias: bool = False  # LFM2-MoE's `expert_bias` buffer, added to the sigmoid scores for the choice
     # muP-style multipliers (Granite-4.0-H), each applied in one place every pass uses; 1 (None) is a no-op
     embedding_multiplier: float = 1.0  # scales the embeddings (`HybridStack.embed`)
     residual_multiplier: float = 1.0  # scales each mixer's and MLP's output before its residual add (their `alpha`)

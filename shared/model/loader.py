@@ -7,8 +7,8 @@ Reads `config.json` and `model.safetensors` or its shards (`model.safetensors.in
 layers fused, MTP per expert); per-expert ones are stacked (non-gated ones too: Nemotron-H's `up_proj` alone). A
 multimodal wrapper's vision tower (`model.visual.*`) is skipped with a log line. `mtp.*` tensors are kept on
 `model.mtp`. Every tensor must be consumed and every parameter found: any mismatch stops with one `CheckpointError`
-naming the tensor or field. A module marked `keep_float32` (Nemotron-H's router) is loaded in float32 whatever the
-dtype, as HF keeps it.
+naming the tensor or field. The tensors a module names in `keep_float32` (Nemotron-H's router, LFM2-MoE's expert
+bias) are loaded in float32 whatever the dtype, as HF keeps them.
 """
 from __future__ import annotations
 
@@ -107,8 +107,8 @@ def load_model(directory: str | Path, dtype: torch.dtype | None = None, device: 
             raise CheckpointError(
                 f"{directory}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(shape)}"
             )
-    float32 = {f"{m}.{t}" for m, module in model.named_modules() if getattr(module, "keep_float32", False)
-               for t in module.state_dict()}  # HF's router of Nemotron-H: float32 whatever the model's dtype
+    float32 = {f"{m}.{t}" for m, module in model.named_modules()
+               for t in getattr(module, "keep_float32", ())}  # as HF keeps them: float32 whatever the model's dtype
     model.load_state_dict({k: v.to(torch.float32 if k in float32 else dtype) for k, v in tensors.items()},
                           strict=False, assign=True)
     if cfg.tie_word_embeddings:

@@ -71,14 +71,15 @@ class ReluSquaredMLP(nn.Module):
 
 @dataclass
 class FusedMoE:
-    w_in: Tensor  # (E + 2 shared intermediate [+ 1], hidden): router, shared expert gate and up, [shared expert gate]
+    w_in: Tensor  # (E [+ 2 shared intermediate [+ 1]], hidden): router[, shared expert gate and up[, its gate]]
     splits: tuple[int, ...]
-    shared_down_t: Tensor  # shared_expert.down_proj.weight.t(), a view
+    shared_down_t: Tensor | None  # shared_expert.down_proj.weight.t(), a view; None without a shared expert
 
 
 class SparseMoE(nn.Module):
-    """Router (`gate`), routed experts, and a shared expert, behind a sigmoid gate (Qwen3-Next, Qwen3.5-MoE) or
-    added as it is (`shared_gate` False: Granite's `shared_mlp`); the sum times `out_multiplier`."""
+    """Router (`gate`), routed gated experts, and a shared expert, behind a sigmoid gate (Qwen3-Next, Qwen3.5-MoE),
+    added as it is (`shared_gate` False: Granite's `shared_mlp`) or absent (`shared_intermediate` 0: LFM2-MoE's);
+    the sum times `out_multiplier`. Routing is `route` (softmax, then top-k), which `SigmoidMoE` replaces."""
 
     def __init__(self, hidden: int, n_experts: int, top_k: int, intermediate: int, shared_intermediate: int,
                  renormalise: bool, shared_gate: bool = True, out_multiplier: float = 1.0) -> None:
@@ -86,21 +87,28 @@ class SparseMoE(nn.Module):
         self.top_k, self.renormalise, self.out_multiplier = top_k, renormalise, out_multiplier
         self.gate = nn.Linear(hidden, n_experts, bias=False)
         self.experts = Experts(n_experts, hidden, intermediate)
-        self.shared_expert = MLP(hidden, shared_intermediate)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_gate else None
+        self.shared_expert = MLP(hidden, shared_intermediate) if shared_intermediate else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_gate and shared_intermediate else None
         self.touched: Tensor | int = 0  # distinct experts the last eager pass read
 
+    def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Routing weights (N, k) and expert indices (N, k) from the router logits (N, E)."""
+        return route(logits, self.top_k, self.renormalise)
+
     def forward(self, x: Tensor) -> Tensor:
-        weights, chosen = route(self.gate(x), self.top_k, self.renormalise)
-        routed, self.touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, x, weights, chosen)
-        shared = self.shared_expert(x)
-        if self.shared_expert_gate is not None:
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-        out = routed + shared
+        weights, chosen = self.route(self.gate(x))
+        out, self.touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, x, weights, chosen)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out if self.out_multiplier == 1.0 else out * self.out_multiplier
 
     def fuse(self) -> FusedMoE:
         shared = self.shared_expert
+        if shared is None:
+            return FusedMoE(w_in=concat(self.gate), splits=(self.gate.weight.shape[0],), shared_down_t=None)
         gates = () if self.shared_expert_gate is None else (self.shared_expert_gate,)
         return FusedMoE(w_in=concat(self.gate, shared.gate_proj, shared.up_proj, *gates),
                         splits=(self.gate.weight.shape[0], 2 * shared.gate_proj.weight.shape[0], *(1,) * len(gates)),
@@ -109,16 +117,50 @@ class SparseMoE(nn.Module):
     def fused(self, f: FusedMoE, h: Tensor, residual: Tensor) -> Tensor:
         """`forward` with the router and the shared expert's input projections in one matmul, over all of h's
         tokens at once."""
-        logits, gate_up, *shared_gate = F.linear(h, f.w_in).split(f.splits, dim=-1)
-        weights, chosen = route(logits, self.top_k, self.renormalise)
+        logits, *shared_in = F.linear(h, f.w_in).split(f.splits, dim=-1)
+        weights, chosen = self.route(logits)
         routed, touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, h, weights, chosen)
         if not torch.compiler.is_compiling():  # a graph's count would be one of its own buffers
             self.touched = touched
-        gate, up = gate_up.chunk(2, dim=-1)
-        shared = torch.mm(F.silu(gate) * up, f.shared_down_t)
-        if shared_gate:
-            shared = torch.sigmoid(shared_gate[0]) * shared
-        return torch.add(residual, routed + shared, alpha=self.out_multiplier)
+        if f.shared_down_t is not None:
+            gate, up = shared_in[0].chunk(2, dim=-1)
+            shared = torch.mm(F.silu(gate) * up, f.shared_down_t)
+            if len(shared_in) > 1:
+                shared = torch.sigmoid(shared_in[1]) * shared
+            routed = routed + shared
+        return torch.add(residual, routed, alpha=self.out_multiplier)
+
+
+class SigmoidMoEFields(Protocol):
+    """What `SigmoidMoE` reads of a `ModelConfig`."""
+
+    hidden_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    use_expert_bias: bool
+
+
+class SigmoidMoE(SparseMoE):
+    """LFM2-MoE's block (HF's `Lfm2MoeSparseMoeBlock`): `SparseMoE`'s router and gated experts, no shared expert,
+    routed by `route_groups` with one group: sigmoid scores of the logits in the model's dtype, the choice by
+    scores + `expert_bias` (a float32 buffer, with `use_expert_bias`), weights renormalised (sum + 1e-6) per
+    `norm_topk_prob`, times `routed_scaling_factor`."""
+
+    keep_float32 = ("expert_bias",)  # as HF keeps it, whatever the model's dtype
+
+    def __init__(self, cfg: SigmoidMoEFields) -> None:
+        super().__init__(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, 0,
+                         cfg.norm_topk_prob)
+        self.scale = cfg.routed_scaling_factor
+        self.expert_bias: Tensor | None
+        self.register_buffer("expert_bias",
+                             torch.zeros(cfg.num_experts, dtype=torch.float32) if cfg.use_expert_bias else None)
+
+    def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        return route_groups(logits, self.expert_bias, self.top_k, 1, 1, self.renormalise, self.scale, eps=1e-6)
 
 
 class GroupMoEFields(Protocol):

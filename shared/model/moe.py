@@ -16,8 +16,8 @@ float32, top-k, renormalised per `norm_topk_prob`). Passes of different lengths 
 rounding, not bit for bit (the delta rule runs as a recurrence for one token and in chunked form for several), so
 they route identically except where two experts' probabilities sit within that rounding of the top-k boundary;
 `tests/test_moe.py` builds routers whose boundary margin is small and checks every pass picks the same experts.
-Nemotron-H routes with `route_groups` instead (sigmoid scores, a bias for the choice, group-limited top-k), under
-the same discipline: one function, every pass.
+Nemotron-H and LFM2-MoE route with `route_groups` instead (sigmoid scores, a bias for the choice, group-limited
+top-k; LFM2-MoE's one group), under the same discipline: one function, every pass.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class GroupRouter(nn.Module):
     `save_pretrained` writes. Both float32 whatever the model's dtype, as HF keeps them (`keep_float32`: the loader
     reads them so)."""
 
-    keep_float32 = True
+    keep_float32 = ("weight", "e_score_correction_bias")
 
     def __init__(self, n: int, hidden: int) -> None:
         super().__init__()
@@ -61,14 +61,15 @@ class GroupRouter(nn.Module):
         return F.linear(x.float(), self.weight.float())
 
 
-def route_groups(logits: Tensor, bias: Tensor, top_k: int, groups: int, top_groups: int, renormalise: bool,
-                 scale: float) -> tuple[Tensor, Tensor]:
-    """Routing weights (N, k) float32 and expert indices (N, k), as HF's `NemotronHTopkRouter` makes them: sigmoid
-    scores; the choice by scores + `bias`, among the experts of the `top_groups` of `groups` (contiguous) groups whose
-    two best biased scores sum highest; the weights from the unbiased scores, renormalised (sum + 1e-20) per
+def route_groups(logits: Tensor, bias: Tensor | None, top_k: int, groups: int, top_groups: int, renormalise: bool,
+                 scale: float, eps: float = 1e-20) -> tuple[Tensor, Tensor]:
+    """Routing weights (N, k) in the logits' dtype and expert indices (N, k), as HF's `NemotronHTopkRouter` (float32
+    logits) and, with one group, `Lfm2MoeTopKRouter` (eps 1e-6, bias optional) make them: sigmoid scores; the choice
+    by scores + `bias` (float32: the sum is), among the experts of the `top_groups` of `groups` (contiguous) groups
+    whose two best biased scores sum highest; the weights from the unbiased scores, renormalised (sum + eps) per
     `renormalise`, times `scale`. With every group kept the group step changes nothing and is skipped."""
     scores = logits.sigmoid()
-    choice = scores + bias
+    choice = scores if bias is None else scores + bias
     if top_groups < groups:
         by_group = choice.view(-1, groups, choice.shape[-1] // groups)  # (N, G, E / G)
         best = torch.topk(by_group.topk(2, dim=-1)[0].sum(dim=-1), top_groups, dim=-1, sorted=False)[1]
@@ -77,7 +78,7 @@ def route_groups(logits: Tensor, bias: Tensor, top_k: int, groups: int, top_grou
     experts = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, experts)
     if renormalise:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
     return weights * scale, experts
 
 

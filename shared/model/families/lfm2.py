@@ -84,11 +84,16 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def mixer(cfg: Any, kind: str) -> tuple[str, nn.Module]:
+    """A short conv (`conv`) or an attention (`self_attn`)."""
+    if kind == "conv":
+        return "conv", ShortConv(cfg.hidden_size, cfg.short_conv_kernel, cfg.short_conv_bias)
+    return "self_attn", Attention(cfg)
+
+
 def layer(cfg: Any, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.Module | None]:
-    """A short conv (`conv`) or an attention (`self_attn`), then the SwiGLU MLP."""
-    mixer = ("conv", ShortConv(cfg.hidden_size, cfg.short_conv_kernel, cfg.short_conv_bias)) if kind == "conv" \
-        else ("self_attn", Attention(cfg))
-    return (*mixer, MLP(cfg.hidden_size, cfg.intermediate_size))
+    """The layer's mixer, then the SwiGLU MLP."""
+    return (*mixer(cfg, kind), MLP(cfg.hidden_size, cfg.intermediate_size))
 
 
 def state_spec(cfg: Any) -> StateSpec:
@@ -99,7 +104,8 @@ def state_spec(cfg: Any) -> StateSpec:
     return StateSpec(layers, conv, cfg.num_key_value_heads, cfg.head_dim)
 
 
-def _rename(tensors: dict[str, Tensor], pairs: tuple[tuple[str, str], ...]) -> None:
+def rename_fragments(tensors: dict[str, Tensor], pairs: tuple[tuple[str, str], ...]) -> None:
+    """Each (old, new) pair in turn replaces its first occurrence in every name, in place."""
     for name in list(tensors):
         new = name
         for old, replacement in pairs:
@@ -110,9 +116,9 @@ def _rename(tensors: dict[str, Tensor], pairs: tuple[tuple[str, str], ...]) -> N
 
 def convert(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:
     """HF's names -> the shared layers', in place."""
-    _rename(tensors, RENAMES)
+    rename_fragments(tensors, RENAMES)
 
 
 def publish(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:
     """`convert`'s inverse, in place: HF 5.25's names."""
-    _rename(tensors, tuple((ours, hf) for hf, ours in RENAMES))
+    rename_fragments(tensors, tuple((ours, hf) for hf, ours in RENAMES))
