@@ -57,6 +57,10 @@ CHECKPOINTS = {
     "mamba": ("MambaConfig", "MambaForCausalLM", dict(**WIDE, num_hidden_layers=6, state_size=16, conv_kernel=4)),
     "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
         **WIDE, num_hidden_layers=6, state_size=16, conv_kernel=4)),
+    "jamba": ("JambaConfig", "JambaForCausalLM", dict(
+        **WIDE, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        attn_layer_period=3, attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1, num_experts=8,
+        num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2)),
     "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
         **WIDE, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,

@@ -102,6 +102,15 @@ CONFIGS = {
     "falcon_mamba-b": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
         vocab_size=89, hidden_size=16, num_hidden_layers=3, state_size=12, expand=3, conv_kernel=2, time_step_rank=3,
         use_bias=True, use_conv_bias=False, tie_word_embeddings=False)),
+    "jamba-a": ("JambaConfig", "JambaForCausalLM", dict(  # attention at 1 and 4, experts at 1 and 3
+        vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=6, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)),
+    "jamba-b": ("JambaConfig", "JambaForCausalLM", dict(  # attention first, experts at 2, tied, biased projections
+        vocab_size=89, hidden_size=32, intermediate_size=24, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, attn_layer_period=4, attn_layer_offset=0, expert_layer_period=3, expert_layer_offset=2,
+        num_experts=4, num_experts_per_tok=2, mamba_d_state=5, mamba_d_conv=3, mamba_expand=3, mamba_dt_rank=7,
+        mamba_conv_bias=False, mamba_proj_bias=True, tie_word_embeddings=True, rms_norm_eps=1e-5)),
     "olmo_hybrid-a": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
         vocab_size=97, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
         num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -135,6 +144,9 @@ REFUSED = {
                     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
                     ({"layer_types": ["linear_attention", "sliding_attention"], "num_hidden_layers": 2},
                      "'sliding_attention'")),
+    "jamba": (({"hidden_act": "gelu"}, "hidden_act"), ({"attn_layer_offset": 4}, "attn_layer_offset"),
+              ({"expert_layer_period": 0}, "expert_layer_period"), ({"mamba_dt_rank": 0}, "mamba_dt_rank"),
+              ({"num_experts_per_tok": 7}, "num_experts_per_tok")),
     "lfm2_moe": (({"layer_types": None}, "layer_types"), ({"num_dense_layers": -1}, "num_dense_layers"),
                  ({"num_experts_per_tok": 9}, "num_experts_per_tok")),
 }
@@ -327,6 +339,8 @@ def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoi
         _olmo_names_and_defaults(directory, hf, config, tmp_path)
     if config["model_type"] == "lfm2_moe":
         _lfm2_moe_names_and_defaults(directory, config, tmp_path)
+    if model_type == "jamba":
+        _jamba_names_and_defaults(directory, config, tmp_path)
 
 
 def _granite_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> None:
@@ -416,6 +430,36 @@ def _lfm2_moe_names_and_defaults(directory: Path, config: dict, tmp_path: Path) 
     assert ours.mlp_only_layers == tuple(range(hf.num_dense_layers)) and ours.use_expert_bias == hf.use_expert_bias
     assert (ours.norm_topk_prob, ours.routed_scaling_factor) == (hf.norm_topk_prob, hf.routed_scaling_factor)
     assert ours.tie_word_embeddings == hf.tie_word_embeddings and ours.rope_theta == hf.rope_parameters["rope_theta"]
+
+
+def _jamba_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> None:
+    """HF's in-memory fused expert names load the same model; `publish` writes what `save_pretrained` wrote; a bare
+    config reads as HF's (layer kinds and sparse layers from the periods and offsets, dt rank, K/V heads, the tie)."""
+    tensors = load_file(directory / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".experts.0.gate_proj.weight")]:
+        prefix = name[: -len(".0.gate_proj.weight")]
+        w = [[tensors.pop(f"{prefix}.{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")]
+             for e in range(config["num_experts"])]
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat(e[:2]) for e in w])
+        tensors[f"{prefix}.down_proj"] = torch.stack([e[2] for e in w])
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = torch.arange(12) % config["vocab_size"]
+    want, ours = load_model(directory), load_model(tmp_path)
+    assert rel(ours(ids, ours.new_state())[0], want(ids, want.new_state())[0]) < 1e-6  # as LFM2-MoE's, a bound
+    written = load_file(save_checkpoint(ours, tmp_path / "saved") / "model.safetensors")
+    original = load_file(directory / "model.safetensors")
+    assert sorted(written) == sorted(original) and all(torch.equal(written[k], original[k]) for k in original)
+    bare = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size")} | {"num_attention_heads": 16}
+    for n_layers in (3, 17):
+        hf = transformers.JambaConfig(**bare, num_hidden_layers=n_layers)
+        ours = ModelConfig.from_dict({**bare, "num_hidden_layers": n_layers, "model_type": "jamba"})
+        assert ours.layer_types == tuple(hf.layer_types)
+        assert [ours.sparse(i) for i in range(n_layers)] == [n > 1 for n in hf.layers_num_experts]
+        assert (ours.mamba_dt_rank, ours.num_key_value_heads, ours.ssm_state_size, ours.mamba_conv_kernel) == (
+            hf.mamba_dt_rank, hf.num_key_value_heads, hf.mamba_d_state, hf.mamba_d_conv)
+        assert ours.mamba_num_heads == hf.mamba_expand * hf.hidden_size and ours.num_experts == hf.num_experts
+        assert ours.tie_word_embeddings == hf.tie_word_embeddings is False
 
 
 def test_unsupported_parts_are_refused_at_load(checkpoint, tmp_path):

@@ -1,5 +1,5 @@
 """What every family's module shares: reading `config.json` fields (one error type, naming the field) and renaming
-its published tensors."""
+its published tensors (and unstacking fused experts, to publish them per expert)."""
 from __future__ import annotations
 
 import re
@@ -47,3 +47,18 @@ def rename(tensors: dict[str, Tensor], table: Iterable[tuple[str, str]]) -> None
             if m:
                 tensors[(new.replace("*", m.group(1)) if m.groups() else new) + name[m.end():]] = tensors.pop(name)
                 break
+
+
+_FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.gate_up_proj$")
+
+
+def unstack_experts(tensors: dict[str, Tensor]) -> None:
+    """Fused gated experts (`experts.gate_up_proj` (E, 2 I, H), `experts.down_proj` (E, H, I)) -> per-expert
+    `experts.j.gate_proj.weight`, `up_proj`, `down_proj`, in place: the loader's `stack_experts` undone, for a family
+    whose published layout is per expert. Each a copy: safetensors writes no shared storage."""
+    for name in [n for n in tensors if _FUSED_EXPERTS.match(n)]:
+        prefix = _FUSED_EXPERTS.match(name).group(1)  # type: ignore[union-attr]
+        down = tensors.pop(f"{prefix}.down_proj")
+        for e, (w_in, w_out) in enumerate(zip(tensors.pop(name), down)):
+            for proj, weight in zip(("gate_proj", "up_proj", "down_proj"), (*w_in.chunk(2), w_out)):
+                tensors[f"{prefix}.{e}.{proj}.weight"] = weight.clone()

@@ -60,10 +60,11 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return read(cfg, "mamba")
 
 
-def mixer(cfg: Any, rms_eps: float | None = None) -> Mamba1Mixer:
-    """The Mamba1 mixer of a config's `mamba_*` fields; `rms_eps`: FalconMamba's norms on dt, B and C."""
+def mixer(cfg: Any, rms_eps: float | None = None, rms_weights: bool = False) -> Mamba1Mixer:
+    """The Mamba1 mixer of a config's `mamba_*` fields; `rms_eps`: FalconMamba's norms on dt, B and C (with
+    `rms_weights`, Jamba's)."""
     return Mamba1Mixer(cfg.hidden_size, cfg.mamba_num_heads, cfg.ssm_state_size, cfg.mamba_dt_rank,
-                       cfg.mamba_conv_kernel, cfg.mamba_conv_bias, cfg.mamba_proj_bias, rms_eps)
+                       cfg.mamba_conv_kernel, cfg.mamba_conv_bias, cfg.mamba_proj_bias, rms_eps, rms_weights)
 
 
 def mamba1_spec(cfg: Any) -> RecurrentSpec:

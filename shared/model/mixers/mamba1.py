@@ -11,7 +11,8 @@ and out_proj(y silu(z)) is what the mixer adds. In the state algebra `S_t = D(g_
 kind `mamba`: every channel a head (H = d_inner), key_dim = N, value_dim = 1, k_t = B_t and q_t = C_t for every
 head, d_t = dt_t xc_t, and a log decay per head and key channel g_t = dt_t A `(H, N)`. Nothing logged depends on the
 state, so a commit of any prefix is the closed form. FalconMamba (`rms_eps` set) RMS-normalises dt (before dt_proj),
-B and C without weights (HF's `*_layernorm` are buffers of ones its kernels take; they are not in its state dict).
+B and C without weights (HF's `*_layernorm` are buffers of ones its kernels take; they are not in its state dict);
+Jamba (`rms_weights` too) with weights, its `dt_layernorm`, `b_layernorm`, `c_layernorm` parameters.
 
 As `mamba2.py`, the pass is split in `inputs`, `recurrence` (the `Step`) and `output`; `Mamba1Mixer.forward` is the
 reference (`reference`: one token at a time through the state).
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 
 from deltaspec.shared.kernels.conv import causal_conv
 from deltaspec.shared.kernels.decay_scan import decay_states
+from deltaspec.shared.model.norms import RMSNorm
 from deltaspec.shared.state.access import StateAccess
 from deltaspec.shared.state.rollback import RecurrentSlot
 from deltaspec.shared.state.spec import RECURRENT
@@ -39,7 +41,8 @@ class Mamba1Mixer(nn.Module):
     compiles = False  # the elementwise scan's log-depth loop runs over the token count: no symbolic graph
 
     def __init__(self, hidden_size: int, intermediate_size: int, state_size: int, dt_rank: int, conv_kernel: int = 4,
-                 use_conv_bias: bool = True, use_bias: bool = False, rms_eps: float | None = None) -> None:
+                 use_conv_bias: bool = True, use_bias: bool = False, rms_eps: float | None = None,
+                 rms_weights: bool = False) -> None:
         super().__init__()
         self.intermediate_size, self.state_size, self.dt_rank, self.rms_eps = (intermediate_size, state_size,
                                                                                dt_rank, rms_eps)
@@ -52,6 +55,11 @@ class Mamba1Mixer(nn.Module):
         self.A_log = nn.Parameter(decay_rates.repeat(intermediate_size, 1))
         self.D = nn.Parameter(torch.ones(intermediate_size))
         self.out_proj = nn.Linear(intermediate_size, hidden_size, bias=use_bias)
+        self.rms_weights = rms_eps is not None and rms_weights
+        if self.rms_weights:  # Jamba's norms on dt, B and C, registered in HF's order
+            self.dt_layernorm = RMSNorm(dt_rank, rms_eps, offset=0.0)
+            self.b_layernorm = RMSNorm(state_size, rms_eps, offset=0.0)
+            self.c_layernorm = RMSNorm(state_size, rms_eps, offset=0.0)
 
     @property
     def conv_kernel(self) -> int:
@@ -90,7 +98,9 @@ def _rms(y: Tensor, eps: float) -> Tensor:
 def selective(m: Mamba1Mixer, xc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The conv's output xc `(..., T, I)` -> dt `(..., T, I)` (after dt_proj and softplus), B and C `(..., T, N)`."""
     dt, B, C = m.x_proj(xc).split([m.dt_rank, m.state_size, m.state_size], dim=-1)
-    if m.rms_eps is not None:
+    if m.rms_weights:
+        dt, B, C = m.dt_layernorm(dt), m.b_layernorm(B), m.c_layernorm(C)
+    elif m.rms_eps is not None:
         dt, B, C = (_rms(y, m.rms_eps).to(xc.dtype) for y in (dt, B, C))
     dt = F.softplus((dt @ m.dt_proj.weight.t()).float() + m.dt_proj.bias.float())
     return dt, B.float(), C.float()
