@@ -22,7 +22,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from deltaspec.shared.model.families import lfm2
-from deltaspec.shared.model.fields import ConfigError, json_float, positive_int
+from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, unstack_experts
 from deltaspec.shared.model.mlp import MLP, SigmoidMoE
 
 TEXT_TYPES = ("lfm2_moe",)
@@ -32,7 +32,7 @@ LAYER_KINDS = lfm2.LAYER_KINDS
 RENAMES = (*lfm2.RENAMES, (".feed_forward.", ".mlp."))  # then the MoE block's `gate`, `expert_bias`, `experts`
 PROJS = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))  # an expert's published names, the loader's
 _PUBLISHED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.\d+)\.(w1|w3|w2)\.weight$")
-_FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.gate_up_proj$")
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 state_spec = lfm2.state_spec  # conv windows and attention K/V, as LFM2's
 
@@ -69,10 +69,9 @@ def convert(tensors: dict[str, Tensor], cfg: Any) -> None:
 
 def publish(tensors: dict[str, Tensor], cfg: Any) -> None:
     """`convert`'s inverse, in place: the published layout, as HF 5.25's `save_pretrained` writes it."""
-    for name in [n for n in tensors if _FUSED.match(n)]:
-        prefix = f"{_FUSED.match(name).group(1)}.feed_forward.experts"  # type: ignore[union-attr]
-        down = tensors.pop(name.replace(".gate_up_proj", ".down_proj"))
-        for e, (w_in, w_out) in enumerate(zip(tensors.pop(name), down)):
-            for (proj, _), weight in zip(PROJS, (*w_in.chunk(2), w_out)):
-                tensors[f"{prefix}.{e}.{proj}.weight"] = weight.clone()  # one storage each, as safetensors asks
+    unstack_experts(tensors)
+    theirs = {ours: published for published, ours in PROJS}
+    for name in [n for n in tensors if _PER_EXPERT.match(n)]:
+        expert, proj = _PER_EXPERT.match(name).groups()  # type: ignore[union-attr]
+        tensors[f"{expert}.{theirs[proj]}.weight"] = tensors.pop(name)
     lfm2.rename_fragments(tensors, tuple((ours, hf) for hf, ours in RENAMES))
