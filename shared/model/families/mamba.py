@@ -20,11 +20,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
-from deltaspec.shared.model.families.mamba2 import NAMES
-from deltaspec.shared.model.families.qwen3_5 import ConfigFields
-from deltaspec.shared.model.fields import positive_int, refuse_unless, rename
+from deltaspec.shared.model.families.mamba2 import convert, publish  # noqa: F401 - Mamba2's tensor names
+from deltaspec.shared.model.fields import positive_int, refuse_unless
 from deltaspec.shared.model.mixers.mamba1 import Mamba1Mixer
 from deltaspec.shared.state.spec import RECURRENT, RecurrentSpec, StateSpec
 
@@ -79,13 +78,3 @@ def layer(cfg: Any, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.
 
 def state_spec(cfg: Any) -> StateSpec:
     return StateSpec((RECURRENT,) * len(cfg.layer_types), mamba1_spec(cfg), kv_heads=0, head_dim=0)
-
-
-def convert(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:
-    """HF's names (and `mamba_ssm`'s `backbone.embedding.`) -> the shared layers', in place."""
-    rename(tensors, (("backbone.embedding.", "model.embed_tokens."), *NAMES))
-
-
-def publish(tensors: dict[str, Tensor], cfg: ConfigFields) -> None:
-    """`convert`'s inverse, in place: HF 5.25's names."""
-    rename(tensors, ((ours, hf) for hf, ours in NAMES))
