@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.loader import load_model
@@ -29,6 +30,11 @@ def reference(pair, request) -> list[int]:
     """Target-only greedy decoding of the test file's `PROMPT`, its `N` new tokens, on the pair's target: what
     every speculative path (server loop, client loop, through faults) must give token for token."""
     return generate(load_model(pair[0]), request.module.PROMPT, request.module.N).token_ids
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference over the reference's largest magnitude: the mixer tests' tolerance measure."""
+    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 class Served:

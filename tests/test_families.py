@@ -397,17 +397,21 @@ def _olmo_names_and_defaults(directory: Path, hf: torch.nn.Module, config: dict,
             ours.linear_value_head_dim) == (hf_cfg.linear_num_key_heads, hf_cfg.linear_num_value_heads,
                                             hf_cfg.linear_key_head_dim, hf_cfg.linear_value_head_dim)
     assert ours.linear_beta_scale == 2.0 and ours.rope_theta == hf_cfg.rope_parameters["rope_theta"]
+def fuse_experts(tensors: dict[str, torch.Tensor], prefix: str, projs: tuple[str, str, str], n: int) -> None:
+    """Per-expert tensors `prefix.e.{gate, up, down}.weight` (named `projs`) -> HF's fused in-memory layout,
+    `prefix.gate_up_proj` and `prefix.down_proj`, in place: the names a checkpoint saved from memory carries."""
+    w = [[tensors.pop(f"{prefix}.{e}.{p}.weight") for p in projs] for e in range(n)]
+    tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat(e[:2]) for e in w])
+    tensors[f"{prefix}.down_proj"] = torch.stack([e[2] for e in w])
+
+
 def _lfm2_moe_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> None:
     """HF's in-memory fused expert names load the same model; `publish` writes the per-expert layout
     `save_pretrained` wrote; the expert bias stays float32 in a bfloat16 model, as HF keeps it; a bare config reads
     as HF's (32 experts, top-4, two dense layers, the bias on)."""
     tensors = load_file(directory / "model.safetensors")
     for i in range(config["num_dense_layers"], config["num_hidden_layers"]):
-        prefix = f"model.layers.{i}.feed_forward.experts"
-        w = [[tensors.pop(f"{prefix}.{e}.{p}.weight") for p in ("w1", "w3", "w2")]
-             for e in range(config["num_experts"])]
-        tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat(e[:2]) for e in w])
-        tensors[f"{prefix}.down_proj"] = torch.stack([e[2] for e in w])
+        fuse_experts(tensors, f"model.layers.{i}.feed_forward.experts", ("w1", "w3", "w2"), config["num_experts"])
     save_file(tensors, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(config))
     ids = torch.arange(12) % config["vocab_size"]
@@ -437,11 +441,8 @@ def _jamba_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> 
     config reads as HF's (layer kinds and sparse layers from the periods and offsets, dt rank, K/V heads, the tie)."""
     tensors = load_file(directory / "model.safetensors")
     for name in [n for n in tensors if n.endswith(".experts.0.gate_proj.weight")]:
-        prefix = name[: -len(".0.gate_proj.weight")]
-        w = [[tensors.pop(f"{prefix}.{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")]
-             for e in range(config["num_experts"])]
-        tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat(e[:2]) for e in w])
-        tensors[f"{prefix}.down_proj"] = torch.stack([e[2] for e in w])
+        fuse_experts(tensors, name[: -len(".0.gate_proj.weight")], ("gate_proj", "up_proj", "down_proj"),
+                     config["num_experts"])
     save_file(tensors, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(config))
     ids = torch.arange(12) % config["vocab_size"]

@@ -12,6 +12,7 @@ from deltaspec.shared.model.mixers.mamba1 import Mamba1Mixer, inputs, output, re
 from deltaspec.shared.state.rollback import RecurrentSlot, RecurrentStates
 from deltaspec.shared.state.spec import RecurrentSpec
 from deltaspec.shared.state.steps import Start
+from support import rel_err
 
 HIDDEN, T = 24, 9
 # family: (HF mixer class, its config, our constructor arguments as the family file derives them)
@@ -66,10 +67,6 @@ def fast(m: Mamba1Mixer, h: torch.Tensor, window: torch.Tensor, state: torch.Ten
     assert step.k.shape[:-1] == step.g.shape and step.d.shape == step.out.shape and step.d.shape[-1] == 1
     assert torch.equal(step.k[..., -1, :, :], step.final[..., 0])  # the logs are the states after each token
     return output(m, step.out, z, torch.zeros_like(h)), full[..., h.shape[-2]:, :], step.final
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def hidden(seed: int, *shape: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from transformers.models.zamba2.modeling_zamba2 import Zamba2MambaMixer
 
 from deltaspec.shared.model.mixers.mamba2 import Mamba2Mixer, inputs, output, recurrence, reference
 from deltaspec.shared.state.steps import Start
+from support import rel_err
 
 HIDDEN, T = 32, 8
 FALCON = dict(hidden_size=HIDDEN, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2,
@@ -101,10 +102,6 @@ def fast(m: Mamba2Mixer, h: torch.Tensor, window: torch.Tensor, state: torch.Ten
     step = recurrence(m, full, (dt_raw,), Start(state, valid=valid, static=static))
     assert step.k.shape[-2:] == (m.num_heads, m.state_size) and step.d.shape == step.out.shape and not step.logged
     return output(m, step.out, z, torch.zeros_like(h)), full[..., h.shape[-2]:, :], step.final
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def hidden(seed: int, *shape: int) -> torch.Tensor:
