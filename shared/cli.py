@@ -578,7 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-length", choices=["fixed", "cost"], default="fixed",
                    help="Generate's drafts a round: 'cost' picks k per round (0 to the request's num_draft_tokens, "
                         "at most 8) from this server's pass costs, measured at start-up at each batch size, the batch "
-                        "the round joins and the session's acceptance (docs/drafters.md); rounds are then serial. "
+                        "the round joins and the session's acceptance (docs/drafters.md), pipelined rounds counted as "
+                        "they overlap. "
                         "'fixed': num_draft_tokens every round")
     p.add_argument("--draft-timeout", type=float, default=1.0,
                    help="seconds one draft proposal may take before the round goes on without it")

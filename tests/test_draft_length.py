@@ -8,9 +8,17 @@ from test_rpc_support import PROMPT, draft_service, pair, start  # noqa: F401 - 
 
 from deltaspec.v1 import draft_service_pb2_grpc
 from deltaspec.draft_service.servicer import NAME, DraftServicer
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from deltaspec.shared.decoding.draft_length import (MAX_PROBE_EVERY, PROBE_EVERY, PROBE_SHARE, CostModelLength,
                                                      PassCosts, Tally, best_k, draft_line, drafting_cost,
-                                                     expected_tokens)
+                                                     expected_tokens, round_s)
+from deltaspec.shared.decoding.pipelined import decode_pipelined
+from deltaspec.shared.decoding.speculative import Stats
+from deltaspec.shared.telemetry import attributes as attr
+from deltaspec.shared.telemetry.metrics import Metrics
 from deltaspec.shared.decoding.drafters import attach
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.sampling import SamplingParams
@@ -55,6 +63,35 @@ def test_learns_the_sessions_acceptance_and_probes_at_zero():
     assert length.acceptance > 0.7 and length.choose() > 1
 
 
+def test_acceptance_follows_a_draft_that_stops_matching():
+    """Forty rounds of a draft the target agrees with, then one it never agrees with: within a few rounds the model
+    stops drafting (a session-long average would keep k = 4 for dozens of wasted rounds), and a later run of
+    accepted probes brings drafting back."""
+    length = CostModelLength(PassCosts(target_s=(1.0, 1.3, 1.6, 2.4, 3.2), draft_s=0.05), prior=0.5)
+    for _ in range(40):
+        length.observe(length.choose(), length.k)
+    assert length.choose() == 2  # the best k of these costs at acceptance 1
+    wasted = 0
+    while length.choose():
+        length.observe(length.k, 0)
+        wasted += 1
+    assert wasted <= 12 and length.reason == "none pays"
+    while length.acceptance < 0.7:
+        if length.choose():
+            length.observe(1, 1)
+    assert length.choose() > 1
+
+
+def test_pipelined_rounds_hide_the_drafting_they_overlap():
+    """Drafting as dear as a verify: serial rounds pay it every round, pipelined ones only where the round below
+    missed, so at a high acceptance the pipelined loop takes longer rounds."""
+    costs = PassCosts(target_s=(1.0, 1.2, 1.4, 1.6, 1.8), draft_s=0.5)
+    assert round_s(costs, 0.9, 4, overlapped=True) < round_s(costs, 0.9, 4)
+    assert round_s(costs, 0.0, 4, overlapped=True) == round_s(costs, 0.0, 4)  # every round misses: nothing hides
+    assert round_s(costs, 0.9, 0, overlapped=True) == round_s(costs, 0.9, 0) == 1.0
+    assert best_k(costs, 0.9, overlapped=True) == 3 > best_k(costs, 0.9) == 2
+
+
 def test_probes_grow_rarer_while_rejected_and_dear():
     costs = PassCosts(target_s=(1.0, 1.05, 1.1, 1.15, 1.2), draft_s=0.01)
     length = CostModelLength(costs, prior=0.02, prior_rounds=50)  # a draft that does not match
@@ -74,7 +111,7 @@ def test_probes_grow_rarer_while_rejected_and_dear():
     length.observe(1, 0, propose_s=10.0)
     assert next_probe() == MAX_PROBE_EVERY
     length.observe(1, 1, propose_s=0.01)  # accepted: back to the shortest wait
-    assert next_probe() == PROBE_EVERY
+    assert length.wait == PROBE_EVERY
 
 
 @pytest.mark.parametrize("costs", [CHEAP, DEAR], ids=["cheap-verify", "dear-verify"])
@@ -87,6 +124,33 @@ def test_generation_equals_target_only_whatever_k_it_picks(costs):
         assert got.stats.drafted <= 40 // PROBE_EVERY + 1
     else:
         assert got.stats.drafted > 0
+
+
+@pytest.mark.parametrize("draft", ["target", "noisy"])
+def test_pipelined_loop_with_the_cost_model_equals_target_only_and_says_why(draft):
+    """The pipelined loop takes each fresh round's k from the cost model and its speculated rounds' from its
+    current choice; the output is target-only's, and every choice is on a span and in the metrics."""
+    prompt = torch.randint(0, 257, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    want = generate(TARGET, prompt, 30).token_ids
+    exporter, metrics = InMemorySpanExporter(), Metrics()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    session, stats = TargetSession(TARGET, prompt, max_chain=1), Stats()
+    drafter = ModelDrafter(TARGET if draft == "target" else DRAFT)
+    drafter.start(list(prompt))
+    attach(drafter, session)
+    length = CostModelLength(CHEAP, prior=0.9 if draft == "target" else 0.02, prior_rounds=20, overlapped=True)
+    for _ in decode_pipelined(session, drafter, 30, length, set(), stats, provider.get_tracer("test"), metrics):
+        pass
+    assert session.generated == want
+    chosen = [span.attributes for span in exporter.get_finished_spans() if attr.DRAFT_LENGTH_K in span.attributes]
+    assert chosen and all(len(a[attr.DRAFT_LENGTH_TOKENS_PER_S]) == 5 for a in chosen)
+    rounds = {(s.labels["k"], s.labels["reason"]): s.value for m in metrics.registry.collect()
+              for s in m.samples if s.name == "deltaspec_draft_length_rounds_total"}
+    if draft == "target":  # every guess holds: speculated rounds carry most of the drafts
+        assert stats.speculations_kept > 0 and rounds.get(("4", "pays"), 0) >= 1
+    else:
+        assert stats.drafted <= 30 // PROBE_EVERY + 1 and rounds.get(("0", "none pays"), 0) > 10
 
 
 def test_pass_costs_measured_for_every_length():

@@ -33,6 +33,7 @@ PROBE_EVERY = 16  # rounds at k = 0 before a one-draft probe of the acceptance (
 MAX_PROBE_EVERY = 256  # the longest wait, after rejected or dear probes
 PROBE_SHARE = 0.01  # at most this share of the rounds' time goes to probes' extra cost
 COST_MODEL_K_MAX = 8  # the most drafts a server's cost model measures (and so picks) a round
+KEEP = 0.8  # weight of a session's past at each drafted round: its acceptance follows the last five rounds or so
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,25 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return sum(acceptance**i for i in range(k + 1))
 
 
-def best_k(costs: PassCosts, acceptance: float) -> int:
+def round_s(costs: PassCosts, acceptance: float, k: int, overlapped: bool = False) -> float:
+    """Seconds a round of k drafts costs: the target's pass of k + 1 tokens and the drafting. In a pipelined loop
+    (`overlapped`) a round's proposal is made while the round before is verified, and is used when that round keeps
+    every draft and the draft guessed its next token (probability a^(k+1)); only the other rounds wait for it."""
+    if not k:
+        return costs.target_s[0]
+    drafting = costs.draft_fixed_s + k * costs.draft_s
+    return costs.target_s[k] + drafting * (1 - acceptance ** (k + 1) if overlapped else 1)
+
+
+def rates(costs: PassCosts, acceptance: float, overlapped: bool = False) -> list[float]:
+    """Expected tokens per second at each k in 0..k_max."""
+    return [expected_tokens(acceptance, k) / round_s(costs, acceptance, k, overlapped) for k in range(costs.k_max + 1)]
+
+
+def best_k(costs: PassCosts, acceptance: float, overlapped: bool = False) -> int:
     """The k in 0..k_max with the most tokens per second."""
-    def rate(k: int) -> float:
-        return expected_tokens(acceptance, k) / (costs.target_s[k] + k * costs.draft_s + (k > 0) * costs.draft_fixed_s)
-    return max(range(costs.k_max + 1), key=rate)
+    per_k = rates(costs, acceptance, overlapped)
+    return max(range(len(per_k)), key=per_k.__getitem__)
 
 
 def drafting_cost(target, drafter, ks: tuple[int, ...] = (1, 2, 4, 8),
@@ -164,19 +179,23 @@ class Tally:
 
 class CostModelLength:
     """Chooses k per round (`choose`) and learns the session's acceptance from each round (`observe`): accepted
-    drafts over accepted drafts plus rounds ended by a rejection (the geometric model's estimate), from a prior worth
-    `prior_rounds` rounds: what `tally` (a server's sessions) has shown, else `prior`. What drafting costs is
-    measured, as the target's passes are (`PassCosts`: per step, and per round for a remote draft's round trip), not
-    learned from the rounds: at several sessions a draft's answer also waits for the others' drafts, time in which
-    the target runs the others' passes, and an estimate that made drafting look too dear would never be timed again.
-    `batch_size()`: sequences the next target pass will carry (a server's batcher); `k_max`: the most drafts a round
-    may take (at most what `costs` measured)."""
+    drafts over accepted drafts plus rounds ended by a rejection (the geometric model's estimate), each round's past
+    weighed by `keep` (so a draft that stops matching mid-generation is noticed within a few rounds, and one that
+    starts matching again at the next probe), from a prior worth `prior_rounds` rounds: what `tally` (a server's
+    sessions) has shown, else `prior`. What drafting costs is measured, as the target's passes are (`PassCosts`: per
+    step, and per round for a remote draft's round trip), not learned from the rounds: at several sessions a draft's
+    answer also waits for the others' drafts, time in which the target runs the others' passes, and an estimate that
+    made drafting look too dear would never be timed again. `batch_size()`: sequences the next target pass will
+    carry (a server's batcher); `k_max`: the most drafts a round may take (at most what `costs` measured);
+    `overlapped`: the rounds are pipelined (`round_s`). `k` and `reason` (`pays`, `none pays`, `probe`, or
+    `capped` by a request that asked for no drafts) are the last choice, `rates()` why: for spans and metrics."""
 
     def __init__(self, costs: PassCosts, prior: float = 0.5, prior_rounds: float = 4.0,
                  batch_size: Callable[[], int] = lambda: 1, k_max: int | None = None,
-                 tally: Tally | None = None) -> None:
+                 tally: Tally | None = None, overlapped: bool = False, keep: float = KEEP) -> None:
         self.costs, self.batch_size, self.tally = costs, batch_size, tally
         self.k_max = costs.k_max if k_max is None else max(0, min(k_max, costs.k_max))
+        self.overlapped, self.keep = overlapped, keep
         shown = tally.acceptance() if tally is not None else None
         prior = prior if shown is None else shown
         self.accepted = prior * prior_rounds
@@ -184,40 +203,52 @@ class CostModelLength:
         self.idle = 0  # rounds at k = 0 since the last probe
         self.wait = tally.wait if tally is not None else PROBE_EVERY  # rounds at k = 0 before the next probe
         self.probing = False  # the last k chosen was a probe
+        self.k, self.reason = 0, "none"
 
     @property
     def acceptance(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
     def choose(self) -> int:
-        if not self.k_max:
-            return 0
-        k = self._best()
+        """This round's k, moving the probe schedule on."""
+        k = self.current()
         self.probing = False
-        if k > 0:
+        if k > 0 or not self.k_max:
             self.idle = 0
+            self.k, self.reason = k, "pays" if k else "capped"
             return k
         self.idle += 1
         if self.idle >= self.wait:
             self.idle, self.probing = 0, True
+            self.k, self.reason = 1, "probe"
             return 1
+        self.k, self.reason = 0, "none pays"
         return 0
+
+    def current(self) -> int:
+        """The k a round would take now, probes aside (a pipelined loop's rounds speculated ahead take it)."""
+        if not self.k_max:
+            return 0
+        per_k = self.rates()
+        return max(range(len(per_k)), key=per_k.__getitem__)
+
+    def rates(self) -> list[float]:
+        """Expected tokens per second at each k up to `k_max`, at this session's acceptance and the next batch's
+        pass costs."""
+        costs = self.costs.at(self.batch_size())
+        return rates(PassCosts(costs.target_s[:self.k_max + 1], costs.draft_s, draft_fixed_s=costs.draft_fixed_s),
+                     self.acceptance, self.overlapped)
 
     def expects_drafts(self) -> bool:
         """Whether a round would draft now, probes aside (a remote draft's session is then worth opening early)."""
-        return self.k_max > 0 and self._best() > 0
-
-    def _best(self) -> int:
-        costs = self.costs.at(self.batch_size())
-        return best_k(PassCosts(costs.target_s[:self.k_max + 1], costs.draft_s, draft_fixed_s=costs.draft_fixed_s),
-                      self.acceptance)
+        return self.current() > 0
 
     def observe(self, proposed: int, accepted: int, propose_s: float | None = None) -> None:
         """A round's verdict: `accepted` of `proposed` drafts, which took `propose_s` seconds to get."""
-        self.accepted += accepted
-        self.rejected += accepted < proposed
-        if not proposed:
+        if not proposed:  # a round without drafts shows nothing of the draft
             return
+        self.accepted = self.keep * self.accepted + accepted
+        self.rejected = self.keep * self.rejected + (accepted < proposed)
         if self.probing:  # what it cost spaces the next probe
             decode_s, verify_s = self.costs.at(self.batch_size()).target_s[:2]
             extra = verify_s - decode_s + (propose_s or 0.0)  # over the decode step the round would have been

@@ -44,8 +44,9 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Span, Tracer, use_span
 
+from deltaspec.shared.decoding.draft_length import CostModelLength
 from deltaspec.shared.decoding.drafters import Drafter, Proposal
-from deltaspec.shared.decoding.speculative import NO_TRACER, Session, Stats, _ids, drafts_kept
+from deltaspec.shared.decoding.speculative import NO_TRACER, Session, Stats, _ids, drafts_kept, note_draft_length
 from deltaspec.shared.decoding.target import Round, check_num_draft_tokens
 from deltaspec.shared.errors import FailedPrecondition, NotFound
 from deltaspec.shared.telemetry import attributes as attr
@@ -62,10 +63,15 @@ class _Planned:
     guess: int | None = None  # a speculative round: the token assumed after its parent
 
 
-def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_tokens: int, eos: set[int],
-                     stats: Stats, tracer: Tracer = NO_TRACER, metrics=None) -> Iterator[list[int]]:
-    """Rounds until `max_new_tokens` or an EOS (included), pipelined; yields what each round commits."""
-    check_num_draft_tokens(num_draft_tokens)
+def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int,
+                     num_draft_tokens: int | CostModelLength, eos: set[int], stats: Stats, tracer: Tracer = NO_TRACER,
+                     metrics=None) -> Iterator[list[int]]:
+    """Rounds until `max_new_tokens` or an EOS (included), pipelined; yields what each round commits.
+    `num_draft_tokens`: k for every round, or a `CostModelLength` whose choice makes each fresh round and whose
+    current k the rounds speculated ahead take (it learns from every verdict)."""
+    length = None if isinstance(num_draft_tokens, int) else num_draft_tokens
+    if length is None:
+        check_num_draft_tokens(num_draft_tokens)
     out = session.generated
     if len(out) >= max_new_tokens or (out and out[-1] in eos):
         return
@@ -82,6 +88,8 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
 
         def plan(proposal: Proposal) -> _Planned:
             name, base = next(names), session.version
+            if not proposal.tokens:  # a decode step: nothing to overlap it with, so no thread of its own
+                return _Planned(name, base, proposal, resolved(session.verify(name, [], base)))
             return _Planned(name, base, proposal, submit(session.verify, name, proposal.tokens, base, proposal.probs))
 
         def speculate(parent: Future, k: int, after: tuple[int, int] | None = None) -> Future | None:
@@ -94,12 +102,13 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
 
         def k_on(room: int, below: list[int]) -> int:
             """Drafts for a round on top of rounds of `below` drafts each kept whole (the serial loop's k)."""
-            return min(num_draft_tokens, room - sum(k + 1 for k in below) - 1)
+            most = num_draft_tokens if length is None else length.current()
+            return min(most, room - sum(k + 1 for k in below) - 1)
 
         def propose(room: int) -> tuple[Proposal, list[tuple[Future, int]]]:
             """A plain proposal; from a remote drafter also the two rounds after it, speculated at once: (proposal,
             [(future of (guess, proposal) | None, k asked)])."""
-            k = min(num_draft_tokens, room - 1)
+            k = min(num_draft_tokens if length is None else length.choose(), room - 1)
             ks = [k_on(room, [k])]
             ks.append(k_on(room, [k, ks[0]]))
             if ks[0] < 1 or not hasattr(drafter, "propose_and_speculate"):
@@ -147,10 +156,17 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                                                   attr.STAGED_BYTES: rnd.staged_bytes})
                     t2 = time.perf_counter()
                     drafts = list(rnd.drafts)
+                    if length is not None:
+                        note_draft_length(length, len(drafts), span, metrics)
+                        length.observe(len(drafts), rnd.verdict.accepted, propose_s)
                     keep = drafts_kept(rnd, eos)
                     next_token = rnd.verdict.next_token if keep == rnd.verdict.accepted else drafts[keep]
                     commit_span = tracer.start_span("commit")  # open until the commit returns, around the next propose
-                    committing = submit(session.commit, cur.round_id, keep, span=commit_span)
+                    if drafts or queue:
+                        committing = submit(session.commit, cur.round_id, keep, span=commit_span)
+                    else:  # a decode step: nothing would run beside its commit
+                        with use_span(commit_span, end_on_exit=False):
+                            committing = resolved(session.commit(cur.round_id, keep))
                     room_after = room - keep - 1
                     t3 = time.perf_counter()
                     fresh: Future | None = None  # after a miss: the plain proposal, asked for now, waited for once this
@@ -182,8 +198,10 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int, nu
                             if not queue and k >= 1:
                                 ahead = speculate(resolved(planned), k)
                                 queue = [] if ahead is None else [(ahead, k)]
-                        elif room_after > 0 and next_token not in eos:
-                            fresh = submit(propose, room_after)
+                        elif room_after > 0 and next_token not in eos:  # at k = 0 a round's own thread is a
+                            # decode step's overhead for nothing: nothing to overlap
+                            drafting = length is None or length.current() > 0
+                            fresh = submit(propose, room_after) if drafting else resolved(propose(room_after))
                     if fresh is None:
                         propose_span.end()
                     else:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-from opentelemetry.trace import NoOpTracer, Tracer
+from opentelemetry.trace import NoOpTracer, Span, Tracer
 from torch import Tensor
 
 from deltaspec.shared.decoding.draft_length import CostModelLength
@@ -137,6 +137,7 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
                                           attr.STAGED_BYTES: rnd.staged_bytes})
             t2 = time.perf_counter()
             if length is not None:
+                note_draft_length(length, len(proposal.tokens), span, metrics)
                 length.observe(len(proposal.tokens), rnd.verdict.accepted, t1 - t0)
             keep = drafts_kept(rnd, eos)
             with tracer.start_as_current_span("commit") as phase:
@@ -158,6 +159,21 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
         stats.commit_seconds += time.perf_counter() - t4
         yield new[len(out):]
         out = new
+
+
+def note_draft_length(length: CostModelLength, drafts: int, span: Span, metrics=None) -> None:
+    """A round's k from the cost model and why (it paid, nothing paid, a probe, or the generation's end left no
+    room), on the round's span with the rates it expected at each k, and in the metrics."""
+    if drafts:
+        reason = "probe" if length.probing else "pays"
+    else:
+        reason = "room" if length.reason in ("pays", "probe") else length.reason
+    if span.is_recording():
+        span.set_attributes({attr.DRAFT_LENGTH_K: drafts, attr.DRAFT_LENGTH_REASON: reason,
+                             attr.DRAFT_LENGTH_ACCEPTANCE: length.acceptance,
+                             attr.DRAFT_LENGTH_TOKENS_PER_S: length.rates()})
+    if metrics is not None:
+        metrics.draft_length_chosen(drafts, reason)
 
 
 def _ids(session: Session, round_id: str) -> dict:

@@ -19,6 +19,10 @@ NEW_VERSION = "deltaspec.round.new_version"
 DRAFT_TOKENS = "deltaspec.round.draft_tokens"
 ACCEPTED_TOKENS = "deltaspec.round.accepted_tokens"
 STAGED_BYTES = "deltaspec.round.staged_bytes"
+DRAFT_LENGTH_K = "deltaspec.draft_length.k"  # the cost model's k for a round, why, and what it expected at each k
+DRAFT_LENGTH_REASON = "deltaspec.draft_length.reason"
+DRAFT_LENGTH_ACCEPTANCE = "deltaspec.draft_length.acceptance"
+DRAFT_LENGTH_TOKENS_PER_S = "deltaspec.draft_length.expected_tokens_per_s"  # per k = 0, 1, ...
 LOOP = "deltaspec.loop"  # where the loop ran: in_process | server | client
 
 # The prefix cache, on CreateSession and Generate spans: prompt positions served from it, and those prefilled.

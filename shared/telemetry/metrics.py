@@ -12,6 +12,7 @@ rate; `deltaspec_generate_speculations_total{outcome}`, kept | missed: per round
 whether the speculated next round was used (the client loop reports the same in its stats). The draft's
 `deltaspec_draft_speculations_total{outcome}`, kept | dropped: the speculative rounds it
 proposed and how they ended (dropped ones are draft passes spent for nothing);
+`deltaspec_draft_length_rounds_total{k, reason}`: the cost model's draft length per round, and why.
 `deltaspec_draft_branches_total{outcome}` and `deltaspec_draft_branch_seconds_total{outcome}`, used | unused | cut: the
 next rounds it staged for likely misses (`serve-draft --branches`), and its time making them. Generations (the server-side loop):
 `deltaspec_time_to_first_token_seconds`, `deltaspec_time_per_output_token_seconds`. Sessions:
@@ -73,6 +74,10 @@ class Metrics:
             "deltaspec_generate_speculations", "Rounds of the server-side loop (Generate) whose next round had been "
             "speculated, by whether it was kept or made afresh (the client loop reports its own in its stats)",
             ["outcome"], registry=r)
+        self.draft_length = Counter("deltaspec_draft_length_rounds", "Rounds of the cost model's draft length "
+                                    "(--draft-length cost), by the k it chose and why: pays, none pays (k = 0), probe "
+                                    "(one draft to see whether the acceptance came back) or capped (by the request)",
+                                    ["k", "reason"], registry=r)
         self.ttft = Histogram("deltaspec_time_to_first_token_seconds", "Request to first generated token",
                               buckets=TOKEN_BUCKETS, registry=r)
         self.tpot = Histogram("deltaspec_time_per_output_token_seconds", "Mean time per token after the first",
@@ -109,6 +114,9 @@ class Metrics:
                                    (self.commit_seconds, commit_s)):
             if seconds is not None:
                 histogram.observe(seconds)
+
+    def draft_length_chosen(self, k: int, reason: str) -> None:
+        self.draft_length.labels(str(k), reason).inc()
 
     def speculation_ended(self, outcome: str, n: int = 1) -> None:
         """Draft speculations ended: kept or dropped (`ModelDrafter`'s `speculation_ended`)."""
