@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from deltaspec.shared import demo
@@ -130,13 +131,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     drafter = make_drafter(draft, target, sampling, stop_below)
     if isinstance(drafter, ModelDrafter):
         drafter.model.compile(args.compile, warm_up=True, log_capacity=CHAIN_LOG_CAPACITY).capture(args.capture)
-    if args.draft_length == "cost":
-        from deltaspec.shared.decoding.draft_length import CostModelLength, PassCosts
+    if args.draft_length == "cost" and k and draft != "none":
+        from deltaspec.shared.decoding.draft_length import CostModelLength, PassCosts, drafting_cost
 
-        if not isinstance(drafter, ModelDrafter):
-            raise ValueError("--draft-length cost needs a draft model (a checkpoint directory as --draft): it times "
-                             "the draft's steps against the target's passes")
-        k = CostModelLength(PassCosts.measure(target, drafter.model, k))
+        fixed_s, step_s = drafting_cost(target, drafter) or (0.0, 0.0)  # as the drafter runs its rounds
+        k = CostModelLength(replace(PassCosts.measure(target, None, k), draft_fixed_s=fixed_s, draft_s=step_s))
     telemetry = Telemetry.from_env(CLIENT)  # spans as OTEL_* say: a root span over the rounds
     try:
         result = generate(target, prompt, args.max_new_tokens, drafter, k, sampling, telemetry.tracer,
@@ -531,10 +530,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dynamic draft length: a draft model stops proposing after a token it gives less than this "
                         "probability (exact: the decision reads only the draft; 0: always k; default 0.3 in process, "
                         "measured best with k up to 16; over gRPC the draft service's --stop-below decides)")
-    p.add_argument("--draft-length", choices=["fixed", "cost"], default="fixed",
-                   help="in process, with a draft model: 'cost' picks k per round (0 to --num-draft-tokens) from "
-                        "pass costs measured at start-up and the acceptance seen so far, where a round of k would not "
-                        "pay, k = 0 (docs/drafters.md); 'fixed': up to --num-draft-tokens every round")
+    p.add_argument("--draft-length", choices=["fixed", "cost"], default="cost",
+                   help="in process: 'cost' picks k per round (0 to --num-draft-tokens) from the target's pass "
+                        "costs and the drafter's, measured at start-up, and the acceptance seen so far, where a round "
+                        "of k would not pay, k = 0 (docs/drafters.md); 'fixed': up to --num-draft-tokens every round")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt")
     prompt.add_argument("--prompt-ids", type=_ids)
@@ -575,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "rounds only: Generate's own loop and clients)")
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--capture", action="store_true", help=CAPTURE_HELP)
-    p.add_argument("--draft-length", choices=["fixed", "cost"], default="fixed",
+    p.add_argument("--draft-length", choices=["fixed", "cost"], default="cost",
                    help="Generate's drafts a round: 'cost' picks k per round (0 to the request's num_draft_tokens, "
                         "at most 8) from this server's pass costs, measured at start-up at each batch size, the batch "
                         "the round joins and the session's acceptance (docs/drafters.md), pipelined rounds counted as "

@@ -85,7 +85,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         self.eos = set(self.model.config.eos_token_id) | set(self.tokenizer.eos_token_ids)
         self.draft_channel = (Redialing(self.draft.security, self.draft.address, self.telemetry.channel)
                               if self.draft else None)  # made again when the client certificate is renewed
-        if self.draft_length == "cost":
+        if self.draft_length == "cost" and (self.draft or self.local_draft != "none"):  # nothing to choose without
             self.pass_costs = self._measure_costs(model)
 
     def _measure_costs(self, model: HybridLM) -> PassCosts:

@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from deltaspec.shared.decoding.draft_length import (MAX_PROBE_EVERY, PROBE_EVERY, PROBE_SHARE, CostModelLength,
+from deltaspec.shared.decoding.draft_length import (MAX_PROBE_EVERY, PRIOR, PROBE_EVERY, PROBE_SHARE, CostModelLength,
                                                      PassCosts, Tally, best_k, draft_line, drafting_cost,
                                                      expected_tokens, round_s)
 from deltaspec.shared.decoding.pipelined import decode_pipelined
@@ -110,8 +110,8 @@ def test_probes_grow_rarer_while_rejected_and_dear():
     assert next_probe() == math.ceil(1.55 / PROBE_SHARE)
     length.observe(1, 0, propose_s=10.0)
     assert next_probe() == MAX_PROBE_EVERY
-    length.observe(1, 1, propose_s=0.01)  # accepted: back to the shortest wait
-    assert length.wait == PROBE_EVERY
+    length.observe(1, 1, propose_s=0.01)  # accepted: back to the shortest wait its cost allows (0.06 decode steps)
+    assert length.wait == max(PROBE_EVERY, math.ceil((costs.target_s[1] - 1.0 + 0.01) / PROBE_SHARE))
 
 
 @pytest.mark.parametrize("costs", [CHEAP, DEAR], ids=["cheap-verify", "dear-verify"])
@@ -190,7 +190,7 @@ def test_drafting_cost_timed_on_a_scratch_session():
 
 def test_a_new_session_starts_from_what_the_servers_sessions_showed():
     tally = Tally()
-    assert CostModelLength(CHEAP, tally=tally).acceptance == 0.5  # nothing shown yet: the prior
+    assert CostModelLength(CHEAP, tally=tally).acceptance == PRIOR  # nothing shown yet: the prior
     first = CostModelLength(CHEAP, tally=tally)
     for _ in range(30):
         first.observe(4, 0, propose_s=0.04)  # a draft that never matches

@@ -353,7 +353,7 @@ def test_serve_and_generate_commands_with_mutual_tls_and_tokens(pair, pki, token
            "--tokens", str(token_file)]
     draft = Served("serve-draft", pair[1], *tls)
     target = Served("serve-target", pair[0], *tls, "--draft-addr", draft.address, "--draft-timeout", "30",
-                    "--draft-tls-ca", str(pki.ca.path), "--draft-tls-cert", str(pki.target.cert),
+                    "--draft-length", "fixed", "--draft-tls-ca", str(pki.ca.path), "--draft-tls-cert", str(pki.target.cert),
                     "--draft-tls-key", str(pki.target.key), "--draft-token-file", str(tmp_path / "target.token"))
     try:
         draft.wait_serving(), target.wait_serving()

@@ -72,7 +72,8 @@ def test_reflection_lists_the_services(pair):
 
 def test_cli_paths_print_the_in_process_json_and_sigterm_drains(pair, capsys):
     draft = Served("serve-draft", pair[1])  # the target starts while the draft loads
-    target = Served("serve-target", pair[0], "--draft-addr", draft.address, "--grace", "20")
+    target = Served("serve-target", pair[0], "--draft-addr", draft.address, "--grace", "20",
+                    "--draft-length", "fixed")  # drafts every round: a random pair would not pay
     draft_address, target_address = draft.wait_serving().address, target.wait_serving().address
     try:
         common = ["generate", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "16", "--json"]

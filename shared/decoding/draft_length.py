@@ -29,10 +29,14 @@ import torch
 
 from deltaspec.shared.model.batched import forward_batch
 
-PROBE_EVERY = 16  # rounds at k = 0 before a one-draft probe of the acceptance (after an accepted probe)
+PROBE_EVERY = 4  # rounds at k = 0 before a one-draft probe of the acceptance (after an accepted probe): one bad
+# round must not stop a good draft for long, and a useless one's probes double their spacing at each rejection
 MAX_PROBE_EVERY = 256  # the longest wait, after rejected or dear probes
 PROBE_SHARE = 0.01  # at most this share of the rounds' time goes to probes' extra cost
 COST_MODEL_K_MAX = 8  # the most drafts a server's cost model measures (and so picks) a round
+NEAR_BEST = 0.99  # a k whose expected rate is within 1 % of the best one's counts as good as it
+PRIOR, PRIOR_ROUNDS = 0.9, 2.0  # a fresh session's acceptance, worth two rounds: a draft someone chose is likely
+# good, and starting low costs a good draft several short rounds while starting high costs a bad one one long round
 KEEP = 0.8  # weight of a session's past at each drafted round: its acceptance follows the last five rounds or so
 
 
@@ -76,7 +80,21 @@ def target_pass_s(model, batch: int, k_max: int, repeats: int) -> tuple[float, .
     for _ in range(repeats + 1):
         for T in times:
             times[T].append(_timed(model, states, T))
-    return tuple(statistics.median(times[T][1:]) for T in times)
+    return smoothed([statistics.median(times[T][1:]) for T in times])
+
+
+def smoothed(medians: list[float]) -> tuple[float, ...]:
+    """Pass times by T = 1, 2, ... as a line through the verify passes (T >= 2; the robust Theil-Sen fit, never
+    falling), the decode pass at most its start: one pass slowed by a busy machine at start-up would otherwise
+    move the cost model's choice for the server's whole life."""
+    if len(medians) < 4:
+        return tuple(min(medians[i:]) for i in range(len(medians)))  # a pass of more tokens never costs less
+    points = list(enumerate(medians[1:], start=2))
+    slope = max(0.0, statistics.median((tj - ti) / (j - i) for n, (i, ti) in enumerate(points)
+                                       for j, tj in points[n + 1:]))
+    intercept = statistics.median(t - slope * T for T, t in points)
+    line = [intercept + slope * T for T, _ in points]
+    return (min(medians[0], line[0]), *line)
 
 
 def _timed(model, states: list, T: int) -> float:
@@ -104,14 +122,22 @@ def round_s(costs: PassCosts, acceptance: float, k: int, overlapped: bool = Fals
     return costs.target_s[k] + drafting * (1 - acceptance ** (k + 1) if overlapped else 1)
 
 
-def rates(costs: PassCosts, acceptance: float, overlapped: bool = False) -> list[float]:
-    """Expected tokens per second at each k in 0..k_max."""
-    return [expected_tokens(acceptance, k) / round_s(costs, acceptance, k, overlapped) for k in range(costs.k_max + 1)]
+def rates(costs: PassCosts, acceptance: float, overlapped: bool = False, continuation: float = 1.0) -> list[float]:
+    """Expected tokens per second at each k in 0..k_max. A drafter that may end a round early (a draft model's
+    dynamic length, n-gram lookup whose match runs out) proposes each next draft with probability `continuation`,
+    so a round asked for k drafts has i < k of them with probability c^i (1 - c), and k with c^k: its worth is the
+    expectation over those lengths of what a round of that length yields and costs (taking k drafts every round
+    would charge a self-limiting drafter for drafts it never makes, and leave it under-used)."""
+    def rate(k: int) -> float:
+        lengths = [(continuation**i * (1 - continuation), i) for i in range(k)] + [(continuation**k, k)]
+        return (sum(p * expected_tokens(acceptance, i) for p, i in lengths)
+                / sum(p * round_s(costs, acceptance, i, overlapped) for p, i in lengths))
+    return [rate(k) for k in range(costs.k_max + 1)]
 
 
-def best_k(costs: PassCosts, acceptance: float, overlapped: bool = False) -> int:
+def best_k(costs: PassCosts, acceptance: float, overlapped: bool = False, continuation: float = 1.0) -> int:
     """The k in 0..k_max with the most tokens per second."""
-    per_k = rates(costs, acceptance, overlapped)
+    per_k = rates(costs, acceptance, overlapped, continuation)
     return max(range(len(per_k)), key=per_k.__getitem__)
 
 
@@ -124,22 +150,22 @@ def drafting_cost(target, drafter, ks: tuple[int, ...] = (1, 2, 4, 8),
     from deltaspec.shared.decoding.drafters import attach
     from deltaspec.shared.decoding.target import TargetSession
 
-    prompt = [i % target.config.vocab_size for i in range(1, 17)]
+    prompt = [(1 + i % 8) % target.config.vocab_size for i in range(16)]  # repeating: n-gram lookup has matches
     session = TargetSession(target, prompt)
     drafter.start(list(prompt))
     attach(drafter, session)
-    times: dict[int, list[float]] = {k: [] for k in ks}
+    times: dict[int, list[float]] = {}  # by drafts proposed: a drafter may make fewer than it is asked for
     for i, k in enumerate([ks[0]] + [k for _ in range(repeats) for k in ks]):
         began = time.perf_counter()
         proposal = drafter.propose(k)
-        if i:
-            times[k].append(time.perf_counter() - began)
-        if not proposal.tokens:
+        if i and proposal.tokens:
+            times.setdefault(len(proposal.tokens), []).append(time.perf_counter() - began)
+        if not proposal.tokens and not i:  # a remote draft that does not answer (each try would wait for it)
             return None
         rnd = session.verify(f"r{i}", proposal.tokens, session.version)
         session.commit(rnd.round_id, rnd.verdict.accepted)
         drafter.advance(rnd.verdict.accepted, session.generated[-1])
-    return draft_line(times)
+    return draft_line(times) if times else None
 
 
 def draft_line(times: dict[int, list[float]]) -> tuple[float, float]:
@@ -190,7 +216,7 @@ class CostModelLength:
     `overlapped`: the rounds are pipelined (`round_s`). `k` and `reason` (`pays`, `none pays`, `probe`, or
     `capped` by a request that asked for no drafts) are the last choice, `rates()` why: for spans and metrics."""
 
-    def __init__(self, costs: PassCosts, prior: float = 0.5, prior_rounds: float = 4.0,
+    def __init__(self, costs: PassCosts, prior: float = PRIOR, prior_rounds: float = PRIOR_ROUNDS,
                  batch_size: Callable[[], int] = lambda: 1, k_max: int | None = None,
                  tally: Tally | None = None, overlapped: bool = False, keep: float = KEEP) -> None:
         self.costs, self.batch_size, self.tally = costs, batch_size, tally
@@ -200,6 +226,7 @@ class CostModelLength:
         prior = prior if shown is None else shown
         self.accepted = prior * prior_rounds
         self.rejected = (1 - prior) * prior_rounds
+        self.continued, self.stopped = prior_rounds, 0.0  # drafts made and rounds the drafter ended early
         self.idle = 0  # rounds at k = 0 since the last probe
         self.wait = tally.wait if tally is not None else PROBE_EVERY  # rounds at k = 0 before the next probe
         self.probing = False  # the last k chosen was a probe
@@ -208,6 +235,11 @@ class CostModelLength:
     @property
     def acceptance(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
+
+    @property
+    def continuation(self) -> float:
+        """How likely the drafter is to make each next draft it is asked for (1: it always makes k)."""
+        return self.continued / (self.continued + self.stopped)
 
     def choose(self) -> int:
         """This round's k, moving the probe schedule on."""
@@ -230,25 +262,31 @@ class CostModelLength:
         if not self.k_max:
             return 0
         per_k = self.rates()
-        return max(range(len(per_k)), key=per_k.__getitem__)
+        best = max(range(len(per_k)), key=per_k.__getitem__)
+        # acceptance comes in runs, which the geometric model, one a for every token, underrates in long rounds:
+        # where longer rounds promise about as much, the longest
+        return max(k for k in range(best, len(per_k)) if per_k[k] >= NEAR_BEST * per_k[best]) if best else 0
 
     def rates(self) -> list[float]:
         """Expected tokens per second at each k up to `k_max`, at this session's acceptance and the next batch's
         pass costs."""
         costs = self.costs.at(self.batch_size())
         return rates(PassCosts(costs.target_s[:self.k_max + 1], costs.draft_s, draft_fixed_s=costs.draft_fixed_s),
-                     self.acceptance, self.overlapped)
+                     self.acceptance, self.overlapped, self.continuation)
 
     def expects_drafts(self) -> bool:
         """Whether a round would draft now, probes aside (a remote draft's session is then worth opening early)."""
         return self.current() > 0
 
-    def observe(self, proposed: int, accepted: int, propose_s: float | None = None) -> None:
-        """A round's verdict: `accepted` of `proposed` drafts, which took `propose_s` seconds to get."""
-        if not proposed:  # a round without drafts shows nothing of the draft
+    def observe(self, proposed: int, accepted: int, propose_s: float | None = None, asked: int | None = None) -> None:
+        """A round's verdict: `accepted` of `proposed` drafts, which took `propose_s` seconds to get, `asked` for
+        (None: as many as were proposed; fewer proposed: the drafter ended the round early)."""
+        asked = proposed if asked is None else asked
+        if not asked:  # a round that asked for no drafts shows nothing of the draft
             return
-        self.accepted = self.keep * self.accepted + accepted
-        self.rejected = self.keep * self.rejected + (accepted < proposed)
+        keep = self.keep
+        self.accepted, self.rejected = keep * self.accepted + accepted, keep * self.rejected + (accepted < proposed)
+        self.continued, self.stopped = keep * self.continued + proposed, keep * self.stopped + (proposed < asked)
         if self.probing:  # what it cost spaces the next probe
             decode_s, verify_s = self.costs.at(self.batch_size()).target_s[:2]
             extra = verify_s - decode_s + (propose_s or 0.0)  # over the decode step the round would have been

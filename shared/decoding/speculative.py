@@ -123,8 +123,8 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
             ids = _ids(session, f"r{stats.rounds}") if traced else {}
             t0 = time.perf_counter()
             with tracer.start_as_current_span("propose") as phase:
-                asked = num_draft_tokens if length is None else length.choose()
-                proposal = drafter.propose(min(asked, room - 1))
+                asked = min(num_draft_tokens if length is None else length.choose(), room - 1)
+                proposal = drafter.propose(asked)
                 if traced:
                     phase.set_attributes({**ids, attr.DRAFT_TOKENS: len(proposal.tokens)})
             t1 = time.perf_counter()
@@ -138,7 +138,7 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
             t2 = time.perf_counter()
             if length is not None:
                 note_draft_length(length, len(proposal.tokens), span, metrics)
-                length.observe(len(proposal.tokens), rnd.verdict.accepted, t1 - t0)
+                length.observe(len(proposal.tokens), rnd.verdict.accepted, t1 - t0, asked)
             keep = drafts_kept(rnd, eos)
             with tracer.start_as_current_span("commit") as phase:
                 version = session.commit(rnd.round_id, keep)
