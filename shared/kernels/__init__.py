@@ -65,18 +65,23 @@ def gated_delta_rule(name: str, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta
                      out_state: Tensor | None = None, logs: Callable[[], VerifyLogs | None] | None = None,
                      static: bool = False) -> tuple[Tensor, Tensor, Tensor, bool]:
     """A pass through the form `choose` picks: q, k `(..., T, H, Dk)`, v `(..., T, H, Dv)`, g and beta
-    `(..., T, H)`, float32, with an optional leading sequence axis (one for the state `(..., H, Dk, Dv)` too).
+    `(..., T, H)` (g `(..., T, H, Dk)`: a decay per key channel, KDA's), float32, with an optional leading sequence
+    axis (one for the state `(..., H, Dk, Dv)` too).
 
     Returns out and delta `(..., T, H, Dv)`, the final state, and whether the kernel logged k, delta and g itself
     (the Triton kernel does, where `logs()` says). `out_state`: where the one-token step may write the final state."""
     batched = q.ndim == 4
     T = q.shape[-3]
-    form = choose(name, T, q.is_cuda, static)
+    per_key = g.dim() == k.dim()  # KDA's decay per key channel: the loops, the step and the chunks take it
+    form = choose(name, T, q.is_cuda and not per_key, static)  # the Triton kernel decays per head only
+    if form == "triton" and per_key:
+        raise ValueError("the Triton gated delta rule decays per head; a decay per key channel takes another form")
     if form == "step":
         out, delta, final = recurrent_step(q, k, v, g, beta, initial_state, out=out_state)
         return out, delta, final if out_state is None else out_state, False
     if form == "one_chunk":  # heads first, no batch axis needed, no casts or slices
-        out, delta, final = one_chunk_gated_delta_rule(*(x.transpose(-3, -2) for x in (q, k, v)), g.transpose(-2, -1),
+        out, delta, final = one_chunk_gated_delta_rule(*(x.transpose(-3, -2) for x in (q, k, v)),
+                                                       g.transpose(-3, -2) if per_key else g.transpose(-2, -1),
                                                        beta.transpose(-2, -1), initial_state)
         return out.transpose(-3, -2), delta.transpose(-3, -2), final, False
     args = (q, k, v, g, beta, initial_state) if batched else (q[None], k[None], v[None], g[None], beta[None],
