@@ -230,3 +230,51 @@ class GroupMoE(nn.Module):
         *z, up = F.linear(h, f.w_in, f.b_in).split(f.splits, dim=-1)
         shared = self.shared_experts.down_proj(relu_squared(up))
         return residual + (self.experts_on(z[0] if z else h, h) + shared)
+
+
+class SharedExpertsMoEFields(Protocol):
+    """What `SharedExpertsMoE` reads of a `ModelConfig`."""
+
+    hidden_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+
+
+class SharedExpertsMoE(nn.Module):
+    """DeepSeek-V3's MoE block, as Kimi Linear and Bailing hybrid have it: a `GroupRouter` `gate` (float32 logits,
+    `route_groups`: sigmoid scores, the choice biased by `e_score_correction_bias` among the best `topk_group` of
+    `n_group` groups, weights renormalised (sum + 1e-20) per `norm_topk_prob`, times `routed_scaling_factor`), gated
+    SwiGLU `experts`, and `shared_experts` (a SwiGLU MLP) on the block's input, added unweighted."""
+
+    def __init__(self, cfg: SharedExpertsMoEFields) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = GroupRouter(cfg.num_experts, cfg.hidden_size)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.touched: Tensor | int = 0  # distinct experts the last eager pass read
+
+    def routed(self, x: Tensor) -> Tensor:
+        cfg = self.cfg
+        weights, chosen = route_groups(self.gate(x), self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
+                                       cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        out, touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, x, weights, chosen)
+        if not torch.compiler.is_compiling():  # a graph's count would be one of its own buffers
+            self.touched = touched
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.routed(x) + self.shared_experts(x)
+
+    def fuse(self) -> FusedMLP:
+        return self.shared_experts.fuse()
+
+    def fused(self, f: FusedMLP, h: Tensor, residual: Tensor) -> Tensor:
+        """The routed experts added to the residual, then the shared expert's fused path on top."""
+        return self.shared_experts.fused(f, h, residual + self.routed(h))
