@@ -94,6 +94,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     kda_lower_bound: float | None = None  # None: Kimi's softplus decay; else Bailing's safe gate's bound
+    expert_swiglu_limit: float = 0.0  # Bailing's clipping of the routed and shared experts' SwiGLU (0: none)
+    shared_swiglu_limit: float = 0.0
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

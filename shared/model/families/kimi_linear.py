@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from deltaspec.shared.model.families.lfm2 import rename_fragments
 from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, refuse_unless, rename_experts, \
     unstack_experts
-from deltaspec.shared.model.mixers.kda import KimiDeltaAttention
+from deltaspec.shared.model.mixers.kda import KDAForm, KimiDeltaAttention
 from deltaspec.shared.model.mixers.mla import LatentAttention
 from deltaspec.shared.model.mlp import MLP, SharedExpertsMoE
 from deltaspec.shared.state.spec import ATTENTION, RECURRENT, RecurrentSpec, StateSpec
@@ -43,6 +43,7 @@ LAYER_KINDS = ("linear_attention", "full_attention")
 RENAMES = ((".block_sparse_moe.", ".mlp."), (".self_attn.forget_gate.", ".self_attn."))  # published/HF -> ours
 PROJS = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))  # an expert's published names, the loader's
 CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")  # the published conv, split at q, k, v
+KDA = KDAForm(low_rank=True, a_log_4d=True, rounded_decay=False, keep_float32=("dt_bias",))
 
 
 def get(cfg: dict[str, Any], names: tuple[str, ...], default: Any) -> Any:
@@ -146,9 +147,7 @@ def mlp(cfg: Any, sparse: bool) -> nn.Module:
 def layer(cfg: Any, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.Module | None]:
     if kind == "full_attention":
         return "self_attn", LatentAttention(cfg), mlp(cfg, sparse)
-    H = cfg.linear_num_value_heads
-    return "self_attn", KimiDeltaAttention(cfg, low_rank=True, a_log_shape=(1, 1, H, 1), rounded_decay=False), \
-        mlp(cfg, sparse)
+    return "self_attn", KimiDeltaAttention(cfg, KDA), mlp(cfg, sparse)
 
 
 def state_spec(cfg: Any) -> StateSpec:

@@ -43,6 +43,19 @@ class KDAFields(Protocol):
     rms_norm_eps: float
 
 
+@dataclass(frozen=True)
+class KDAForm:
+    """What sets a family's KDA apart: `low_rank`, Kimi's forget and output gates through rank-D projections
+    (`f_a_proj`/`f_b_proj`, `g_a_proj`/`g_b_proj`), else Bailing's full-rank `f_proj`, `g_proj`; `a_log_4d`, A_log
+    held `(1, 1, H, 1)` (Kimi's) rather than `(H,)`; `rounded_decay`, the log decay rounded to the model's dtype
+    (Bailing's); `keep_float32`, the tensors HF keeps in float32 whatever the model's dtype."""
+
+    low_rank: bool
+    a_log_4d: bool
+    rounded_decay: bool
+    keep_float32: tuple[str, ...]
+
+
 @dataclass
 class FusedKDA:
     w_in: Tensor  # (3 H D + H + 2 R, hidden): q_proj, k_proj, v_proj, b_proj, f_a_proj|f_proj, g_a_proj|g_proj
@@ -60,22 +73,20 @@ class KimiDeltaAttention(nn.Module):
     state = RECURRENT
     compiles = True
 
-    def __init__(self, cfg: KDAFields, low_rank: bool, a_log_shape: tuple[int, ...], rounded_decay: bool) -> None:
-        """`low_rank`: Kimi's forget and output gates through rank-D projections (`f_a_proj`/`f_b_proj`,
-        `g_a_proj`/`g_b_proj`), else Bailing's full-rank `f_proj`, `g_proj`; `a_log_shape`: A_log as the family's
-        checkpoints hold it (H values); `rounded_decay`: the log decay rounded to the model's dtype (Bailing's)."""
+    def __init__(self, cfg: KDAFields, form: KDAForm) -> None:
         super().__init__()
         H, D, hidden = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.hidden_size
         self.n_k = self.n_v = H
         self.d_k = self.d_v = D
-        self.lower_bound, self.rounded_decay = cfg.kda_lower_bound, rounded_decay
+        self.lower_bound, self.rounded_decay, self.keep_float32 = cfg.kda_lower_bound, form.rounded_decay, \
+            form.keep_float32
         self.kernel_name = "auto"
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, H * D, bias=False) for _ in range(3))
         self.conv1d = nn.Conv1d(3 * H * D, 3 * H * D, cfg.linear_conv_kernel_dim, groups=3 * H * D, bias=False)
-        self.A_log = nn.Parameter(torch.log(torch.empty(a_log_shape).uniform_(1, 16)))
+        self.A_log = nn.Parameter(torch.log(torch.empty((1, 1, H, 1) if form.a_log_4d else (H,)).uniform_(1, 16)))
         self.dt_bias = nn.Parameter(torch.zeros(H * D))
         self.b_proj = nn.Linear(hidden, H, bias=False)
-        if low_rank:
+        if form.low_rank:
             self.f_a_proj, self.f_b_proj = nn.Linear(hidden, D, bias=False), nn.Linear(D, H * D, bias=False)
             self.g_a_proj, self.g_b_proj = nn.Linear(hidden, D, bias=False), nn.Linear(D, H * D, bias=False)
         else:
@@ -92,7 +103,8 @@ class KimiDeltaAttention(nn.Module):
         T, H, D = x.shape[0], self.n_v, self.d_v
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # (T, 3 H D)
         window = torch.cat([st.conv_window().to(mixed.dtype), mixed], dim=0)  # (K-1+T, 3 H D)
-        conv = F.silu(F.conv1d(window.t()[None], self.conv1d.weight, groups=window.shape[1]))[0].t()
+        taps = self.conv1d.weight  # float32 where HF keeps it so (`keep_float32`), as HF then convolves
+        conv = F.silu(F.conv1d(window.t()[None].to(taps.dtype), taps, groups=window.shape[1]))[0].t()
         q, k, v = (t.float().view(T, H, D) for t in conv.split(H * D, dim=-1))
         q, k = l2norm(q) * D**-0.5, l2norm(k)
         beta = self.b_proj(x).float().sigmoid()  # (T, H)
