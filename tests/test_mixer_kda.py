@@ -1,12 +1,16 @@
-"""KDA (`mixers.kda`) and multi-head latent attention (`mixers.mla`) against HF's layers as the oracle, their fast
-paths against their references on fresh random inputs, and the gated delta rule's forms with a decay per key channel
-(the loops, the step, one chunk, chunks) against the naive loop, strong decays included (no exp(-G) anywhere), and
-the closed-form commit of a logged prefix against the state a run stopped there holds."""
+"""KDA (`mixers.kda`) and multi-head latent attention (`mixers.mla`), Kimi Linear's and Bailing's, against HF's
+layers as the oracle, their fast paths against their references on fresh random inputs, and the gated delta rule's
+forms with a decay per key channel (the loops, the step, one chunk, chunks) against the naive loop, strong decays
+included (no exp(-G) anywhere), and the closed-form commit of a logged prefix against the state a run stopped there
+holds."""
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import KimiLinearConfig
+from transformers import BailingHybridConfig, KimiLinearConfig
+from transformers.models.bailing_hybrid.modeling_bailing_hybrid import (BailingHybridAttention,
+                                                                        BailingHybridDeltaAttention,
+                                                                        BailingHybridRotaryEmbedding)
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention, KimiLinearDeltaAttention
 
 from deltaspec.shared.kernels import gated_delta_rule
@@ -14,8 +18,10 @@ from deltaspec.shared.kernels.chunk import chunk_gated_delta_rule
 from deltaspec.shared.kernels.naive import naive_recurrent_gated_delta_rule
 from deltaspec.shared.kernels.recurrent import recurrent_gated_delta_rule
 from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.model.families import bailing_hybrid, kimi_linear
 from deltaspec.shared.model.mixers.kda import KimiDeltaAttention
 from deltaspec.shared.model.mixers.mla import LatentAttention
+from deltaspec.shared.model.rotary import rotary_cos_sin, rotary_signed
 from deltaspec.shared.state.access import SequenceAccess
 from deltaspec.shared.state.rollback import ModelState, RecurrentSlot
 from deltaspec.shared.state.spec import ATTENTION, RECURRENT, RecurrentSpec, StateSpec
@@ -27,6 +33,12 @@ KIMI = dict(model_type="kimi_linear", vocab_size=53, hidden_size=HIDDEN, num_hid
             num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, intermediate_size=16,
             linear_attn_config=dict(head_dim=8, num_heads=3, short_conv_kernel_size=4), pad_token_id=None,
             bos_token_id=None, eos_token_id=None, layer_types=["linear_attention", "full_attention"])
+BAILING = dict(model_type="bailing_hybrid", vocab_size=53, hidden_size=HIDDEN, num_hidden_layers=2,
+               num_attention_heads=3, kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6,
+               head_dim=8, num_local_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+               moe_intermediate_size=8, intermediate_size=16, pad_token_id=None, eos_token_id=None,
+               rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+               layer_types=["linear_attention", "full_attention"])
 
 
 def randomised(module: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -75,19 +87,21 @@ def test_closed_form_commit_of_a_logged_prefix_equals_the_run_stopped_there():
         assert rel_err(got[0], want[0]) < 1e-5
 
 
-def passes(mixer: torch.nn.Module, kind: str, spec: StateSpec, x: torch.Tensor, rope: object,
+def passes(mixer: torch.nn.Module, kind: str, spec: StateSpec, x: torch.Tensor, rope_dim: int,
            pieces: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference and the fast path over x in `pieces` (prefill, decode, verify...), each piece committed, from
-    fresh states: (reference outputs, fast outputs)."""
+    fresh states, the rotary over `rope_dim` channels at theta 100: (reference outputs, fast outputs)."""
     ref_state, fast_state = ModelState(spec), ModelState(spec)
     refs, fasts, at = [], [], 0
     fused = None
     for n in pieces:
         h = x[at:at + n]
         st = RecurrentSlot(ref_state.recurrent, 0, 0) if kind == RECURRENT else ref_state.attn[0]
-        refs.append(mixer(h, st, at, rope))
+        cos, sin = rotary_cos_sin(rope_dim, 100.0, torch.arange(at, at + n), x.dtype)
+        refs.append(mixer(h, st, at, (cos, sin)))
         fused = fused or mixer.fuse()
-        fasts.append(mixer.fused(fused, h, torch.zeros_like(h), rope, SequenceAccess(fast_state), 0))
+        fasts.append(mixer.fused(fused, h, torch.zeros_like(h), rotary_signed(cos, sin), SequenceAccess(fast_state),
+                                 0))
         for state in (ref_state, fast_state):
             state.staged = n
             state.commit(n)
@@ -96,30 +110,42 @@ def passes(mixer: torch.nn.Module, kind: str, spec: StateSpec, x: torch.Tensor, 
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("conv", [2, 4])
-def test_kda_reference_and_fast_path_match_hf(conv):
-    fields = {**KIMI, "linear_attn_config": {**KIMI["linear_attn_config"], "short_conv_kernel_size": conv}}
-    hf = randomised(KimiLinearDeltaAttention(KimiLinearConfig(**fields), 0), conv)
-    ours = KimiDeltaAttention(ModelConfig.from_dict(fields), low_rank=True, a_log_shape=(1, 1, 3, 1),
-                              rounded_decay=False)
+@pytest.mark.parametrize("family,conv,safe", [("kimi", 2, False), ("kimi", 4, False), ("bailing", 3, True),
+                                              ("bailing", 4, False)])
+def test_kda_reference_and_fast_path_match_hf(family, conv, safe):
+    """Kimi's low-rank gates and softplus decay; Bailing's full-rank gates, safe (bounded) or softplus decay."""
+    if family == "kimi":
+        fields = {**KIMI, "linear_attn_config": {**KIMI["linear_attn_config"], "short_conv_kernel_size": conv}}
+        hf, form = KimiLinearDeltaAttention(KimiLinearConfig(**fields), 0), kimi_linear.KDA
+    else:
+        fields = {**BAILING, "short_conv_kernel_size": conv, "kda_safe_gate": safe}
+        hf, form = BailingHybridDeltaAttention(BailingHybridConfig(**fields), 0), bailing_hybrid.KDA
+    hf = randomised(hf, conv)
+    ours = KimiDeltaAttention(ModelConfig.from_dict(fields), form)
     ours.load_state_dict({k.replace("forget_gate.", ""): v for k, v in hf.state_dict().items()})
     x = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(3))
     want = hf(x[None])[0]
     spec = StateSpec((RECURRENT,), RecurrentSpec("kda", 3 * 24, conv, 3, 8, 8), 1, 1)
-    ref, fast = passes(ours, RECURRENT, spec, x, None, (7, 1, 1, 5, 6))
+    ref, fast = passes(ours, RECURRENT, spec, x, 0, (7, 1, 1, 5, 6))
     assert rel_err(ref, want) < 1e-5 and rel_err(fast, want) < 1e-5
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("q_lora_rank", [None, 10])
-def test_latent_attention_reference_and_absorbed_fast_path_match_hf(q_lora_rank):
-    config = KimiLinearConfig(**{**KIMI, "q_lora_rank": q_lora_rank})
+@pytest.mark.parametrize("family,q_lora_rank", [("kimi", None), ("kimi", 10), ("bailing", None), ("bailing", 10)])
+def test_latent_attention_reference_and_absorbed_fast_path_match_hf(family, q_lora_rank):
+    """Kimi's NoPE latent attention; Bailing's with DeepSeek's interleaved rotary and a per-head output gate."""
+    fields = {**(KIMI if family == "kimi" else BAILING), "q_lora_rank": q_lora_rank}
+    config = (KimiLinearConfig if family == "kimi" else BailingHybridConfig)(**fields)
     config._attn_implementation = "sdpa"  # causal without a mask
-    hf = randomised(KimiLinearAttention(config, 1), 7)
-    ours = LatentAttention(ModelConfig.from_dict({**KIMI, "q_lora_rank": q_lora_rank}))
+    hf = randomised((KimiLinearAttention if family == "kimi" else BailingHybridAttention)(config, 1), 7)
+    ours = LatentAttention(ModelConfig.from_dict(fields))
     ours.load_state_dict(hf.state_dict())
     x = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(4))
-    want = hf(x[None], None)[0][0]
+    if family == "kimi":
+        want = hf(x[None], None)[0][0]
+    else:
+        rope = BailingHybridRotaryEmbedding(config)(x[None], torch.arange(20)[None])
+        want = hf(x[None], rope, None)[0][0]
     spec = StateSpec((ATTENTION, RECURRENT), RecurrentSpec("conv", 1, 2, 0, 0, 0), 1, 12 + 4)  # the latent
-    ref, fast = passes(ours, ATTENTION, spec, x, None, (7, 1, 1, 5, 6))
+    ref, fast = passes(ours, ATTENTION, spec, x, ours.d_rope if ours.rotary else 0, (7, 1, 1, 5, 6))
     assert rel_err(ref, want) < 1e-5 and rel_err(fast, want) < 1e-5
