@@ -66,6 +66,18 @@ CHECKPOINTS = {
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
         pad_token_id=None, eos_token_id=None,
         layer_types=["linear_attention", "linear_attention", "full_attention"] * 2)),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
+        **WIDE, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, moe_intermediate_size=128,
+        num_local_experts=8, num_experts_per_tok=2, linear_attn_config=dict(head_dim=64, num_heads=4,
+                                                                            short_conv_kernel_size=4),
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2)),
+    "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM", dict(
+        **WIDE, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, head_dim=64,
+        moe_intermediate_size=128, num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, layer_group_size=3, pad_token_id=None, eos_token_id=None)),
 }
 
 

@@ -17,7 +17,7 @@ from deltaspec.shared.decoding.drafters.ngram import NgramDrafter
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import save_checkpoint
-from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.model.config import ConfigError, ModelConfig
 from deltaspec.shared.model.loader import CheckpointError, load_model
 from deltaspec.shared.rpc.generation import generate_on_server
 from deltaspec.shared.state import pool as state_pool
@@ -122,6 +122,36 @@ CONFIGS = {
         linear_value_head_dim=8, linear_conv_kernel_dim=3, linear_allow_neg_eigval=False, tie_word_embeddings=True,
         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5e4}, pad_token_id=None,
         eos_token_id=None, layer_types=["full_attention", "linear_attention", "full_attention"])),
+    "kimi_linear-a": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(  # NoPE latent attention at 1, dense first
+        vocab_size=97, hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, intermediate_size=40,
+        linear_attn_config=dict(head_dim=8, num_heads=3, short_conv_kernel_size=4), num_local_experts=6,
+        num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=16, pad_token_id=None,
+        bos_token_id=None, eos_token_id=None,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])),
+    "kimi_linear-b": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(  # query low rank, biases, 2 shared experts
+        vocab_size=89, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, kv_lora_rank=12,
+        qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=16, q_lora_rank=10, attention_bias=True,
+        intermediate_size=24, linear_attn_config=dict(head_dim=12, num_heads=2, short_conv_kernel_size=3,
+                                                      full_attn_layers=[1, 3], kda_layers=[2]),
+        num_local_experts=8, num_experts_per_tok=3, n_shared_experts=2, moe_intermediate_size=12,
+        norm_topk_prob=False, routed_scaling_factor=1.5, rms_norm_eps=1e-6,
+        mlp_layer_types=["sparse", "dense", "sparse"], pad_token_id=None, bos_token_id=None, eos_token_id=None)),
+    "bailing_hybrid-a": ("BailingHybridConfig", "BailingHybridForCausalLM", dict(  # safe gate, attention every 2nd
+        vocab_size=97, hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, head_dim=8, short_conv_kernel_size=4,
+        num_local_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=16,
+        intermediate_size=40, first_k_dense_replace=1, layer_group_size=2, pad_token_id=None, eos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    "bailing_hybrid-b": ("BailingHybridConfig", "BailingHybridForCausalLM", dict(  # softplus decay, clipped SwiGLUs
+        vocab_size=89, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        q_lora_rank=10, kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=16, head_dim=12,
+        short_conv_kernel_size=3, kda_safe_gate=False, num_local_experts=6, num_experts_per_tok=3, n_group=1,
+        topk_group=1, n_shared_experts=2, moe_intermediate_size=12, intermediate_size=24, first_k_dense_replace=1,
+        expert_swiglu_limit_list=[0, 0.4, 0.4], share_expert_swiglu_limit_list=[0, 0.3, 0.3], attention_bias=True,
+        norm_topk_prob=False, routed_scaling_factor=1.0, rms_norm_eps=1e-5, pad_token_id=None, eos_token_id=None,
+        layer_types=["full_attention", "linear_attention", "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
 }
 # per model_type: config changes a load refuses, and what its message names
 REFUSED = {
@@ -149,6 +179,14 @@ REFUSED = {
               ({"num_experts_per_tok": 7}, "num_experts_per_tok")),
     "lfm2_moe": (({"layer_types": None}, "layer_types"), ({"num_dense_layers": -1}, "num_dense_layers"),
                  ({"num_experts_per_tok": 9}, "num_experts_per_tok")),
+    "kimi_linear": (({"hidden_act": "gelu"}, "hidden_act"), ({"num_key_value_heads": 1}, "num_key_value_heads"),
+                    ({"layer_types": ["linear_attention", "sliding_attention"], "num_hidden_layers": 2},
+                     "'sliding_attention'"), ({"num_expert_group": 4}, "num_expert_group"),
+                    ({"mlp_layer_types": ["dense"]}, "mlp_layer_types")),
+    "bailing_hybrid": (({"hidden_act": "gelu"}, "hidden_act"), ({"num_key_value_heads": 1}, "num_key_value_heads"),
+                       ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+                       ({"expert_swiglu_limit_list": [0.5, 1.0]}, "expert_swiglu_limit_list"),
+                       ({"num_expert_group": 5}, "num_expert_group")),
 }
 
 
@@ -341,6 +379,10 @@ def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoi
         _lfm2_moe_names_and_defaults(directory, config, tmp_path)
     if model_type == "jamba":
         _jamba_names_and_defaults(directory, config, tmp_path)
+    if model_type == "kimi_linear":
+        _kimi_names_and_defaults(directory, hf, config, tmp_path)
+    if model_type == "bailing_hybrid":
+        _bailing_names_and_defaults(directory, hf, config, tmp_path)
 
 
 def _granite_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> None:
@@ -487,7 +529,8 @@ def test_no_family_is_named_outside_the_model_and_state_floors():
     assert not found, found
 
 
-@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a", "falcon_mamba-a"])  # Mamba2, a conv window alone, Mamba1
+# Mamba2, a conv window alone, Mamba1, KDA beside latent attention
+@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a", "falcon_mamba-a", "kimi_linear-a"])
 def test_services_serve_hf_tokens(name, tmp_path):
     """serve-target beside serve-draft (the same checkpoint as draft: a near-copy), as an operator starts them:
     HF's greedy tokens through the target's loop and the client-driven one (pipelined), then five Generate streams
@@ -527,3 +570,61 @@ def test_compiling_a_mixer_without_compiled_passes_is_refused(tmp_path):
     saved("mamba-a", tmp_path)
     with pytest.raises(ValueError, match="not built for Mamba1Mixer layers"):
         load_model(tmp_path).compile()
+
+
+def _kimi_names_and_defaults(directory: Path, hf: torch.nn.Module, config: dict, tmp_path: Path) -> None:
+    """HF's in-memory names (the forget gate's module, one conv, fused experts, `mlp.`) load the model the published
+    names do; `publish` writes what `save_pretrained` wrote; a bare config reads as HF's (layer kinds, dense layers,
+    the KDA sizes, the expert fields under HF's names)."""
+    save_file(dict(hf.state_dict()), tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = torch.arange(12) % config["vocab_size"]
+    want, ours = load_model(directory), load_model(tmp_path)
+    assert rel(ours(ids, ours.new_state())[0], want(ids, want.new_state())[0]) < 1e-6  # as LFM2-MoE's, a bound
+    written = load_file(save_checkpoint(want, tmp_path / "saved") / "model.safetensors")
+    original = load_file(directory / "model.safetensors")
+    assert sorted(written) == sorted(original) and all(torch.equal(written[k], original[k]) for k in original)
+    bare = {k: config[k] for k in ("vocab_size", "hidden_size", "num_attention_heads")} | {"num_hidden_layers": 6}
+    hf_cfg = transformers.KimiLinearConfig(**bare)
+    ours = ModelConfig.from_dict({**bare, "model_type": "kimi_linear"})
+    assert ours.layer_types == tuple(hf_cfg.layer_types)
+    assert [ours.sparse(i) for i in range(6)] == [kind == "sparse" for kind in hf_cfg.mlp_layer_types]
+    assert (ours.linear_num_value_heads, ours.linear_value_head_dim, ours.linear_conv_kernel_dim) == (
+        hf_cfg.linear_num_heads, hf_cfg.linear_head_dim, hf_cfg.linear_conv_kernel_dim)
+    assert (ours.num_experts, ours.num_experts_per_tok, ours.n_group, ours.topk_group, ours.norm_topk_prob) == (
+        hf_cfg.num_local_experts, hf_cfg.num_experts_per_tok, hf_cfg.n_group, hf_cfg.topk_group,
+        hf_cfg.norm_topk_prob)
+    assert (ours.kv_lora_rank, ours.qk_rope_head_dim, ours.v_head_dim, ours.routed_scaling_factor) == (
+        hf_cfg.kv_lora_rank, hf_cfg.qk_rope_head_dim, hf_cfg.v_head_dim, hf_cfg.routed_scaling_factor)
+
+
+def _bailing_names_and_defaults(directory: Path, hf: torch.nn.Module, config: dict, tmp_path: Path) -> None:
+    """HF's in-memory names (`self_attn.`, the forget gate's module, one conv, fused experts, the router's
+    `e_score_correction_bias`) and an MTP layer's tensors load the model the published names do; `publish` writes
+    what `save_pretrained` wrote; per-layer SwiGLU limits that differ between sparse layers are refused; a bare
+    config reads as HF's (layer kinds from the group size, dense layers, the KDA sizes from `head_dim`, the rotary
+    on `qk_rope_head_dim`)."""
+    n = config["num_hidden_layers"]
+    mtp = {f"model.layers.{n}.input_layernorm.weight": torch.ones(config["hidden_size"])}
+    save_file(dict(hf.state_dict()) | mtp, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = torch.arange(12) % config["vocab_size"]
+    want, ours = load_model(directory), load_model(tmp_path)
+    assert rel(ours(ids, ours.new_state())[0], want(ids, want.new_state())[0]) < 1e-6  # as LFM2-MoE's, a bound
+    written = load_file(save_checkpoint(want, tmp_path / "saved") / "model.safetensors")
+    original = load_file(directory / "model.safetensors")
+    assert sorted(written) == sorted(original) and all(torch.equal(written[k], original[k]) for k in original)
+    with pytest.raises(ConfigError, match="expert_swiglu_limit_list"):
+        ModelConfig.from_dict({**config, "expert_swiglu_limit_list": [0] * (n - 2) + [0.5, 1.0]})
+    bare = {k: config[k] for k in ("vocab_size", "hidden_size", "num_attention_heads")} | {
+        "num_hidden_layers": 7, "head_dim": 24}
+    hf_cfg = transformers.BailingHybridConfig(**bare)
+    ours = ModelConfig.from_dict({**bare, "model_type": "bailing_hybrid"})
+    assert ours.layer_types == tuple(hf_cfg.layer_types)
+    assert [ours.sparse(i) for i in range(7)] == [kind == "sparse" for kind in hf_cfg.mlp_layer_types]
+    assert (ours.linear_num_value_heads, ours.linear_value_head_dim, ours.linear_conv_kernel_dim) == (
+        hf_cfg.linear_num_heads, hf_cfg.linear_head_dim, hf_cfg.linear_conv_kernel_dim)
+    assert (ours.rotary_dim, ours.rope_theta) == (hf_cfg.head_dim, hf_cfg.rope_parameters["rope_theta"])
+    assert (ours.num_experts, ours.num_experts_per_tok, ours.n_group, ours.topk_group, ours.kda_lower_bound) == (
+        hf_cfg.num_local_experts, hf_cfg.num_experts_per_tok, hf_cfg.n_group, hf_cfg.topk_group,
+        hf_cfg.kda_lower_bound)

@@ -51,15 +51,27 @@ def step_decay_scan(q: Tensor, k: Tensor, d: Tensor, g: Tensor, initial: Tensor)
     return (q.transpose(-3, -2) @ state).transpose(-3, -2), state
 
 
+def pair_decays(G: Tensor) -> Tensor:
+    """exp(G_i - G_j) for j <= i, exactly 0 above the diagonal (where it may be inf: `tril_` selects), from the
+    in-chunk cumulative log decays G `(..., C, Dk|1)`: `(..., C, C)` for a decay per head, `(..., Dk, C, C)` per key
+    channel (C x C x Dk decays, small for C <= 64 and the Dk of such layers). Every exponent a difference, never
+    exp(-G) alone. Shared with the chunked gated delta rule (`chunk.py`), KDA's per-channel form included."""
+    Gc = G.transpose(-1, -2)  # (..., Dk|1, C)
+    decay = (Gc[..., :, None] - Gc[..., None, :]).exp_().tril_()  # (..., Dk|1, C, C)
+    return decay.squeeze(-3) if G.shape[-1] == 1 else decay
+
+
+def decayed_scores(a: Tensor, b: Tensor, decay: Tensor) -> Tensor:
+    """sum_c a_i[c] b_j[c] exp(G_i[c] - G_j[c]) `(..., C, C)` for a, b `(..., C, Dk)` and `pair_decays`' `decay`."""
+    if decay.dim() == a.dim():  # a decay per head: one matmul, then the decays
+        return (a @ b.transpose(-1, -2)) * decay
+    return torch.einsum("...ic,...jc,...cij->...ij", a, b, decay)
+
+
 def one_chunk(q: Tensor, k: Tensor, d: Tensor, g: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
     """One chunk, heads first: q, k `(..., H, C, Dk)`, d `(..., H, C, Dv)`, g `(..., H, C, Dk|1)`; (out, state)."""
     G = g.cumsum(-2)  # (..., H, C, Dk|1), <= 0
-    if G.shape[-1] == 1:  # exp(G_i - G_j), exactly 0 above the diagonal (where it may be inf: tril selects)
-        scores = (q @ k.transpose(-1, -2)) * (G - G.transpose(-1, -2)).exp().tril()  # (..., H, C, C)
-    else:  # per channel: C x C x Dk decays, small for C <= 64 and the Dk of such layers
-        Gc = G.transpose(-1, -2)  # (..., H, Dk, C)
-        decay = (Gc[..., :, None] - Gc[..., None, :]).exp().tril()  # (..., H, Dk, C, C)
-        scores = torch.einsum("...ic,...jc,...cij->...ij", q, k, decay)
+    scores = decayed_scores(q, k, pair_decays(G))  # (..., H, C, C)
     last = G[..., -1:, :]  # (..., H, 1, Dk|1)
     out = scores @ d + (q * G.exp()) @ state  # (..., H, C, Dv)
     state = last.transpose(-1, -2).exp() * state + (k * (last - G).exp()).transpose(-1, -2) @ d

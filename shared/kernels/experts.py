@@ -24,10 +24,13 @@ def grouped_gemm_fast(device: torch.device, dtype: torch.dtype, hidden: int, int
             and torch.cuda.get_device_capability(device) in ((9, 0), (10, 0)))
 
 
-def swiglu(h: Tensor) -> Tensor:
-    """silu(gate) * up of h = [gate; up] (Qwen's and Granite's experts)."""
+def swiglu(h: Tensor, limit: float | None = None) -> Tensor:
+    """silu(gate) * up of h = [gate; up] (Qwen's and Granite's experts); with a `limit` (Bailing's), silu(gate)
+    clipped at it from above and up to [-limit, limit] first."""
     gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    if limit is None:
+        return F.silu(gate) * up
+    return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
 
 
 def relu_squared(h: Tensor) -> Tensor:

@@ -1,6 +1,7 @@
 """Naive gated delta rule: a float32 token-by-token loop, the source of truth for every fast path.
 
-Layout everywhere: q, k `[B, T, H, Dk]`, v `[B, T, H, Dv]`, g and beta `[B, T, H]`,
+Layout everywhere: q, k `[B, T, H, Dk]`, v `[B, T, H, Dv]`, g and beta `[B, T, H]` (g `[B, T, H, Dk]` where
+the decay is per key channel, KDA's: row i of S decays by exp(g[i])),
 state `[B, H, Dk, Dv]`. q and k are already L2-normalised and q already carries the
 1/sqrt(Dk) scale; key heads are already repeated to the value heads.
 
@@ -23,7 +24,7 @@ def naive_recurrent_gated_delta_rule(
     out = torch.empty_like(v)
     delta = torch.empty_like(v)
     for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[..., None, None]
+        state = state * (g[:, t, ..., None] if g.dim() == k.dim() else g[:, t, :, None, None]).exp()
         predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
         delta[:, t] = beta[:, t, :, None] * (v[:, t] - predicted)
         state = state + k[:, t, :, :, None] * delta[:, t, :, None, :]

@@ -14,12 +14,13 @@ def recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sta
                    out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """One token per (sequence, head): S <- exp(g) S; delta = beta (v - S^T k); S <- S + k delta^T; o = S^T q.
 
-    q, k `(..., H, Dk)`, v `(..., H, Dv)`, g and beta `(..., H)` (any leading axes, a token axis of 1 included),
+    q, k `(..., H, Dk)`, v `(..., H, Dv)`, g and beta `(..., H)` (g `(..., H, Dk)`: a decay per key channel)
+    (any leading axes, a token axis of 1 included),
     state `(B..., H, Dk, Dv)` with as many (sequence, head) pairs; returns the output and delta shaped like v, and the
     state after, written into `out` (shaped like `state`) when given. A handful of batched matmuls over the pairs."""
     Dk, Dv = state.shape[-2:]
     flat = state.dim() == 3  # one sequence's (H, Dk, Dv): no reshapes (a decode step counts every call)
-    s = (state if flat else state.reshape(-1, Dk, Dv)) * g.reshape(-1, 1, 1).exp()
+    s = (state if flat else state.reshape(-1, Dk, Dv)) * g.reshape(-1, Dk if g.dim() == k.dim() else 1, 1).exp()
     k = k.reshape(-1, 1, Dk)
     delta = (v.reshape(-1, 1, Dv) - torch.bmm(k, s)) * beta.reshape(-1, 1, 1)  # (B H, 1, Dv)
     s = torch.baddbmm(s, k.transpose(1, 2), delta, out=out if out is None or flat else out.view(-1, Dk, Dv))

@@ -87,6 +87,15 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # scales each mixer's and MLP's output before its residual add (their `alpha`)
     attention_scale: float | None = None  # the attention's softmax scale; None: 1/sqrt(head_dim)
     logits_scaling: float = 1.0  # divides the logits (`HybridLM.logits`)
+    # multi-head latent attention (Kimi Linear, Bailing hybrid: `mixers/mla.py`); KDA's decay (`mixers/kda.py`)
+    q_lora_rank: int = 0  # 0: one query projection
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    kda_lower_bound: float | None = None  # None: Kimi's softplus decay; else Bailing's safe gate's bound
+    expert_swiglu_limit: float = 0.0  # Bailing's clipping of the routed and shared experts' SwiGLU (0: none)
+    shared_swiglu_limit: float = 0.0
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -62,3 +62,15 @@ def unstack_experts(tensors: dict[str, Tensor]) -> None:
         for e, (w_in, w_out) in enumerate(zip(tensors.pop(name), down)):
             for proj, weight in zip(("gate_proj", "up_proj", "down_proj"), (*w_in.chunk(2), w_out)):
                 tensors[f"{prefix}.{e}.{proj}.weight"] = weight.clone()
+
+
+def rename_experts(tensors: dict[str, Tensor], projs: Iterable[tuple[str, str]]) -> None:
+    """Per-expert tensors `....experts.j.<old>.weight` renamed `....experts.j.<new>.weight`, for each (old, new) of
+    `projs`, in place: a family's published expert names (LFM2-MoE's, Kimi Linear's w1, w3, w2) to the loader's
+    (gate_proj, up_proj, down_proj), or back."""
+    table = dict(projs)
+    pattern = re.compile(rf"^(.*\.experts\.\d+)\.({'|'.join(map(re.escape, table))})\.weight$")
+    for name in list(tensors):
+        m = pattern.match(name)
+        if m:
+            tensors[f"{m.group(1)}.{table[m.group(2)]}.weight"] = tensors.pop(name)

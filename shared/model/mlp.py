@@ -4,6 +4,7 @@ its input projections as one matmul and the residual add riding on `addmm`). `ou
 `residual_multiplier`) scales what a block adds to the residual: `addmm`'s and `add`'s alpha, no extra call."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deltaspec.shared.kernels.experts import apply_experts, relu_squared
+from deltaspec.shared.kernels.experts import apply_experts, relu_squared, swiglu
 from deltaspec.shared.model.moe import Experts, GroupRouter, UngatedExperts, route, route_groups
 from deltaspec.shared.model.norms import concat
 
@@ -26,17 +27,21 @@ class FusedMLP:
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate x) * up x) (Qwen, Llama, Bamba, Granite), with biases where the config asks for them,
-    times `out_multiplier`."""
+    times `out_multiplier`; `limit` clips as `swiglu` does (Bailing's shared experts)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False, out_multiplier: float = 1.0) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, out_multiplier: float = 1.0,
+                 limit: float | None = None) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.out_multiplier = out_multiplier
+        self.out_multiplier, self.limit = out_multiplier, limit
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.silu(self.gate_proj(x)), self.up_proj(x)
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        out = self.down_proj(gate * up)
         return out if self.out_multiplier == 1.0 else out * self.out_multiplier
 
     def fuse(self) -> FusedMLP:
@@ -46,8 +51,8 @@ class MLP(nn.Module):
                         self.down_proj.bias.detach() * self.out_multiplier if biased else None)
 
     def fused(self, f: FusedMLP, h: Tensor, residual: Tensor) -> Tensor:
-        gate, up = F.linear(h, f.w_in, f.b_in).chunk(2, dim=-1)
-        out = torch.addmm(residual, F.silu(gate) * up, f.down_t, alpha=self.out_multiplier)
+        out = torch.addmm(residual, swiglu(F.linear(h, f.w_in, f.b_in), self.limit), f.down_t,
+                          alpha=self.out_multiplier)
         return out if f.b_out is None else out + f.b_out
 
 
@@ -230,3 +235,57 @@ class GroupMoE(nn.Module):
         *z, up = F.linear(h, f.w_in, f.b_in).split(f.splits, dim=-1)
         shared = self.shared_experts.down_proj(relu_squared(up))
         return residual + (self.experts_on(z[0] if z else h, h) + shared)
+
+
+class SharedExpertsMoEFields(Protocol):
+    """What `SharedExpertsMoE` reads of a `ModelConfig`."""
+
+    hidden_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    expert_swiglu_limit: float
+    shared_swiglu_limit: float
+
+
+class SharedExpertsMoE(nn.Module):
+    """DeepSeek-V3's MoE block, as Kimi Linear and Bailing hybrid have it: a `GroupRouter` `gate` (float32 logits,
+    `route_groups`: sigmoid scores, the choice biased by `e_score_correction_bias` among the best `topk_group` of
+    `n_group` groups, weights renormalised (sum + 1e-20) per `norm_topk_prob`, times `routed_scaling_factor`), gated
+    SwiGLU `experts`, and `shared_experts` (a SwiGLU MLP) on the block's input, added unweighted. Bailing clips both
+    SwiGLUs (`swiglu`'s limit; 0: none)."""
+
+    def __init__(self, cfg: SharedExpertsMoEFields) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = GroupRouter(cfg.num_experts, cfg.hidden_size)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size,
+                                  limit=cfg.shared_swiglu_limit or None)
+        self.act = functools.partial(swiglu, limit=cfg.expert_swiglu_limit or None)
+        self.touched: Tensor | int = 0  # distinct experts the last eager pass read
+
+    def routed(self, x: Tensor) -> Tensor:
+        cfg = self.cfg
+        weights, chosen = route_groups(self.gate(x), self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
+                                       cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        out, touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, x, weights, chosen,
+                                     act=self.act)
+        if not torch.compiler.is_compiling():  # a graph's count would be one of its own buffers
+            self.touched = touched
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.routed(x) + self.shared_experts(x)
+
+    def fuse(self) -> FusedMLP:
+        return self.shared_experts.fuse()
+
+    def fused(self, f: FusedMLP, h: Tensor, residual: Tensor) -> Tensor:
+        """The routed experts added to the residual, then the shared expert's fused path on top."""
+        return self.shared_experts.fused(f, h, residual + self.routed(h))

@@ -1,6 +1,8 @@
 """The norms the layers share, with HF's parameter names."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -26,17 +28,17 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of a mixer's output per head (plain weight), then gated by silu(z)."""
+    """RMSNorm of a mixer's output per head (plain weight), then gated by `act(z)`: silu (GDN's), or sigmoid (KDA's)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, act: Callable[[Tensor], Tensor] = F.silu) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.act = eps, act
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
         xf = x.float()
         normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+        return (self.weight * normed * self.act(gate.float())).to(x.dtype)
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:

@@ -16,13 +16,12 @@ conversion mapping fuses them in memory); `convert` names them as the loader's p
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from torch import Tensor, nn
 
 from deltaspec.shared.model.families import lfm2
-from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, unstack_experts
+from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, rename_experts, unstack_experts
 from deltaspec.shared.model.mlp import MLP, SigmoidMoE
 
 TEXT_TYPES = ("lfm2_moe",)
@@ -31,8 +30,6 @@ ALWAYS_NORM_TOPK = False
 LAYER_KINDS = lfm2.LAYER_KINDS
 RENAMES = (*lfm2.RENAMES, (".feed_forward.", ".mlp."))  # then the MoE block's `gate`, `expert_bias`, `experts`
 PROJS = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))  # an expert's published names, the loader's
-_PUBLISHED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.\d+)\.(w1|w3|w2)\.weight$")
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 state_spec = lfm2.state_spec  # conv windows and attention K/V, as LFM2's
 
@@ -61,17 +58,11 @@ def layer(cfg: Any, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.
 def convert(tensors: dict[str, Tensor], cfg: Any) -> None:
     """HF's names (published per expert, or fused as HF keeps them in memory) -> the shared layers', in place."""
     lfm2.rename_fragments(tensors, RENAMES)
-    ours = dict(PROJS)
-    for name in [n for n in tensors if _PUBLISHED.match(n)]:
-        expert, proj = _PUBLISHED.match(name).groups()  # type: ignore[union-attr]
-        tensors[f"{expert}.{ours[proj]}.weight"] = tensors.pop(name)
+    rename_experts(tensors, PROJS)
 
 
 def publish(tensors: dict[str, Tensor], cfg: Any) -> None:
     """`convert`'s inverse, in place: the published layout, as HF 5.25's `save_pretrained` writes it."""
     unstack_experts(tensors)
-    theirs = {ours: published for published, ours in PROJS}
-    for name in [n for n in tensors if _PER_EXPERT.match(n)]:
-        expert, proj = _PER_EXPERT.match(name).groups()  # type: ignore[union-attr]
-        tensors[f"{expert}.{theirs[proj]}.weight"] = tensors.pop(name)
+    rename_experts(tensors, ((ours, published) for published, ours in PROJS))
     lfm2.rename_fragments(tensors, tuple((ours, hf) for hf, ours in RENAMES))

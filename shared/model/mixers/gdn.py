@@ -11,8 +11,9 @@ so the state algebra and the commit are unchanged.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -108,9 +109,9 @@ class GatedDeltaNet(nn.Module):
 
     def fuse(self) -> FusedGDN:
         splits = (self.in_proj_qkv.weight.shape[0], self.in_proj_z.weight.shape[0], self.n_v, self.n_v)
-        scale = torch.tensor([self.d_k**-1.0] * self.n_k + [self.d_k**-0.5] * self.n_k, device=self.A_log.device)
         return FusedGDN(w_in=concat(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a), splits=splits,
-                        conv_taps=self.conv1d.weight.detach()[:, 0], qk_scale=scale[:, None],
+                        conv_taps=self.conv1d.weight.detach()[:, 0],
+                        qk_scale=qk_scale(self.n_k, self.d_k, self.A_log.device),
                         neg_a=-self.A_log.detach().float().exp(), dt_bias=self.dt_bias.detach().float(),
                         out_t=self.out_proj.weight.detach().t())
 
@@ -119,40 +120,59 @@ class GatedDeltaNet(nn.Module):
         access runs the conv window, the recurrence and the staging, the gated norm and one addmm out."""
         mixed, z, b, a = F.linear(h, f.w_in).split(f.splits, dim=-1)
         out = access.recurrent(i, mixed, (b, a), functools.partial(recurrence, self, f))
-        return output(self, f, out, z, residual)
+        return output(self.norm, out, z, residual, f.out_t)
 
 
-def gates(m: GatedDeltaNet, f: FusedGDN, full: Tensor, b: Tensor,
-          a: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Conv, l2-normed q and k, v, beta and log decay g from `full = [window; x]` `(..., K-1+T, conv_dim)` and b, a
-    `(..., T, Hv)`; any leading axes (a batch of sequences). q, k `(..., T, Hv, Dk)`, v `(..., T, Hv, Dv)`, float32."""
+def conv_qkv(m: Any, f: Any, full: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Conv + SiLU, then l2-normed q (times Dk^-1/2) and k, and v, from `full = [window; x]` `(..., K-1+T, conv_dim)`
+    (any leading axes: a batch of sequences), `f.conv_taps` and `f.qk_scale` as `fuse` makes them; key heads repeated
+    to the value heads. q, k `(..., T, Hv, Dk)`, v `(..., T, Hv, Dv)`, float32. KDA's (`kda.py`) too."""
     conv = F.silu(causal_conv(full, f.conv_taps))
     if conv.dtype != torch.float32:  # the delta rule runs in float32 (no cast, no dispatch, for float32 models)
-        conv, b, a = conv.float(), b.float(), a.float()
+        conv = conv.float()
     lead, key_dim = conv.shape[:-1], m.n_k * m.d_k
     qk, v = conv.split([2 * key_dim, m.n_v * m.d_v], dim=-1)
     qk = F.rms_norm(qk.view(*lead, 2 * m.n_k, m.d_k), (m.d_k,), eps=L2NORM_EPS / m.d_k) * f.qk_scale
     if m.n_v != m.n_k:
         qk = qk.repeat_interleave(m.n_v // m.n_k, dim=-2)
     q, k = qk.split(m.n_v, dim=-2)
+    return q, k, v.view(*lead, m.n_v, m.d_v)
+
+
+def qk_scale(n_k: int, d_k: int, device: torch.device) -> Tensor:
+    """`(2 n_k, 1)`: rms_norm(x, eps/d) * scale = l2norm(x) * (d^-1/2 for q, 1 for k)."""
+    return torch.tensor([d_k**-1.0] * n_k + [d_k**-0.5] * n_k, device=device)[:, None]
+
+
+def gates(m: GatedDeltaNet, f: FusedGDN, full: Tensor, b: Tensor,
+          a: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """q, k, v (`conv_qkv`), beta and the log decay g per head from b, a `(..., T, Hv)`."""
+    q, k, v = conv_qkv(m, f, full)
+    if b.dtype != torch.float32:
+        b, a = b.float(), a.float()
     beta = b.sigmoid() if m.beta_scale == 1.0 else b.sigmoid() * m.beta_scale  # no op where beta stays in [0, 1]
-    return q, k, v.view(*lead, m.n_v, m.d_v), beta, f.neg_a * F.softplus(a + f.dt_bias)
+    return q, k, v, beta, f.neg_a * F.softplus(a + f.dt_bias)
 
 
-def recurrence(m: GatedDeltaNet, f: FusedGDN, full: Tensor, inputs: tuple[Tensor, ...], start: Start) -> Step:
-    """The layer's `Recurrence`: gates, then the delta rule from `start`; a batch's padding gets beta = g = 0."""
+Gates = Callable[..., tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]  # (m, f, full, *inputs) -> q, k, v, beta, g
+
+
+def recurrence(m: Any, f: Any, full: Tensor, inputs: tuple[Tensor, ...], start: Start, gates: Gates = gates) -> Step:
+    """The layer's `Recurrence`: its `gates` (GDN's, or KDA's, whose log decay g has a key-channel axis), then the
+    delta rule from `start`; a batch's padding gets beta = g = 0."""
     q, k, v, beta, g = gates(m, f, full, *inputs)
     if start.valid is not None:  # padding neither decays nor writes the state
-        beta, g = beta * start.valid, g * start.valid
+        beta, g = beta * start.valid, g * (start.valid if g.dim() == beta.dim() else start.valid[..., None])
     out, delta, final, logged = gated_delta_rule(m.kernel_name, q, k, v, g, beta, start.initial, start.out_state,
                                                  start.logs, start.static)
     return Step(out, k, delta, g, final, logged)
 
 
-def output(m: GatedDeltaNet, f: FusedGDN, out: Tensor, z: Tensor, residual: Tensor) -> Tensor:
-    """Gated norm of the delta rule's output `(T, Hv, Dv)` and the output projection, added to the residual."""
-    T = out.shape[0]
+def output(norm: GatedRMSNorm, out: Tensor, z: Tensor, residual: Tensor, out_t: Tensor) -> Tensor:
+    """Gated norm of the delta rule's output `(T, Hv, Dv)` by its gate z `(T, Hv Dv)`, and the output projection
+    `out_t` (its weight transposed), added to the residual."""
+    T, H, D = out.shape
     if out.dtype != residual.dtype:
         out = out.to(residual.dtype)
-    out = F.rms_norm(out, (m.d_v,), m.norm.weight, m.norm.eps) * F.silu(z.view(T, m.n_v, m.d_v))
-    return torch.addmm(residual, out.view(T, -1), f.out_t)
+    out = F.rms_norm(out, (D,), norm.weight, norm.eps) * norm.act(z.view(T, H, D))
+    return torch.addmm(residual, out.view(T, -1), out_t)
