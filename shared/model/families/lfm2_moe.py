@@ -58,20 +58,30 @@ def layer(cfg: Any, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.
     return (*lfm2.mixer(cfg, kind), SigmoidMoE(cfg) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size))
 
 
-def convert(tensors: dict[str, Tensor], cfg: Any) -> None:
-    """HF's names (published per expert, or fused as HF keeps them in memory) -> the shared layers', in place."""
-    lfm2.rename_fragments(tensors, RENAMES)
+def name_experts(tensors: dict[str, Tensor]) -> None:
+    """Published per-expert names (`mlp.experts.j.w1`, `w3`, `w2`) -> the loader's, which it stacks, in place."""
     ours = dict(PROJS)
     for name in [n for n in tensors if _PUBLISHED.match(n)]:
         expert, proj = _PUBLISHED.match(name).groups()  # type: ignore[union-attr]
         tensors[f"{expert}.{ours[proj]}.weight"] = tensors.pop(name)
 
 
-def publish(tensors: dict[str, Tensor], cfg: Any) -> None:
-    """`convert`'s inverse, in place: the published layout, as HF 5.25's `save_pretrained` writes it."""
+def publish_experts(tensors: dict[str, Tensor]) -> None:
+    """`name_experts`' inverse from the fused experts, in place: unstacked, each expert's w1, w3 and w2."""
     unstack_experts(tensors)
     theirs = {ours: published for published, ours in PROJS}
     for name in [n for n in tensors if _PER_EXPERT.match(n)]:
         expert, proj = _PER_EXPERT.match(name).groups()  # type: ignore[union-attr]
         tensors[f"{expert}.{theirs[proj]}.weight"] = tensors.pop(name)
+
+
+def convert(tensors: dict[str, Tensor], cfg: Any) -> None:
+    """HF's names (published per expert, or fused as HF keeps them in memory) -> the shared layers', in place."""
+    lfm2.rename_fragments(tensors, RENAMES)
+    name_experts(tensors)
+
+
+def publish(tensors: dict[str, Tensor], cfg: Any) -> None:
+    """`convert`'s inverse, in place: the published layout, as HF 5.25's `save_pretrained` writes it."""
+    publish_experts(tensors)
     lfm2.rename_fragments(tensors, tuple((ours, hf) for hf, ours in RENAMES))
