@@ -532,7 +532,8 @@ def test_no_family_is_named_outside_the_model_and_state_floors():
     assert not found, found
 
 
-@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a", "falcon_mamba-a"])  # Mamba2, a conv window alone, Mamba1
+# Mamba2, a conv window alone, Mamba1, lightning attention (no conv window) with experts
+@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a", "falcon_mamba-a", "minimax-b"])
 def test_services_serve_hf_tokens(name, tmp_path):
     """serve-target beside serve-draft (the same checkpoint as draft: a near-copy), as an operator starts them:
     HF's greedy tokens through the target's loop and the client-driven one (pipelined), then five Generate streams
