@@ -78,6 +78,10 @@ CHECKPOINTS = {
         kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, head_dim=64,
         moe_intermediate_size=128, num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
         first_k_dense_replace=1, layer_group_size=3, pad_token_id=None, eos_token_id=None)),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(
+        **WIDE, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        num_local_experts=8, num_experts_per_tok=2,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2)),
 }
 
 
@@ -158,10 +162,10 @@ def families(quick: bool) -> list[dict]:
 
 def print_rows(rows: list[dict]) -> None:
     print("\nFamilies: target-only greedy against HF generate() on the same random checkpoint (medians, alternated)")
-    print(f"{'model_type':<16} {'kind':<5} {'ours tok/s':>10} {'HF tok/s':>9} {'x HF':>6} {'range':>11} "
+    print(f"{'model_type':<16} {'kind':<9} {'ours tok/s':>10} {'HF tok/s':>9} {'x HF':>6} {'range':>11} "
           f"{'verify5/decode':>14} {'staged KiB':>10} {'commit %':>8} same")
     for r in rows:
         low, high = r["over_hf_range"]
-        print(f"{r['model_type']:<16} {r['state_kind']:<5} {r['ours_tok_s']:>10.1f} {r['hf_tok_s']:>9.1f} "
+        print(f"{r['model_type']:<16} {r['state_kind']:<9} {r['ours_tok_s']:>10.1f} {r['hf_tok_s']:>9.1f} "
               f"{r['over_hf']:>6.2f} {low:>5.2f}-{high:<5.2f} {r['verify_over_decode']:>14.2f} "
               f"{r['staged_kib']:>10.1f} {100 * r['commit_share']:>8.2f} {r['identical']}")

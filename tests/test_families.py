@@ -152,6 +152,16 @@ CONFIGS = {
         norm_topk_prob=False, routed_scaling_factor=1.0, rms_norm_eps=1e-5, pad_token_id=None, eos_token_id=None,
         layer_types=["full_attention", "linear_attention", "linear_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+    "minimax-a": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(  # HF's prefill crosses blocks; every residual scaled
+        vocab_size=97, hidden_size=48, intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, num_local_experts=6, num_experts_per_tok=2, block_size=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"],
+        full_attn_alpha_factor=1.5, full_attn_beta_factor=0.7, linear_attn_alpha_factor=0.8,
+        linear_attn_beta_factor=1.3, mlp_alpha_factor=1.2, mlp_beta_factor=0.9)),
+    "minimax-b": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(  # HF's default layer order (attention first), top-3
+        vocab_size=89, hidden_size=32, intermediate_size=24, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=24, num_local_experts=5, num_experts_per_tok=3, tie_word_embeddings=True,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5e4})),
 }
 # per model_type: config changes a load refuses, and what its message names
 REFUSED = {
@@ -187,6 +197,11 @@ REFUSED = {
                        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
                        ({"expert_swiglu_limit_list": [0.5, 1.0]}, "expert_swiglu_limit_list"),
                        ({"num_expert_group": 5}, "num_expert_group")),
+    "minimax": (({"hidden_act": "gelu"}, "hidden_act"), ({"sliding_window": 8}, "sliding_window"),
+                ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}}, "rope_type"),
+                ({"layer_types": ["linear_attention", "sliding_attention"], "num_hidden_layers": 2},
+                 "'sliding_attention'"), ({"num_local_experts": 0}, "num_local_experts"),
+                ({"block_size": 0}, "block_size"), ({"mlp_beta_factor": "x"}, "mlp_beta_factor")),
 }
 
 
@@ -383,6 +398,8 @@ def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoi
         _kimi_names_and_defaults(directory, hf, config, tmp_path)
     if model_type == "bailing_hybrid":
         _bailing_names_and_defaults(directory, hf, config, tmp_path)
+    if model_type == "minimax":
+        _minimax_names_and_defaults(directory, hf, config, tmp_path)
 
 
 def _granite_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> None:
@@ -505,6 +522,34 @@ def _jamba_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> 
         assert ours.tie_word_embeddings == hf.tie_word_embeddings is False
 
 
+def _minimax_names_and_defaults(directory: Path, hf: torch.nn.Module, config: dict, tmp_path: Path) -> None:
+    """HF's in-memory names (fused experts, `mlp.`), without the lightning buffers, load the model the published
+    layout does (`slope_rate` computed as HF's init computes it); `publish` writes what `save_pretrained` wrote,
+    derived buffers included; a bare config reads as HF's (layer order, K/V heads, experts, rotary base, factors)."""
+    tied = hf.config.tie_word_embeddings
+    tensors = {k: v for k, v in hf.state_dict().items()
+               if not (tied and k == "lm_head.weight") and not k.endswith(("_decay", "slope_rate"))}
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = torch.arange(12) % config["vocab_size"]
+    want, ours = load_model(directory), load_model(tmp_path)
+    assert rel(ours(ids, ours.new_state())[0], want(ids, want.new_state())[0]) < 1e-6  # as LFM2-MoE's, a bound
+    written = load_file(save_checkpoint(ours, tmp_path / "saved") / "model.safetensors")
+    original = load_file(directory / "model.safetensors")
+    assert sorted(written) == sorted(original) and all(torch.equal(written[k], original[k]) for k in original)
+    bare = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size")} | {"num_attention_heads": 16}
+    for n_layers in (3, 6):
+        hf_cfg = transformers.MiniMaxConfig(**bare, num_hidden_layers=n_layers)
+        ours = ModelConfig.from_dict({**bare, "num_hidden_layers": n_layers, "model_type": "minimax"})
+        assert ours.layer_types == tuple(hf_cfg.layer_types) and ours.num_key_value_heads == hf_cfg.num_key_value_heads
+        assert (ours.num_experts, ours.num_experts_per_tok, ours.head_dim) == (
+            hf_cfg.num_local_experts, hf_cfg.num_experts_per_tok, hf_cfg.hidden_size // hf_cfg.num_attention_heads)
+        assert ours.rope_theta == hf_cfg.rope_parameters["rope_theta"] and ours.rms_norm_eps == hf_cfg.rms_norm_eps
+        assert ours.normed_residual == tuple((kind, (1.0, 1.0), (1.0, 1.0)) for kind in ("linear_attention",
+                                                                                          "full_attention"))
+        assert ours.tie_word_embeddings == hf_cfg.tie_word_embeddings is False
+
+
 def test_unsupported_parts_are_refused_at_load(checkpoint, tmp_path):
     directory, _ = checkpoint
     config = json.loads((directory / "config.json").read_text())
@@ -529,8 +574,8 @@ def test_no_family_is_named_outside_the_model_and_state_floors():
     assert not found, found
 
 
-# Mamba2, a conv window alone, Mamba1, KDA beside latent attention
-@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a", "falcon_mamba-a", "kimi_linear-a"])
+# Mamba2, a conv window alone, Mamba1, KDA beside latent attention, lightning attention (no conv window) with experts
+@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a", "falcon_mamba-a", "kimi_linear-a", "minimax-b"])
 def test_services_serve_hf_tokens(name, tmp_path):
     """serve-target beside serve-draft (the same checkpoint as draft: a near-copy), as an operator starts them:
     HF's greedy tokens through the target's loop and the client-driven one (pipelined), then five Generate streams

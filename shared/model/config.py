@@ -47,6 +47,10 @@ class ModelConfig:
     mtp_num_hidden_layers: int = 0
     family: str = "qwen3_5"
     post_norm_kinds: tuple[str, ...] = ()  # layer kinds whose norms follow their mixer and MLP (OLMo's attention)
+    # MiniMax's residual, (layer kind, (mixer's alpha, beta), (MLP's alpha, beta)): in a layer of such a kind each part
+    # adds beta times its output to alpha times its normed input, not to its input (the parts apply beta themselves,
+    # as their out_multiplier)
+    normed_residual: tuple[tuple[str, tuple[float, float], tuple[float, float]], ...] = ()
     # Gated DeltaNet layers
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0

@@ -65,6 +65,7 @@ class FusedLayer:
     input_eps: float = 0.0
     post_eps: float = 0.0
     no_residual: Tensor | None = None  # a 0-dim zero: what a post-norm layer hands its parts for the residual
+    normed_residual: tuple[float, float] | None = None  # (mixer's, MLP's alpha): the residual is the normed input
 
 
 @dataclass
@@ -93,6 +94,7 @@ def fuse_layer(layer: DecoderLayer) -> FusedLayer:
     if mlp is not None:
         f.post_norm, f.post_eps = layer.post_attention_layernorm.folded(), layer.post_attention_layernorm.eps
         f.mlp, f.run_mlp = mlp.fuse(), mlp.fused
+    f.normed_residual = layer.normed_residual
     if layer.norm_after:  # its parts' outputs are normed before the residual add, so they add none themselves
         weight = layer.post_attention_layernorm.weight if mixer is None else layer.input_layernorm.weight
         f.no_residual = weight.new_zeros(()).detach()
@@ -105,6 +107,8 @@ def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, rope: tuple[Ten
     added to the residual. `rope` is (cos, `rotary.rotary_signed` sin) at the tokens' positions."""
     if f.no_residual is not None:
         return _post_norm_layer(f, x, rope, access, index)
+    if f.normed_residual is not None:
+        return _normed_residual_layer(f, x, rope, access, index)
     if f.run_mixer is not None:
         x = f.run_mixer(f.mixer, F.rms_norm(x, x.shape[-1:], f.input_norm, f.input_eps), x, rope, access, index)
     if f.run_mlp is not None:
@@ -121,6 +125,19 @@ def _post_norm_layer(f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor], acce
     if f.run_mlp is not None:
         y = f.run_mlp(f.mlp, x, f.no_residual)
         x = x + F.rms_norm(y, y.shape[-1:], f.post_norm, f.post_eps)
+    return x
+
+
+def _normed_residual_layer(f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
+                           index: int) -> Tensor:
+    """A `normed_residual` layer (MiniMax's): each part on its normed input, added to that input times its alpha."""
+    alphas = f.normed_residual
+    if f.run_mixer is not None:
+        h = F.rms_norm(x, x.shape[-1:], f.input_norm, f.input_eps)
+        x = f.run_mixer(f.mixer, h, h if alphas[0] == 1.0 else h * alphas[0], rope, access, index)
+    if f.run_mlp is not None:
+        h = F.rms_norm(x, x.shape[-1:], f.post_norm, f.post_eps)
+        x = f.run_mlp(f.mlp, h, h if alphas[1] == 1.0 else h * alphas[1])
     return x
 
 

@@ -1,6 +1,7 @@
 """The layers of a hybrid stack, with HF's parameter names: a decoder layer is a token mixer (the family's, by layer
 kind: `deltaspec.shared.model.mixers`) and an MLP (`deltaspec.shared.model.mlp`), each behind its pre-norm, or, in
-the layer kinds a family names `post_norm_kinds` (OLMo's attention layers), each followed by its norm.
+the layer kinds a family names `post_norm_kinds` (OLMo's attention layers), each followed by its norm; in those it
+names in `normed_residual` (MiniMax's), each part adds to its normed input times an alpha rather than to its input.
 
 Every layer works on one sequence `(T, hidden)` and stages its tokens into its slice of a `ModelState` (see
 `deltaspec.shared.state.rollback`); none of them changes the committed head. This is the reference path; the fused
@@ -30,6 +31,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.kind = kind
         self.norm_after = kind in cfg.post_norm_kinds
+        # (mixer's alpha, MLP's alpha) where the residual is the normed input (MiniMax's), else None
+        self.normed_residual = next(((m[0], p[0]) for k, m, p in cfg.normed_residual if k == kind), None)
         self.mixer_name, mixer, mlp = cfg.layer_parts(kind, sparse)
         if mixer is not None:
             self.add_module(self.mixer_name, mixer)
@@ -52,14 +55,18 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, st: RecurrentSlot | AttnLayerState | None, start: int,
                 rope: tuple[Tensor, Tensor]) -> Tensor:
         if self.mixer is not None:
-            x = x + self._normed(self.input_layernorm, lambda h: self.mixer(h, st, start, rope), x)
+            x = self._added(0, self.input_layernorm, lambda h: self.mixer(h, st, start, rope), x)
         if self.mlp is not None:
-            x = x + self._normed(self.post_attention_layernorm, self.mlp, x)
+            x = self._added(1, self.post_attention_layernorm, self.mlp, x)
         return x
 
-    def _normed(self, norm: nn.Module, part: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-        """`part` on the normed x, or the normed `part` of x (`norm_after`)."""
-        return norm(part(x)) if self.norm_after else part(norm(x))
+    def _added(self, which: int, norm: nn.Module, part: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        """x plus `part` on the normed x, or plus the normed `part` of x (`norm_after`); with `normed_residual`,
+        the normed x times its alpha (of the mixer, `which` 0, or the MLP, 1) plus `part` on it."""
+        if self.normed_residual is not None:
+            h = norm(x)
+            return self.normed_residual[which] * h + part(h)
+        return x + (norm(part(x)) if self.norm_after else part(norm(x)))
 
 
 class HybridStack(nn.Module):

@@ -123,7 +123,7 @@ class StaticAccess:
         full = torch.cat([buf["conv_in"], x], dim=0)
         step = core(full, inputs, Start(buf["state_in"], static=True))
         buf["spare"].copy_(step.final)
-        buf["window"].copy_(full[-buf["window"].shape[0]:])
+        buf["window"].copy_(full[full.shape[0] - buf["window"].shape[0]:])  # none for K = 1
         buf["x"].index_copy_(0, self.slots, x)
         buf["k"].index_copy_(2, self.slots, step.k.permute(1, 2, 0))
         buf["delta"].index_copy_(1, self.slots, step.d.transpose(0, 1))

@@ -390,7 +390,7 @@ class RecurrentSlot:
             window_and_x = torch.cat([self.conv_window(), x.to(s.window.dtype)], dim=0)
         if s.block_heads is not None:  # before the state after this pass overwrites the one before it
             s.block_heads.take(self.i, self.offset, window_and_x, k, delta, g, self.initial_state(), final_state)
-        s.layers["window"][self.i].copy_(window_and_x[-s.conv.shape[1]:])
+        s.layers["window"][self.i].copy_(window_and_x[window_and_x.shape[0] - s.conv.shape[1]:])  # none for K = 1
         if final_state is not self.state_out():
             self.state_out().copy_(final_state)
 

@@ -20,7 +20,7 @@ RECURRENT, ATTENTION, STATELESS = "recurrent", "attention", "none"  # the layer 
 # recurrent state kind -> how its log decay is laid out: per head, per head and key channel, or no state ("none");
 # "snapshot": a kind whose state is no larger than what one token would log (Mamba1: Dv = 1, a decay per channel and
 # state entry) logs the state after each staged token instead (in `k`), and a commit copies the one it keeps
-DECAYS = {"gdn": "head", "ssd": "head", "kda": "key", "mamba": "snapshot", "conv": "none"}
+DECAYS = {"gdn": "head", "ssd": "head", "kda": "key", "mamba": "snapshot", "conv": "none", "lightning": "head"}
 RECURRENT_KINDS = tuple(DECAYS)
 
 LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one on top) of k <= 16 drafts plus inputs

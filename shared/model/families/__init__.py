@@ -19,8 +19,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from deltaspec.shared.model.families import (bailing_hybrid, bamba, falcon_mamba, granitemoehybrid, jamba,
-                                             kimi_linear, lfm2, lfm2_moe, mamba, mamba2, nemotron_h, olmo_hybrid,
-                                             qwen3_5, qwen3_next)
+                                             kimi_linear, lfm2, lfm2_moe, mamba, mamba2, minimax, nemotron_h,
+                                             olmo_hybrid, qwen3_5, qwen3_next)
 from deltaspec.shared.model.families.qwen3_5 import ConfigFields
 from deltaspec.shared.state.spec import StateSpec
 
@@ -47,7 +47,7 @@ class Family:
 
 FAMILIES = tuple(Family.of(module) for module in (
     qwen3_5, qwen3_next, nemotron_h, bamba, granitemoehybrid, mamba2, lfm2, lfm2_moe, mamba, falcon_mamba, olmo_hybrid,
-    jamba, kimi_linear, bailing_hybrid))
+    jamba, kimi_linear, bailing_hybrid, minimax))
 
 
 def family_of(model_type: object) -> Family | None:
