@@ -159,9 +159,17 @@ def test_pass_costs_measured_for_every_length():
 
 
 def test_a_round_reads_the_costs_of_the_batch_it_joins():
+    """A round's k drafts add k tokens to the pass its batch shares: costed from the measured batch (the smallest at
+    least as large) at 1 + k / batch tokens a sequence, the others' tokens counted in what the pass yields."""
     costs = PassCosts(CHEAP.target_s, 0.01, batched=((1, CHEAP.target_s), (4, DEAR.target_s)))
-    assert costs.at(1).target_s == CHEAP.target_s
-    assert costs.at(2).target_s == costs.at(4).target_s == costs.at(9).target_s == DEAR.target_s
+    assert costs.at(1).target_s == CHEAP.target_s and costs.at(1).others == 0
+    shared = costs.at(2)
+    assert shared == costs.at(4) == costs.at(9) and shared.others == 3
+    assert shared.target_s == pytest.approx((1.0, 1.25, 1.5, 1.75, 2.0))  # DEAR's row at T = 1 + k/4
+    # every sequence drafting the same k in a pass whose time is a line in its tokens: the shared rule is the row's
+    line = PassCosts((1.0, 1.5, 2.0, 2.5, 3.0), 0.0, batched=((4, (4.0, 6.0, 8.0, 10.0, 12.0)),))
+    for a in (0.3, 0.5, 0.8):
+        assert best_k(line.at(4), a) == best_k(PassCosts(line.batched[0][1], 0.0), a)
     batch = [1]
     length = CostModelLength(costs, prior=0.9, batch_size=lambda: batch[0])
     assert length.choose() == 4

@@ -23,7 +23,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,7 +34,7 @@ PROBE_EVERY = 4  # rounds at k = 0 before a one-draft probe of the acceptance (a
 MAX_PROBE_EVERY = 256  # the longest wait, after rejected or dear probes
 PROBE_SHARE = 0.01  # at most this share of the rounds' time goes to probes' extra cost
 COST_MODEL_K_MAX = 8  # the most drafts a server's cost model measures (and so picks) a round
-NEAR_BEST = 0.99  # a k whose expected rate is within 1 % of the best one's counts as good as it
+NEAR_BEST = 0.97  # a k whose expected gain over decoding is within 3 % of the best one's counts as good as it
 PRIOR, PRIOR_ROUNDS = 0.9, 2.0  # a fresh session's acceptance, worth two rounds: a draft someone chose is likely
 # good, and starting low costs a good draft several short rounds while starting high costs a bad one one long round
 KEEP = 0.8  # weight of a session's past at each drafted round: its acceptance follows the last five rounds or so
@@ -49,17 +49,29 @@ class PassCosts:
     draft_s: float
     batched: tuple[tuple[int, tuple[float, ...]], ...] = ()
     draft_fixed_s: float = 0.0  # what a round that drafts costs besides its steps (a remote draft's round trip)
+    others: int = 0  # sequences sharing the pass, one token each: `target_s[k]` is then the pass with k more
 
     @property
     def k_max(self) -> int:
         return len(self.target_s) - 1
 
     def at(self, batch: int) -> PassCosts:
-        """The costs one sequence sees in a pass of `batch` sequences: the smallest measured batch at least that
-        large (a pass never costs less with more sequences), else the largest measured."""
-        target_s = next((row for size, row in self.batched if size >= batch),
-                        self.batched[-1][1] if self.batched else self.target_s)
-        return PassCosts(target_s, self.draft_s, draft_fixed_s=self.draft_fixed_s)
+        """What one sequence's drafts cost in a pass it shares with others (`batch` in all: the smallest measured
+        batch at least that large, else the largest): its k drafts add k tokens to a pass whose others decode one
+        token each, costed as the measured pass of 1 + k/batch tokens a sequence (interpolated). The shared pass
+        decides: drafts pay where their tokens are worth the time they add to everyone's pass. Where a pass's time
+        grows with its tokens in a line, this is exactly the rule for every sequence drafting k (the measured row);
+        where the first extra token costs most (a decode pass is cheaper than any verify), the first session to
+        draft is not charged the whole batch's step up."""
+        if not self.batched:
+            return self
+        size, row = next(((size, row) for size, row in self.batched if size >= batch), self.batched[-1])
+
+        def shared(k: int) -> float:
+            whole, part = divmod(k, size)
+            return row[whole] + part / size * (row[min(whole + 1, len(row) - 1)] - row[whole])
+        return PassCosts(tuple(shared(k) for k in range(len(row))), self.draft_s, draft_fixed_s=self.draft_fixed_s,
+                         others=size - 1)
 
     @classmethod
     def measure(cls, target, draft, k_max: int, repeats: int = 5, batches: tuple[int, ...] = ()) -> PassCosts:
@@ -123,15 +135,15 @@ def round_s(costs: PassCosts, acceptance: float, k: int, overlapped: bool = Fals
 
 
 def rates(costs: PassCosts, acceptance: float, overlapped: bool = False, continuation: float = 1.0) -> list[float]:
-    """Expected tokens per second at each k in 0..k_max. A drafter that may end a round early (a draft model's
+    """Expected tokens per second at each k in 0..k_max (of the whole pass where `costs.others` share it). A drafter that may end a round early (a draft model's
     dynamic length, n-gram lookup whose match runs out) proposes each next draft with probability `continuation`,
     so a round asked for k drafts has i < k of them with probability c^i (1 - c), and k with c^k: its worth is the
     expectation over those lengths of what a round of that length yields and costs (taking k drafts every round
     would charge a self-limiting drafter for drafts it never makes, and leave it under-used)."""
     def rate(k: int) -> float:
         lengths = [(continuation**i * (1 - continuation), i) for i in range(k)] + [(continuation**k, k)]
-        return (sum(p * expected_tokens(acceptance, i) for p, i in lengths)
-                / sum(p * round_s(costs, acceptance, i, overlapped) for p, i in lengths))
+        return (costs.others + sum(p * expected_tokens(acceptance, i) for p, i in lengths)) \
+            / sum(p * round_s(costs, acceptance, i, overlapped) for p, i in lengths)
     return [rate(k) for k in range(costs.k_max + 1)]
 
 
@@ -264,15 +276,16 @@ class CostModelLength:
         per_k = self.rates()
         best = max(range(len(per_k)), key=per_k.__getitem__)
         # acceptance comes in runs, which the geometric model, one a for every token, underrates in long rounds:
-        # where longer rounds promise about as much, the longest
-        return max(k for k in range(best, len(per_k)) if per_k[k] >= NEAR_BEST * per_k[best]) if best else 0
+        # where a longer round promises about the best gain over decoding, the longest
+        gain = per_k[best] - per_k[0]
+        return max(k for k in range(best, len(per_k)) if per_k[k] - per_k[0] >= NEAR_BEST * gain) if best else 0
 
     def rates(self) -> list[float]:
         """Expected tokens per second at each k up to `k_max`, at this session's acceptance and the next batch's
         pass costs."""
         costs = self.costs.at(self.batch_size())
-        return rates(PassCosts(costs.target_s[:self.k_max + 1], costs.draft_s, draft_fixed_s=costs.draft_fixed_s),
-                     self.acceptance, self.overlapped, self.continuation)
+        return rates(replace(costs, target_s=costs.target_s[:self.k_max + 1], batched=()), self.acceptance,
+                     self.overlapped, self.continuation)
 
     def expects_drafts(self) -> bool:
         """Whether a round would draft now, probes aside (a remote draft's session is then worth opening early)."""

@@ -162,12 +162,13 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
 
 
 def note_draft_length(length: CostModelLength, drafts: int, span: Span, metrics=None) -> None:
-    """A round's k from the cost model and why (it paid, nothing paid, a probe, or the generation's end left no
-    room), on the round's span with the rates it expected at each k, and in the metrics."""
+    """A round's k from the cost model and why (it paid, nothing paid, a probe, or none made: the drafter had none,
+    or the generation's end left no room), on the round's span with the rates it expected at each k, and in the
+    metrics."""
     if drafts:
         reason = "probe" if length.probing else "pays"
     else:
-        reason = "room" if length.reason in ("pays", "probe") else length.reason
+        reason = "none made" if length.reason in ("pays", "probe") else length.reason
     if span.is_recording():
         span.set_attributes({attr.DRAFT_LENGTH_K: drafts, attr.DRAFT_LENGTH_REASON: reason,
                              attr.DRAFT_LENGTH_ACCEPTANCE: length.acceptance,

@@ -75,7 +75,7 @@ class Metrics:
             "speculated, by whether it was kept or made afresh (the client loop reports its own in its stats)",
             ["outcome"], registry=r)
         self.draft_length = Counter("deltaspec_draft_length_rounds", "Rounds of the cost model's draft length "
-                                    "(--draft-length cost), by the k it chose and why: pays, none pays (k = 0), probe "
+                                    "(--draft-length cost), by the drafts it made and why: pays, none pays (k = 0), probe "
                                     "(one draft to see whether the acceptance came back) or capped (by the request)",
                                     ["k", "reason"], registry=r)
         self.ttft = Histogram("deltaspec_time_to_first_token_seconds", "Request to first generated token",
