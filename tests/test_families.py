@@ -402,6 +402,22 @@ def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoi
         _minimax_names_and_defaults(directory, hf, config, tmp_path)
 
 
+def _loads_as_published(directory: Path, tensors: dict, config: dict, tmp_path: Path, bound: float = 0.0) -> None:
+    """`tensors` (a family's other names: HF's in memory, a legacy layout) with `config` load the model that the
+    published layout in `directory` does (equal logits; within `bound` relative where fused tensors read in place
+    from the file rather than stacked afresh round differently in this CPU's matmuls), and `publish` writes back
+    what `save_pretrained` wrote."""
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = torch.arange(12) % config["vocab_size"]
+    want, ours = load_model(directory), load_model(tmp_path)
+    got, expected = ours(ids, ours.new_state())[0], want(ids, want.new_state())[0]
+    assert rel(got, expected) < bound if bound else torch.equal(got, expected)
+    written = load_file(save_checkpoint(ours, tmp_path / "saved") / "model.safetensors")
+    original = load_file(directory / "model.safetensors")
+    assert sorted(written) == sorted(original) and all(torch.equal(written[k], original[k]) for k in original)
+
+
 def _granite_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> None:
     """HF's in-memory expert names and the published configs' layer kinds load the same model; `publish` writes the
     layout `save_pretrained` wrote; a bare config reads as HF's (8 experts, no rotary, multipliers 1)."""
@@ -471,16 +487,7 @@ def _lfm2_moe_names_and_defaults(directory: Path, config: dict, tmp_path: Path) 
     tensors = load_file(directory / "model.safetensors")
     for i in range(config["num_dense_layers"], config["num_hidden_layers"]):
         fuse_experts(tensors, f"model.layers.{i}.feed_forward.experts", ("w1", "w3", "w2"), config["num_experts"])
-    save_file(tensors, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    ids = torch.arange(12) % config["vocab_size"]
-    want = load_model(directory)
-    ours = load_model(tmp_path)  # equal tensors, but the fused ones read in place from the file rather than stacked
-    # afresh: this CPU's matmuls round them differently at times, hence a bound rather than equality
-    assert rel(ours(ids, ours.new_state())[0], want(ids, want.new_state())[0]) < 1e-6
-    written = load_file(save_checkpoint(ours, tmp_path / "saved") / "model.safetensors")
-    original = load_file(directory / "model.safetensors")
-    assert sorted(written) == sorted(original) and all(torch.equal(written[k], original[k]) for k in original)
+    _loads_as_published(directory, tensors, config, tmp_path, bound=1e-6)
     sparse = load_model(directory, torch.bfloat16).model.layers[-1].mlp
     assert sparse.gate.weight.dtype == torch.bfloat16
     assert sparse.expert_bias is None if not config["use_expert_bias"] else sparse.expert_bias.dtype == torch.float32
@@ -502,14 +509,7 @@ def _jamba_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> 
     for name in [n for n in tensors if n.endswith(".experts.0.gate_proj.weight")]:
         fuse_experts(tensors, name[: -len(".0.gate_proj.weight")], ("gate_proj", "up_proj", "down_proj"),
                      config["num_experts"])
-    save_file(tensors, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    ids = torch.arange(12) % config["vocab_size"]
-    want, ours = load_model(directory), load_model(tmp_path)
-    assert rel(ours(ids, ours.new_state())[0], want(ids, want.new_state())[0]) < 1e-6  # as LFM2-MoE's, a bound
-    written = load_file(save_checkpoint(ours, tmp_path / "saved") / "model.safetensors")
-    original = load_file(directory / "model.safetensors")
-    assert sorted(written) == sorted(original) and all(torch.equal(written[k], original[k]) for k in original)
+    _loads_as_published(directory, tensors, config, tmp_path, bound=1e-6)
     bare = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size")} | {"num_attention_heads": 16}
     for n_layers in (3, 17):
         hf = transformers.JambaConfig(**bare, num_hidden_layers=n_layers)
@@ -529,14 +529,7 @@ def _minimax_names_and_defaults(directory: Path, hf: torch.nn.Module, config: di
     tied = hf.config.tie_word_embeddings
     tensors = {k: v for k, v in hf.state_dict().items()
                if not (tied and k == "lm_head.weight") and not k.endswith(("_decay", "slope_rate"))}
-    save_file(tensors, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    ids = torch.arange(12) % config["vocab_size"]
-    want, ours = load_model(directory), load_model(tmp_path)
-    assert rel(ours(ids, ours.new_state())[0], want(ids, want.new_state())[0]) < 1e-6  # as LFM2-MoE's, a bound
-    written = load_file(save_checkpoint(ours, tmp_path / "saved") / "model.safetensors")
-    original = load_file(directory / "model.safetensors")
-    assert sorted(written) == sorted(original) and all(torch.equal(written[k], original[k]) for k in original)
+    _loads_as_published(directory, tensors, config, tmp_path, bound=1e-6)
     bare = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size")} | {"num_attention_heads": 16}
     for n_layers in (3, 6):
         hf_cfg = transformers.MiniMaxConfig(**bare, num_hidden_layers=n_layers)
@@ -621,14 +614,7 @@ def _kimi_names_and_defaults(directory: Path, hf: torch.nn.Module, config: dict,
     """HF's in-memory names (the forget gate's module, one conv, fused experts, `mlp.`) load the model the published
     names do; `publish` writes what `save_pretrained` wrote; a bare config reads as HF's (layer kinds, dense layers,
     the KDA sizes, the expert fields under HF's names)."""
-    save_file(dict(hf.state_dict()), tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    ids = torch.arange(12) % config["vocab_size"]
-    want, ours = load_model(directory), load_model(tmp_path)
-    assert rel(ours(ids, ours.new_state())[0], want(ids, want.new_state())[0]) < 1e-6  # as LFM2-MoE's, a bound
-    written = load_file(save_checkpoint(want, tmp_path / "saved") / "model.safetensors")
-    original = load_file(directory / "model.safetensors")
-    assert sorted(written) == sorted(original) and all(torch.equal(written[k], original[k]) for k in original)
+    _loads_as_published(directory, dict(hf.state_dict()), config, tmp_path, bound=1e-6)
     bare = {k: config[k] for k in ("vocab_size", "hidden_size", "num_attention_heads")} | {"num_hidden_layers": 6}
     hf_cfg = transformers.KimiLinearConfig(**bare)
     ours = ModelConfig.from_dict({**bare, "model_type": "kimi_linear"})
@@ -651,14 +637,7 @@ def _bailing_names_and_defaults(directory: Path, hf: torch.nn.Module, config: di
     on `qk_rope_head_dim`)."""
     n = config["num_hidden_layers"]
     mtp = {f"model.layers.{n}.input_layernorm.weight": torch.ones(config["hidden_size"])}
-    save_file(dict(hf.state_dict()) | mtp, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    ids = torch.arange(12) % config["vocab_size"]
-    want, ours = load_model(directory), load_model(tmp_path)
-    assert rel(ours(ids, ours.new_state())[0], want(ids, want.new_state())[0]) < 1e-6  # as LFM2-MoE's, a bound
-    written = load_file(save_checkpoint(want, tmp_path / "saved") / "model.safetensors")
-    original = load_file(directory / "model.safetensors")
-    assert sorted(written) == sorted(original) and all(torch.equal(written[k], original[k]) for k in original)
+    _loads_as_published(directory, dict(hf.state_dict()) | mtp, config, tmp_path, bound=1e-6)
     with pytest.raises(ConfigError, match="expert_swiglu_limit_list"):
         ModelConfig.from_dict({**config, "expert_swiglu_limit_list": [0] * (n - 2) + [0.5, 1.0]})
     bare = {k: config[k] for k in ("vocab_size", "hidden_size", "num_attention_heads")} | {
