@@ -121,7 +121,7 @@ def _timed(model, states: list, T: int) -> float:
 
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens a round of k drafts yields at per-token acceptance a: 1 + a + ... + a^k."""
-    return sum(acceptance**i for i in range(k + 1))
+    return k + 1.0 if acceptance == 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
 def round_s(costs: PassCosts, acceptance: float, k: int, overlapped: bool = False) -> float:
@@ -135,16 +135,21 @@ def round_s(costs: PassCosts, acceptance: float, k: int, overlapped: bool = Fals
 
 
 def rates(costs: PassCosts, acceptance: float, overlapped: bool = False, continuation: float = 1.0) -> list[float]:
-    """Expected tokens per second at each k in 0..k_max (of the whole pass where `costs.others` share it). A drafter that may end a round early (a draft model's
-    dynamic length, n-gram lookup whose match runs out) proposes each next draft with probability `continuation`,
-    so a round asked for k drafts has i < k of them with probability c^i (1 - c), and k with c^k: its worth is the
-    expectation over those lengths of what a round of that length yields and costs (taking k drafts every round
-    would charge a self-limiting drafter for drafts it never makes, and leave it under-used)."""
-    def rate(k: int) -> float:
-        lengths = [(continuation**i * (1 - continuation), i) for i in range(k)] + [(continuation**k, k)]
-        return (costs.others + sum(p * expected_tokens(acceptance, i) for p, i in lengths)) \
-            / sum(p * round_s(costs, acceptance, i, overlapped) for p, i in lengths)
-    return [rate(k) for k in range(costs.k_max + 1)]
+    """Expected tokens per second at each k in 0..k_max (of the whole pass where `costs.others` share it). A drafter
+    that may end a round early (a draft model's dynamic length, n-gram lookup whose match runs out) proposes each
+    next draft with probability `continuation`, so a round asked for k drafts has i < k of them with probability
+    c^i (1 - c), and k with c^k: its worth is the expectation over those lengths of what a round of that length
+    yields and costs (taking k drafts every round would charge a self-limiting drafter for drafts it never makes,
+    and leave it under-used). One pass over k (it runs every round): the sums over i < k carried forward."""
+    c = continuation
+    out, tokens_below, seconds_below = [], 0.0, 0.0  # sum over i < k of c^i (1 - c) x (tokens, seconds) of i drafts
+    for k in range(costs.k_max + 1):
+        reach = c**k  # a round asked for k drafts makes all k
+        tokens, seconds = expected_tokens(acceptance, k), round_s(costs, acceptance, k, overlapped)
+        out.append((costs.others + tokens_below + reach * tokens) / (seconds_below + reach * seconds))
+        tokens_below += reach * (1 - c) * tokens
+        seconds_below += reach * (1 - c) * seconds
+    return out
 
 
 def best_k(costs: PassCosts, acceptance: float, overlapped: bool = False, continuation: float = 1.0) -> int:
