@@ -11,20 +11,22 @@ from deltaspec.shared.model.checkpoint import hf_config, random_model
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def logs(S: int, L: int, H: int, Dk: int, Dv: int, C: int, seed: int) -> tuple[torch.Tensor, ...]:
+def logs(S: int, L: int, H: int, Dk: int, Dv: int, C: int, seed: int, per_key: bool = False) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     recurrent = torch.randn(S, L, H, Dk, Dv, generator=gen)
     k = torch.nn.functional.normalize(torch.randn(S, L, H, Dk, C, generator=gen), dim=3)
     delta = torch.randn(S, L, H, C, Dv, generator=gen)
-    g = -torch.rand(S, L, H, C, generator=gen) * 3
+    g = -torch.rand(S, L, H, *((Dk,) if per_key else ()), C, generator=gen) * 3
     return tuple(x.to(DEVICE) for x in (recurrent, k, delta, g))
 
 
 def sequential(s0: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
-    """S_t = exp(g_t) S_{t-1} + k_t delta_t^T, token by token: the definition the closed form sums up."""
+    """S_t = D(g_t) S_{t-1} + k_t delta_t^T, token by token: the definition the closed form sums up (D a number per
+    head, or a row scale per key channel where g has one more axis than k's heads)."""
     state = s0.clone()
     for t in range(n):
-        state = state * g[..., t, None, None].exp() + k[..., :, t, None] * delta[..., t, None, :]
+        decay = g[..., t, None].exp() if g.dim() == k.dim() else g[..., t, None, None].exp()
+        state = state * decay + k[..., :, t, None] * delta[..., t, None, :]
     return state
 
 
@@ -42,6 +44,22 @@ def test_many_slots_each_with_its_count(shape):
         torch.testing.assert_close(out[slot], want, atol=1e-5, rtol=1e-5)
     untouched = [s for s in range(S) if s not in slots]
     assert (out[untouched] == 7.0).all() and torch.equal(recurrent, before)
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 3, 12, 20, 9), (2, 1, 2, 16, 8, 5)],
+                         ids=lambda s: "S{}-L{}-H{}-Dk{}-Dv{}-C{}".format(*s))
+def test_a_decay_per_key_channel(shape):
+    """KDA's logs: g `(.., Dk, C)`, each key channel's row of the state decayed by its own sum, strong decays that
+    would overflow exp(-G) included."""
+    S, L, H, Dk, Dv, C = shape
+    recurrent, k, delta, g = logs(*shape, seed=sum(shape), per_key=True)
+    g[..., 0, :] *= 20  # a channel that forgets almost at once
+    slots, counts = [0, S - 1], [C, 1]
+    out = torch.full_like(recurrent, 7.0)
+    commit_states(recurrent, k, delta, g, out, slots, counts)
+    for slot, n in zip(slots, counts):
+        torch.testing.assert_close(out[slot], sequential(recurrent[slot], k[slot], delta[slot], g[slot], n),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_zero_tokens_keeps_the_state_and_in_place_works():

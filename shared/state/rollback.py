@@ -92,7 +92,7 @@ def commit_plan(g: Tensor, k: Tensor, delta: Tensor, x_tail: Tensor | None = Non
 def closed_form(p: CommitPlan, state: Tensor, out: Tensor, out_flat: Tensor) -> None:
     """out <- exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t delta_t^T per (layer, head), S_0 = `state` `(L, H, Dk, Dv)`,
     `out_flat` its `(L H, Dk, Dv)` view: every recurrent kind's commit, written once (a decay per key channel scales
-    rows of S_0 and of each k_t; the per-head form's Triton twin: `kernels/triton_commit.py`).
+    rows of S_0 and of each k_t; its Triton twin on CUDA: `kernels/triton_commit.py`).
     Five calls whatever the depth, every operand a view of the plan; `out` may be `state` itself."""
     # [exp(G_n), exp(G_n - G_0), ..., exp(G_n - G_{n-1})] per (layer, head): each a sum of the g after t, no
     # G_n - G_t cancellation
@@ -223,8 +223,8 @@ class RecurrentStates:
             self._window_after(n, out_window, self._x_tail(n))
             out_state.copy_(self.k[..., n - 1:n])
             return out_window, out_state
-        if out_state.is_cuda and self.decay == "head":  # a decay per head: one Triton launch for every (layer, head)
-            # tile (`shared/kernels/triton_commit.py`):
+        if out_state.is_cuda and self.decay in ("head", "key"):  # one Triton launch for every (layer, head) tile
+            # (`shared/kernels/triton_commit.py`):
             # it reads the logs as they are, so no per-n plan and none of its buffers
             from deltaspec.shared.kernels.triton_commit import commit_states
 
