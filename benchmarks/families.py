@@ -66,6 +66,11 @@ CHECKPOINTS = {
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
         pad_token_id=None, eos_token_id=None,
         layer_types=["linear_attention", "linear_attention", "full_attention"] * 2)),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(  # every layer Mamba2 beside attention
+        **WIDE, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        mamba_d_ssm=512, mamba_n_heads=8, mamba_d_state=64, mamba_n_groups=2, mamba_d_conv=4, mamba_rms_norm=True,
+        embedding_multiplier=5.0, lm_head_multiplier=0.05, key_multiplier=0.4, mlp_multipliers=[0.8, 0.3],
+        ssm_multipliers=[0.3, 0.2, 0.5, 0.5, 0.6])),
 }
 
 

@@ -122,6 +122,19 @@ CONFIGS = {
         linear_value_head_dim=8, linear_conv_kernel_dim=3, linear_allow_neg_eigval=False, tie_word_embeddings=True,
         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5e4}, pad_token_id=None,
         eos_token_id=None, layer_types=["full_attention", "linear_attention", "full_attention"])),
+    "falcon_h1-a": ("FalconH1Config", "FalconH1ForCausalLM", dict(  # every multiplier, head_dim apart, gated norm
+        vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_d_ssm=48, mamba_n_heads=6, mamba_d_state=8, mamba_n_groups=2,
+        mamba_d_conv=4, mamba_rms_norm=True, mamba_norm_before_gate=True, projectors_bias=True,
+        embedding_multiplier=3.0, lm_head_multiplier=0.5, mlp_multipliers=[0.7, 1.3], key_multiplier=0.8,
+        attention_in_multiplier=1.2, attention_out_multiplier=0.9, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9],
+        ssm_in_multiplier=1.1, ssm_out_multiplier=0.6)),
+    "falcon_h1-b": ("FalconH1Config", "FalconH1ForCausalLM", dict(  # width from expand, no norm, biases, tied
+        vocab_size=89, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, mamba_d_ssm=None, mamba_expand=1, mamba_n_heads=4, mamba_d_state=16,
+        mamba_n_groups=1, mamba_d_conv=3, mamba_conv_bias=False, mamba_proj_bias=True, attention_bias=True,
+        mlp_bias=True, tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=500.0),
+        mamba_rms_norm=False, ssm_multipliers=[1.0, 0.5, 1.0, 2.0, 1.0])),
 }
 # per model_type: config changes a load refuses, and what its message names
 REFUSED = {
@@ -147,6 +160,9 @@ REFUSED = {
     "jamba": (({"hidden_act": "gelu"}, "hidden_act"), ({"attn_layer_offset": 4}, "attn_layer_offset"),
               ({"expert_layer_period": 0}, "expert_layer_period"), ({"mamba_dt_rank": 0}, "mamba_dt_rank"),
               ({"num_experts_per_tok": 7}, "num_experts_per_tok")),
+    "falcon_h1": (({"hidden_act": "gelu"}, "hidden_act"), ({"rope_parameters": {"rope_type": "llama3"}}, "rope_type"),
+                  ({"mamba_d_head": 5}, "mamba_d_head"), ({"ssm_multipliers": [1.0, 2.0]}, "ssm_multipliers"),
+                  ({"mlp_multipliers": [1.0]}, "mlp_multipliers")),
     "lfm2_moe": (({"layer_types": None}, "layer_types"), ({"num_dense_layers": -1}, "num_dense_layers"),
                  ({"num_experts_per_tok": 9}, "num_experts_per_tok")),
 }
@@ -341,6 +357,8 @@ def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoi
         _lfm2_moe_names_and_defaults(directory, config, tmp_path)
     if model_type == "jamba":
         _jamba_names_and_defaults(directory, config, tmp_path)
+    if model_type == "falcon_h1":
+        _falcon_h1_names_and_defaults(directory, hf, config, tmp_path)
 
 
 def _granite_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> None:
@@ -461,6 +479,26 @@ def _jamba_names_and_defaults(directory: Path, config: dict, tmp_path: Path) -> 
             hf.mamba_dt_rank, hf.num_key_value_heads, hf.mamba_d_state, hf.mamba_d_conv)
         assert ours.mamba_num_heads == hf.mamba_expand * hf.hidden_size and ours.num_experts == hf.num_experts
         assert ours.tie_word_embeddings == hf.tie_word_embeddings is False
+
+
+def _falcon_h1_names_and_defaults(directory: Path, hf: torch.nn.Module, config: dict, tmp_path: Path) -> None:
+    """What `publish` writes HF loads back to its own logits; a bare config reads as HF's (the Mamba2 width 1024
+    unless `mamba_d_ssm` is null, its head size from it, 8 K/V heads, the rope theta, multipliers 1)."""
+    ids = torch.arange(12)[None] % config["vocab_size"]
+    again = transformers.FalconH1ForCausalLM.from_pretrained(save_checkpoint(load_model(directory), tmp_path)).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, hf(ids).logits)
+    bare = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "mamba_d_state")} | {"mamba_n_heads": 8, "num_attention_heads": 16}
+    for width in ({}, {"mamba_d_ssm": None}):
+        hf_cfg = transformers.FalconH1Config(**bare, **width)
+        ours = ModelConfig.from_dict({**bare, **width, "model_type": "falcon_h1"})
+        assert ours.mamba_num_heads * ours.mamba_head_dim == hf_cfg.mamba_n_heads * hf_cfg.mamba_d_head
+        assert (ours.num_key_value_heads, ours.rope_theta) == (hf_cfg.num_key_value_heads,
+                                                               hf_cfg.rope_parameters["rope_theta"])
+        assert ours.head_dim == hf_cfg.hidden_size // hf_cfg.num_attention_heads
+        assert (ours.embedding_multiplier, ours.logits_multiplier) == (1.0, 1.0) and ours.layer_types == tuple(
+            hf_cfg.layers_block_type)
 
 
 def test_unsupported_parts_are_refused_at_load(checkpoint, tmp_path):

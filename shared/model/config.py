@@ -87,6 +87,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # scales each mixer's and MLP's output before its residual add (their `alpha`)
     attention_scale: float | None = None  # the attention's softmax scale; None: 1/sqrt(head_dim)
     logits_scaling: float = 1.0  # divides the logits (`HybridLM.logits`)
+    logits_multiplier: float = 1.0  # multiplies them (Falcon-H1's `lm_head_multiplier`)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

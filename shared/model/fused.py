@@ -24,10 +24,14 @@ from torch import Tensor, nn
 from deltaspec.shared.model.layers import DecoderLayer, HybridStack
 from deltaspec.shared.state.access import StateAccess
 from deltaspec.shared.state.rollback import ModelState
-from deltaspec.shared.state.spec import ATTENTION, RECURRENT
+from deltaspec.shared.state.spec import ATTENTION, HOLDS, RECURRENT, STATELESS
 
 if TYPE_CHECKING:
     from deltaspec.shared.model.config import ModelConfig
+
+Index = int | tuple[int, int]  # a mixer's index among the layers of its state kind; a HYBRID one's: (recurrent,
+# attention)
+
 
 class Model(Protocol):
     """What the passes (fused, compiled, captured) read of the model that runs them, `hybrid.HybridLM`: typed by
@@ -71,16 +75,19 @@ class FusedLayer:
 class FusedStack:
     layers: list[FusedLayer]
     final_norm: Tensor  # (hidden,) folded
-    order: list[tuple[DecoderLayer, FusedLayer, int]]  # each layer, its fused part, its index among its state kind
+    order: list[tuple[DecoderLayer, FusedLayer, Index]]  # each layer, its fused part, its index among its state kind
 
 
 def fuse_stack(stack: HybridStack) -> FusedStack:
     layers = [fuse_layer(layer) for layer in stack.layers]
-    counts = {RECURRENT: 0, ATTENTION: 0, None: 0}  # each mixer addresses the index-th state of its kind
+    counts = {RECURRENT: 0, ATTENTION: 0}  # each mixer addresses the index-th state of its kind
     order = []
     for layer, f in zip(stack.layers, layers):
-        order.append((layer, f, counts[layer.state]))
-        counts[layer.state] += 1
+        held = HOLDS[layer.state or STATELESS]  # a HYBRID layer's mixer addresses both: (recurrent, attention)
+        index = tuple(counts[kind] for kind in held)
+        order.append((layer, f, index[0] if len(index) == 1 else index or 0))
+        for kind in held:
+            counts[kind] += 1
     return FusedStack(layers, stack.norm.folded(), order)
 
 
@@ -100,7 +107,7 @@ def fuse_layer(layer: DecoderLayer) -> FusedLayer:
 
 
 def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
-                  index: int) -> Tensor:
+                  index: Index) -> Tensor:
     """`DecoderLayer.forward` in fewer ops: the mixer (the index-th of its kind) and the MLP, each on its pre-norm and
     added to the residual. `rope` is (cos, `rotary.rotary_signed` sin) at the tokens' positions."""
     if f.no_residual is not None:
@@ -113,7 +120,7 @@ def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, rope: tuple[Ten
 
 
 def _post_norm_layer(f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
-                     index: int) -> Tensor:
+                     index: Index) -> Tensor:
     """A `norm_after` layer: the mixer and the MLP on the residual stream itself, each output normed, then added."""
     if f.run_mixer is not None:
         y = f.run_mixer(f.mixer, x, f.no_residual, rope, access, index)
@@ -124,7 +131,7 @@ def _post_norm_layer(f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor], acce
     return x
 
 
-LayerFn = Callable[[DecoderLayer, FusedLayer, Tensor, tuple[Tensor, Tensor], StateAccess, int], Tensor]
+LayerFn = Callable[[DecoderLayer, FusedLayer, Tensor, tuple[Tensor, Tensor], StateAccess, Index], Tensor]
 
 
 def forward(model: Model, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,

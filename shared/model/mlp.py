@@ -26,17 +26,20 @@ class FusedMLP:
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate x) * up x) (Qwen, Llama, Bamba, Granite), with biases where the config asks for them,
-    times `out_multiplier`."""
+    times `out_multiplier`; Falcon-H1's `gate_multiplier` scales the gate's projection before its activation."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False, out_multiplier: float = 1.0) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, out_multiplier: float = 1.0,
+                 gate_multiplier: float = 1.0) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.out_multiplier = out_multiplier
+        self.out_multiplier, self.gate_multiplier = out_multiplier, gate_multiplier
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        out = self.down_proj(F.silu(gate if self.gate_multiplier == 1.0 else gate * self.gate_multiplier)
+                             * self.up_proj(x))
         return out if self.out_multiplier == 1.0 else out * self.out_multiplier
 
     def fuse(self) -> FusedMLP:
@@ -47,6 +50,8 @@ class MLP(nn.Module):
 
     def fused(self, f: FusedMLP, h: Tensor, residual: Tensor) -> Tensor:
         gate, up = F.linear(h, f.w_in, f.b_in).chunk(2, dim=-1)
+        if self.gate_multiplier != 1.0:
+            gate = gate * self.gate_multiplier
         out = torch.addmm(residual, F.silu(gate) * up, f.down_t, alpha=self.out_multiplier)
         return out if f.b_out is None else out + f.b_out
 

@@ -19,7 +19,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from deltaspec.shared.model.families import (bamba, falcon_mamba, granitemoehybrid, jamba, lfm2, lfm2_moe, mamba,
-                                             mamba2, nemotron_h, olmo_hybrid, qwen3_5, qwen3_next)
+                                             mamba2, nemotron_h, olmo_hybrid, qwen3_5, qwen3_next, falcon_h1)
 from deltaspec.shared.model.families.qwen3_5 import ConfigFields
 from deltaspec.shared.state.spec import StateSpec
 
@@ -46,7 +46,7 @@ class Family:
 
 FAMILIES = tuple(Family.of(module) for module in (
     qwen3_5, qwen3_next, nemotron_h, bamba, granitemoehybrid, mamba2, lfm2, lfm2_moe, mamba, falcon_mamba, olmo_hybrid,
-    jamba))
+    jamba, falcon_h1))
 
 
 def family_of(model_type: object) -> Family | None:

@@ -62,13 +62,17 @@ class Attention(nn.Module):
     state = ATTENTION
     compiles = True  # its fast path traces into a graph whose token count is symbolic
 
-    def __init__(self, cfg: AttentionFields) -> None:
+    def __init__(self, cfg: AttentionFields, in_multiplier: float = 1.0, key_multiplier: float = 1.0,
+                 out_multiplier: float | None = None) -> None:
+        """Falcon-H1's multipliers: `in_multiplier` scales the input before the projections, `key_multiplier` the
+        keys as projected, `out_multiplier` the output (default: the config's `residual_multiplier`)."""
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.gated, self.rotary = cfg.attention_output_gate, cfg.rotary_dim > 0
         # q times this, attended at 1/sqrt(D), is attended at `attention_scale`
         self.q_scale = 1.0 if cfg.attention_scale is None else cfg.attention_scale * math.sqrt(self.head_dim)
-        self.out_multiplier = cfg.residual_multiplier
+        self.in_multiplier, self.key_multiplier = in_multiplier, key_multiplier
+        self.out_multiplier = cfg.residual_multiplier if out_multiplier is None else out_multiplier
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, (1 + self.gated) * self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
@@ -85,9 +89,13 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, st: AttnLayerState, start: int, rope: tuple[Tensor, Tensor]) -> Tensor:
         """The reference: one sequence's T tokens `(T, hidden)` at positions start.., `rope` their (cos, sin)."""
         T = x.shape[0]
+        if self.in_multiplier != 1.0:
+            x = x * self.in_multiplier
         q = self.q_proj(x).view(T, self.n_heads, (1 + self.gated) * self.head_dim)
         q, gate = q.chunk(2, dim=-1) if self.gated else (q, None)
         k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         if self.q_norm is not None:
             q, k = self._normed(self.q_norm, q), self._normed(self.k_norm, k)
         if self.rotary:
@@ -117,9 +125,13 @@ class Attention(nn.Module):
         """Attention layer j (among the attention layers) on the normed input h, added to the residual; `rope` is
         (cos, `rotary_signed` sin) at the tokens' positions."""
         T, H, Hkv, D = h.shape[0], self.n_heads, self.n_kv, self.head_dim
+        if self.in_multiplier != 1.0:
+            h = h * self.in_multiplier
         q_gate, k, v = F.linear(h, f.w_qkv, f.b_qkv).split(f.splits, dim=-1)
         q_gate = q_gate.view(T, H, (1 + self.gated) * D)
         q, k = q_gate[..., :D], k.view(T, Hkv, D)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         if f.q_norm is not None:
             q = self._normed(lambda x: F.rms_norm(x, f.q_norm.shape, f.q_norm, self.q_norm.eps), q)
             k = self._normed(lambda x: F.rms_norm(x, f.k_norm.shape, f.k_norm, self.k_norm.eps), k)
