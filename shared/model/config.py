@@ -117,6 +117,12 @@ class ModelConfig:
         """A layer of kind `kind` as the family builds it: (its mixer's module name, the mixer, the MLP)."""
         return family_named(self.family).layer(self, kind, sparse)
 
+    def share_parts(self, layers: nn.ModuleList) -> None:
+        """Hand the built layers the parts they share, where the family has any (Zamba2's transformer blocks)."""
+        share = family_named(self.family).share
+        if share is not None:
+            share(self, layers)
+
     @functools.cached_property
     def state_spec(self) -> StateSpec:
         """The state a model of this config holds, as its family declares it."""

@@ -95,7 +95,8 @@ def fuse_layer(layer: DecoderLayer) -> FusedLayer:
     mixer, mlp = layer.mixer, layer.mlp
     f = FusedLayer(input_norm=None, post_norm=None, mixer=None, mlp=None, run_mixer=None, run_mlp=None)
     if mixer is not None:
-        f.input_norm, f.input_eps = layer.input_layernorm.folded(), layer.input_layernorm.eps
+        if layer.prenorm:  # else the mixer norms its own input: it takes the residual stream as it is
+            f.input_norm, f.input_eps = layer.input_layernorm.folded(), layer.input_layernorm.eps
         f.mixer, f.run_mixer = mixer.fuse(), mixer.fused
     if mlp is not None:
         f.post_norm, f.post_eps = layer.post_attention_layernorm.folded(), layer.post_attention_layernorm.eps
@@ -113,7 +114,8 @@ def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, rope: tuple[Ten
     if f.no_residual is not None:
         return _post_norm_layer(f, x, rope, access, index)
     if f.run_mixer is not None:
-        x = f.run_mixer(f.mixer, F.rms_norm(x, x.shape[-1:], f.input_norm, f.input_eps), x, rope, access, index)
+        h = x if f.input_norm is None else F.rms_norm(x, x.shape[-1:], f.input_norm, f.input_eps)
+        x = f.run_mixer(f.mixer, h, x, rope, access, index)
     if f.run_mlp is not None:
         x = f.run_mlp(f.mlp, F.rms_norm(x, x.shape[-1:], f.post_norm, f.post_eps), x)
     return x
@@ -140,6 +142,7 @@ def forward(model: Model, x: Tensor, rope: tuple[Tensor, Tensor], access: StateA
     layer, or `decoder_layer`), then the head. Returns float32 logits `(N, vocab)` and the last layer's hidden states
     before the final norm. Where the state lives is the access's business alone."""
     run_layer = run_layer or decoder_layer
+    access.embeds = x  # what a mixer that reads the embeddings finds there (Zamba2's shared block)
     for layer, f, index in model.fused.order:
         x = run_layer(layer, f, x, rope, access, index)
     return head(model, x), x

@@ -146,8 +146,9 @@ class HybridLM(nn.Module):
         x = self.model.embed(ids.to(self.device))
         cos, sin, signed_sin = self.rope(start, start + T, x)
         if self.fused is None:  # the reference layers: the naive twin of the one pass
+            embeds = x
             for layer, st in zip(self.model.layers, state.layer_views()):
-                x = layer(x, st, start, (cos, sin))
+                x = layer(x, st, start, (cos, sin), embeds)
             logits = self.logits(self.model.norm(x))
         elif self.compiled is not None and self.compiled.fits(state, T):
             logits, x = self.compiled(self, x, state, (cos, signed_sin))

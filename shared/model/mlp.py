@@ -4,6 +4,7 @@ its input projections as one matmul and the residual add riding on `addmm`). `ou
 `residual_multiplier`) scales what a block adds to the residual: `addmm`'s and `add`'s alpha, no extra call."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,20 +27,23 @@ class FusedMLP:
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate x) * up x) (Qwen, Llama, Bamba, Granite), with biases where the config asks for them,
-    times `out_multiplier`; Falcon-H1's `gate_multiplier` scales the gate's projection before its activation."""
+    times `out_multiplier`; Falcon-H1's `gate_multiplier` scales the gate's projection before its activation;
+    Zamba2's `act` (GELU) replaces SiLU, and its adapters add a `delta` to [gate; up] as projected."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, out_multiplier: float = 1.0,
-                 gate_multiplier: float = 1.0) -> None:
+                 gate_multiplier: float = 1.0, act: Callable[[Tensor], Tensor] = F.silu) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.out_multiplier, self.gate_multiplier = out_multiplier, gate_multiplier
+        self.out_multiplier, self.gate_multiplier, self.act = out_multiplier, gate_multiplier, act
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate = self.gate_proj(x)
-        out = self.down_proj(F.silu(gate if self.gate_multiplier == 1.0 else gate * self.gate_multiplier)
-                             * self.up_proj(x))
+    def forward(self, x: Tensor, delta: Tensor | None = None) -> Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if delta is not None:
+            d_gate, d_up = delta.chunk(2, dim=-1)
+            gate, up = gate + d_gate, up + d_up
+        out = self.down_proj(self.act(gate if self.gate_multiplier == 1.0 else gate * self.gate_multiplier) * up)
         return out if self.out_multiplier == 1.0 else out * self.out_multiplier
 
     def fuse(self) -> FusedMLP:
@@ -48,11 +52,12 @@ class MLP(nn.Module):
         return FusedMLP(concat(self.gate_proj, self.up_proj), self.down_proj.weight.detach().t(), b_in,
                         self.down_proj.bias.detach() * self.out_multiplier if biased else None)
 
-    def fused(self, f: FusedMLP, h: Tensor, residual: Tensor) -> Tensor:
-        gate, up = F.linear(h, f.w_in, f.b_in).chunk(2, dim=-1)
+    def fused(self, f: FusedMLP, h: Tensor, residual: Tensor, delta: Tensor | None = None) -> Tensor:
+        gate_up = F.linear(h, f.w_in, f.b_in)
+        gate, up = (gate_up if delta is None else gate_up + delta).chunk(2, dim=-1)
         if self.gate_multiplier != 1.0:
             gate = gate * self.gate_multiplier
-        out = torch.addmm(residual, F.silu(gate) * up, f.down_t, alpha=self.out_multiplier)
+        out = torch.addmm(residual, self.act(gate) * up, f.down_t, alpha=self.out_multiplier)
         return out if f.b_out is None else out + f.b_out
 
 
