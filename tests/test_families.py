@@ -595,7 +595,9 @@ def test_services_serve_hf_tokens(name, tmp_path):
 
 
 
-@pytest.mark.parametrize("name", ["mamba2-b", "lfm2-b"])  # a Mamba2 state and a conv window alone
+# a Mamba2 state, a conv window alone, and layers holding both states: side by side (one graph), and with a shared
+# block reading the embeddings, per layer (5 layers) and as one graph (4)
+@pytest.mark.parametrize("name", ["mamba2-b", "lfm2-b", "falcon_h1-a", "zamba2-a", "zamba2-b"])
 def test_compiled_passes_equal_the_fused_path(name, tmp_path):
     """Decode and verify as compiled graphs (one token, then several: the token count symbolic), every commit."""
     saved(name, tmp_path)

@@ -53,13 +53,19 @@ logging.getLogger("torch._inductor.ir").addFilter(
 def _static_layer(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, cos: Tensor, signed_sin: Tensor,
                   positions: Tensor, slots: Tensor, *buffers: Tensor) -> Tensor:
     """One layer of a static pass on its own buffers: a recurrent layer's `RECURRENT_BUFFERS`, an attention layer's
-    K and V, or both in that order (a HYBRID layer). What a per-layer graph compiles (one copy per layer kind, so no
-    graph ever sees another kind)."""
+    K and V, or both in that order (a HYBRID layer), then the pass's embeddings where the mixer reads them. What a
+    per-layer graph compiles (one copy per layer kind, so no graph ever sees another kind)."""
     held = HOLDS[layer.state or STATELESS]
     n = len(RECURRENT_BUFFERS) if RECURRENT in held else 0
+    embeds = buffers[-1] if _reads_embeds(layer) else None
+    kv = buffers[n:n + 2]
     access = StaticAccess(positions, slots, {name: (t,) for name, t in zip(RECURRENT_BUFFERS, buffers[:n])},
-                          (buffers[n:],) if ATTENTION in held else ())  # type: ignore[arg-type]
+                          (kv,) if ATTENTION in held else (), embeds)  # type: ignore[arg-type]
     return fused.decoder_layer(layer, f, x, (cos, signed_sin), access, (0, 0) if len(held) == 2 else 0)
+
+
+def _reads_embeds(layer: DecoderLayer) -> bool:
+    return getattr(layer.mixer, "reads_embeds", False)
 
 
 def static_pass(model: fused.Model, x: Tensor, cos: Tensor, signed_sin: Tensor, positions: Tensor, slots: Tensor,
@@ -126,6 +132,10 @@ class CompiledPasses:
         held = dict(zip(HOLDS[layer.state or STATELESS], index if isinstance(index, tuple) else (index,)))
         buffers = ([access.buffers[name][held[RECURRENT]] for name in RECURRENT_BUFFERS] if RECURRENT in held else [])
         buffers += access.kv[held[ATTENTION]] if ATTENTION in held else ()
+        if _reads_embeds(layer):
+            buffers.append(access.embeds)
+            if x.shape[0] > 1:
+                torch._dynamo.mark_dynamic(access.embeds, 0, min=2, max=MAX_PASS_TOKENS)
         graph = self.layer_graphs.get(layer.kind)
         if graph is None:
             graph = self.layer_graphs[layer.kind] = _compile(_static_layer, self.options)

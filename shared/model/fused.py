@@ -29,8 +29,8 @@ from deltaspec.shared.state.spec import ATTENTION, HOLDS, RECURRENT, STATELESS
 if TYPE_CHECKING:
     from deltaspec.shared.model.config import ModelConfig
 
-Index = int | tuple[int, int]  # a mixer's index among the layers of its state kind; a HYBRID one's: (recurrent,
-# attention)
+# a mixer's index among the layers of its state kind; a HYBRID layer's mixer's: (recurrent, attention)
+Index = int | tuple[int, int]
 
 
 class Model(Protocol):

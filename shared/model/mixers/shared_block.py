@@ -128,7 +128,7 @@ class SharedBlockMixer(nn.Module):
     state = HYBRID
     prenorm = False
     reads_embeds = True
-    compiles = False  # a compiled per-layer graph would need the embeddings as an input: not built yet
+    compiles = True  # its fast path traces into a graph whose token count is symbolic
 
     def __init__(self, hidden: int, eps: float, mamba: Mamba2Mixer) -> None:
         super().__init__()
