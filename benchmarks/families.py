@@ -82,6 +82,15 @@ CHECKPOINTS = {
         **WIDE, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         num_local_experts=8, num_experts_per_tok=2,
         layer_types=["linear_attention", "linear_attention", "full_attention"] * 2)),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(  # every layer Mamba2 beside attention
+        **WIDE, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        mamba_d_ssm=512, mamba_n_heads=8, mamba_d_state=64, mamba_n_groups=2, mamba_d_conv=4, mamba_rms_norm=True,
+        embedding_multiplier=5.0, lm_head_multiplier=0.05, key_multiplier=0.4, mlp_multipliers=[0.8, 0.3],
+        ssm_multipliers=[0.3, 0.2, 0.5, 0.5, 0.6])),
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", dict(  # two shared blocks over three hybrid layers, adapters
+        **WIDE, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8, n_mamba_heads=8, mamba_d_state=64,
+        mamba_ngroups=2, mamba_d_conv=4, num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=16,
+        use_mem_rope=True, layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "mamba", "hybrid"])),
 }
 
 

@@ -162,6 +162,29 @@ CONFIGS = {
         vocab_size=89, hidden_size=32, intermediate_size=24, num_hidden_layers=4, num_attention_heads=2,
         num_key_value_heads=1, head_dim=24, num_local_experts=5, num_experts_per_tok=3, tie_word_embeddings=True,
         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5e4})),
+    "falcon_h1-a": ("FalconH1Config", "FalconH1ForCausalLM", dict(  # every multiplier, head_dim apart, gated norm
+        vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_d_ssm=48, mamba_n_heads=6, mamba_d_state=8, mamba_n_groups=2,
+        mamba_d_conv=4, mamba_rms_norm=True, mamba_norm_before_gate=True, projectors_bias=True,
+        embedding_multiplier=3.0, lm_head_multiplier=0.5, mlp_multipliers=[0.7, 1.3], key_multiplier=0.8,
+        attention_in_multiplier=1.2, attention_out_multiplier=0.9, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9],
+        ssm_in_multiplier=1.1, ssm_out_multiplier=0.6)),
+    "falcon_h1-b": ("FalconH1Config", "FalconH1ForCausalLM", dict(  # width from expand, no norm, biases, tied
+        vocab_size=89, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, mamba_d_ssm=None, mamba_expand=1, mamba_n_heads=4, mamba_d_state=16,
+        mamba_n_groups=1, mamba_d_conv=3, mamba_conv_bias=False, mamba_proj_bias=True, attention_bias=True,
+        mlp_bias=True, tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=500.0),
+        mamba_rms_norm=False, ssm_multipliers=[1.0, 0.5, 1.0, 2.0, 1.0])),
+    "zamba2-a": ("Zamba2Config", "Zamba2ForCausalLM", dict(  # two shared blocks over three hybrid layers, adapters
+        vocab_size=97, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, intermediate_size=48,
+        n_mamba_heads=4, mamba_d_state=8, mamba_ngroups=2, mamba_d_conv=4, num_mem_blocks=2,
+        use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True,
+        layers_block_type=["mamba", "hybrid", "hybrid", "mamba", "hybrid"])),
+    "zamba2-b": ("Zamba2Config", "Zamba2ForCausalLM", dict(  # one block, grouped K/V, no rotary, SiLU, biases
+        vocab_size=89, hidden_size=24, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=40, n_mamba_heads=6, mamba_d_state=16, mamba_ngroups=1, mamba_d_conv=3, mamba_expand=1,
+        add_bias_linear=True, hidden_act="silu", adapter_rank=3, tie_word_embeddings=False, time_step_min=0.01,
+        layers_block_type=["hybrid", "mamba", "mamba", "hybrid"])),
 }
 # per model_type: config changes a load refuses, and what its message names
 REFUSED = {
@@ -187,6 +210,13 @@ REFUSED = {
     "jamba": (({"hidden_act": "gelu"}, "hidden_act"), ({"attn_layer_offset": 4}, "attn_layer_offset"),
               ({"expert_layer_period": 0}, "expert_layer_period"), ({"mamba_dt_rank": 0}, "mamba_dt_rank"),
               ({"num_experts_per_tok": 7}, "num_experts_per_tok")),
+    "falcon_h1": (({"hidden_act": "gelu"}, "hidden_act"), ({"rope_parameters": {"rope_type": "llama3"}}, "rope_type"),
+                  ({"mamba_d_head": 5}, "mamba_d_head"), ({"ssm_multipliers": [1.0, 2.0]}, "ssm_multipliers"),
+                  ({"mlp_multipliers": [1.0]}, "mlp_multipliers")),
+    "zamba2": (({"hidden_act": "relu"}, "hidden_act"), ({"use_long_context": True}, "use_long_context"),
+               ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type"),
+               ({"use_shared_attention_adapter": True, "num_key_value_heads": 1}, "num_key_value_heads"),
+               ({"n_mamba_heads": 7}, "n_mamba_heads"), ({"layers_block_type": ["mamba"]}, "layers_block_type")),
     "lfm2_moe": (({"layer_types": None}, "layer_types"), ({"num_dense_layers": -1}, "num_dense_layers"),
                  ({"num_experts_per_tok": 9}, "num_experts_per_tok")),
     "kimi_linear": (({"hidden_act": "gelu"}, "hidden_act"), ({"num_key_value_heads": 1}, "num_key_value_heads"),
@@ -400,6 +430,10 @@ def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoi
         _bailing_names_and_defaults(directory, hf, config, tmp_path)
     if model_type == "minimax":
         _minimax_names_and_defaults(directory, hf, config, tmp_path)
+    if model_type == "falcon_h1":
+        _falcon_h1_names_and_defaults(directory, hf, config, tmp_path)
+    if model_type == "zamba2":
+        _zamba2_names_and_defaults(directory, hf, config, tmp_path)
 
 
 def _loads_as_published(directory: Path, tensors: dict, config: dict, tmp_path: Path, bound: float = 0.0) -> None:
@@ -543,6 +577,55 @@ def _minimax_names_and_defaults(directory: Path, hf: torch.nn.Module, config: di
         assert ours.tie_word_embeddings == hf_cfg.tie_word_embeddings is False
 
 
+def _falcon_h1_names_and_defaults(directory: Path, hf: torch.nn.Module, config: dict, tmp_path: Path) -> None:
+    """What `publish` writes HF loads back to its own logits; a bare config reads as HF's (the Mamba2 width 1024
+    unless `mamba_d_ssm` is null, its head size from it, 8 K/V heads, the rope theta, multipliers 1)."""
+    ids = torch.arange(12)[None] % config["vocab_size"]
+    again = transformers.FalconH1ForCausalLM.from_pretrained(save_checkpoint(load_model(directory), tmp_path)).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, hf(ids).logits)
+    bare = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "mamba_d_state")} | {"mamba_n_heads": 8, "num_attention_heads": 16}
+    for width in ({}, {"mamba_d_ssm": None}):
+        hf_cfg = transformers.FalconH1Config(**bare, **width)
+        ours = ModelConfig.from_dict({**bare, **width, "model_type": "falcon_h1"})
+        assert ours.mamba_num_heads * ours.mamba_head_dim == hf_cfg.mamba_n_heads * hf_cfg.mamba_d_head
+        assert (ours.num_key_value_heads, ours.rope_theta) == (hf_cfg.num_key_value_heads,
+                                                               hf_cfg.rope_parameters["rope_theta"])
+        assert ours.head_dim == hf_cfg.hidden_size // hf_cfg.num_attention_heads
+        assert (ours.embedding_multiplier, ours.logits_multiplier) == (1.0, 1.0) and ours.layer_types == tuple(
+            hf_cfg.layers_block_type)
+
+
+def _zamba2_names_and_defaults(directory: Path, hf: torch.nn.Module, config: dict, tmp_path: Path) -> None:
+    """A tied model's shared block is one module and one set of parameters, held (and saved) by its first layer;
+    what `publish` writes HF loads back to its own logits; a bare config reads as HF's."""
+    ours = load_model(directory)
+    hybrids = [layer.mixer for layer in ours.model.layers if layer.kind == "hybrid"]
+    n_blocks = config["num_mem_blocks"]
+    for c, mixer in enumerate(hybrids):
+        first = hybrids[c % n_blocks] if config["tie_word_embeddings"] else mixer
+        assert mixer.shared is first.shared and (mixer is first) == ("shared_transformer" in mixer._modules)
+    if config["tie_word_embeddings"] and len(hybrids) > n_blocks:
+        owner, other = hybrids[0].shared.self_attn.q_proj.weight, hybrids[n_blocks].shared.self_attn.q_proj.weight
+        assert owner is other
+    ids = torch.arange(12)[None] % config["vocab_size"]
+    again = transformers.Zamba2ForCausalLM.from_pretrained(save_checkpoint(ours, tmp_path)).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, hf(ids).logits)
+    bare = {k: config[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "layers_block_type")}
+    hf_cfg = transformers.Zamba2Config(**bare)
+    ours_cfg = ModelConfig.from_dict({**bare, "model_type": "zamba2"})
+    assert (ours_cfg.intermediate_size, ours_cfg.num_key_value_heads, ours_cfg.head_dim) == (
+        hf_cfg.intermediate_size, hf_cfg.num_key_value_heads, hf_cfg.attention_head_dim)
+    assert (ours_cfg.mamba_num_heads, ours_cfg.mamba_head_dim, ours_cfg.ssm_state_size) == (
+        hf_cfg.n_mamba_heads, hf_cfg.mamba_headdim, hf_cfg.mamba_d_state)
+    assert ours_cfg.tie_word_embeddings == hf_cfg.tie_word_embeddings and ours_cfg.rotary_dim == 0
+    assert ours_cfg.mamba_dt_limit[0] == hf_cfg.time_step_min and ours_cfg.layer_types == tuple(
+        hf_cfg.layers_block_type)
+
+
 def test_unsupported_parts_are_refused_at_load(checkpoint, tmp_path):
     directory, _ = checkpoint
     config = json.loads((directory / "config.json").read_text())
@@ -567,8 +650,9 @@ def test_no_family_is_named_outside_the_model_and_state_floors():
     assert not found, found
 
 
-# Mamba2, a conv window alone, Mamba1, KDA beside latent attention, lightning attention (no conv window) with experts
-@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a", "falcon_mamba-a", "kimi_linear-a", "minimax-b"])
+# Mamba2, a conv window alone, Mamba1, KDA beside latent attention, lightning attention (no conv window) with
+# experts, and layers holding both states (a shared block reading the embeddings)
+@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a", "falcon_mamba-a", "kimi_linear-a", "minimax-b", "zamba2-a"])
 def test_services_serve_hf_tokens(name, tmp_path):
     """serve-target beside serve-draft (the same checkpoint as draft: a near-copy), as an operator starts them:
     HF's greedy tokens through the target's loop and the client-driven one (pipelined), then five Generate streams
@@ -592,7 +676,9 @@ def test_services_serve_hf_tokens(name, tmp_path):
 
 
 
-@pytest.mark.parametrize("name", ["mamba2-b", "lfm2-b"])  # a Mamba2 state and a conv window alone
+# a Mamba2 state, a conv window alone, and layers holding both states: side by side (one graph), and with a shared
+# block reading the embeddings, per layer (5 layers) and as one graph (4)
+@pytest.mark.parametrize("name", ["mamba2-b", "lfm2-b", "falcon_h1-a", "zamba2-a", "zamba2-b"])
 def test_compiled_passes_equal_the_fused_path(name, tmp_path):
     """Decode and verify as compiled graphs (one token, then several: the token count symbolic), every commit."""
     saved(name, tmp_path)

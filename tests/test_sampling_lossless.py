@@ -1,8 +1,8 @@
 """Speculative sampling is lossless: the first tokens are distributed exactly as the target alone draws them.
 
 Over many seeded runs on tiny random models (vocabulary 16, so every cell of the test is populated; a dense
-Qwen3.5 target and a Qwen3-Next MoE one with its MTP head, and a Mamba2 and a short-conv target, one of each other
-state kind), the empirical distribution of the first three generated tokens, taken as the marginal of t1, the joint
+Qwen3.5 target and a Qwen3-Next MoE one with its MTP head, and a Mamba2, a short-conv, a Mamba1, a KDA and a
+lightning-attention target, one of each other state kind), the empirical distribution of the first three generated tokens, taken as the marginal of t1, the joint
 of (t1, t2) and the marginal of t3, is compared with the target's exact distribution, computed
 from its logits (p(t1), p(t2 | t1), p(t3 | t1, t2) after temperature, top-k and top-p) rather
 than sampled. The test is a G-test (likelihood-ratio chi-square; cells with expected count
@@ -53,8 +53,18 @@ CONV_CFG = dict(model_type="lfm2", vocab_size=V, hidden_size=32, num_attention_h
                 layer_types=["conv", "full_attention"])
 MAMBA_CFG = dict(model_type="falcon_mamba", vocab_size=V, hidden_size=16, num_hidden_layers=2, state_size=6,
                  conv_kernel=3)
+# KDA beside latent attention (`kda`, Kimi Linear), lightning attention (`lightning`, MiniMax)
+KDA_CFG = dict(model_type="kimi_linear", vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+               intermediate_size=32, linear_attn_config=dict(head_dim=8, num_heads=2, short_conv_kernel_size=3),
+               num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, eos_token_id=None,
+               layer_types=["linear_attention", "full_attention"])
+LIGHTNING_CFG = dict(model_type="minimax", vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=4,
+                     num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"])
 TARGETS = {"dense": with_mtp(CFG, 1), "moe": with_mtp(MOE_CFG, 5), "ssd": random_model(SSD_CFG, seed=11),
-           "conv": random_model(CONV_CFG, seed=12), "mamba": random_model(MAMBA_CFG, seed=13)}
+           "conv": random_model(CONV_CFG, seed=12), "mamba": random_model(MAMBA_CFG, seed=13),
+           "kda": random_model(KDA_CFG, seed=14), "lightning": random_model(LIGHTNING_CFG, seed=15)}
 TARGET = TARGETS["dense"]
 HEADS = {name: MTPHead(TARGETS[name]) for name in ("dense", "moe")}
 DRAFT = random_model(CFG, seed=2)  # a different model: q differs from p, so both accepts and rejections occur
@@ -130,10 +140,12 @@ def p_values(tokens: torch.Tensor, sampling: SamplingParams, target: str = "dens
 @pytest.mark.parametrize("target, drafter, sampling",
                          [("dense", "model", T1), ("dense", "model-stop", T1), ("dense", "ngram", T1),
                           ("dense", "mtp", FILTERED), ("moe", "model", T1), ("moe", "mtp", FILTERED),
-                          ("ssd", "model", T1), ("conv", "model", FILTERED), ("mamba", "model", T1)],
+                          ("ssd", "model", T1), ("conv", "model", FILTERED), ("mamba", "model", T1),
+                          ("kda", "model", T1), ("lightning", "model", FILTERED)],
                          ids=["model-T1", "model-stop_below-T1", "ngram-T1", "mtp-T0.8-topk10-topp0.9",
                               "moe-model-T1", "moe-mtp-T0.8-topk10-topp0.9", "ssd-model-T1",
-                              "conv-model-T0.8-topk10-topp0.9", "mamba-model-T1"])
+                              "conv-model-T0.8-topk10-topp0.9", "mamba-model-T1", "kda-model-T1",
+                              "lightning-model-T0.8-topk10-topp0.9"])
 def test_speculative_sampling_matches_target(target, drafter, sampling):
     tokens, totals = sample(drafter, sampling, target=target)
     assert 0 < totals["accepted"] < totals["drafted"], totals  # both accepts and rejections happened

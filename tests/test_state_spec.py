@@ -5,7 +5,7 @@ import torch
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.state.rollback import ModelState
-from deltaspec.shared.state.spec import ATTENTION, RECURRENT, RecurrentSpec, StateSpec
+from deltaspec.shared.state.spec import ATTENTION, HYBRID, RECURRENT, STATELESS, RecurrentSpec, StateSpec
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
@@ -38,3 +38,18 @@ def test_bad_specs_are_refused_naming_the_problem():
         StateSpec(("linear_attention",), gdn, 1, 8)
     with pytest.raises(ValueError, match="needs their RecurrentSpec"):
         StateSpec((RECURRENT, ATTENTION), None, 1, 8)
+    with pytest.raises(ValueError, match="needs their RecurrentSpec"):
+        StateSpec((HYBRID,), None, 1, 8)
+
+
+def test_a_hybrid_layer_holds_both_states_each_at_its_own_index():
+    """A HYBRID layer (attention and recurrent at once) counts among both kinds; its view is the pair."""
+    ssd = RecurrentSpec("ssd", conv_dim=8, conv_width=4, heads=2, key_dim=4, value_dim=4)
+    spec = StateSpec((RECURRENT, HYBRID, ATTENTION, STATELESS, HYBRID), ssd, 1, 8)
+    assert (spec.n_recurrent, spec.n_attention) == (3, 3)
+    state = ModelState(spec, capacity=3)
+    views = state.layer_views()
+    assert [v.i for v in (views[0], views[1][0], views[4][0])] == [0, 1, 2]
+    assert [v[1] if isinstance(v, tuple) else v for v in views[1:5:1] if v is not None] == [
+        state.attn[0], state.attn[1], state.attn[2]]
+    assert views[3] is None and spec.kv_bytes_per_position(torch.float32) == 3 * 2 * 8 * 4

@@ -34,7 +34,7 @@ from deltaspec.shared.model import fused
 from deltaspec.shared.model.layers import DecoderLayer
 from deltaspec.shared.state.access import RECURRENT_BUFFERS, StaticAccess
 from deltaspec.shared.state.rollback import ModelState
-from deltaspec.shared.state.spec import ATTENTION, CHAIN_LOG_CAPACITY, LOG_CAPACITY, RECURRENT
+from deltaspec.shared.state.spec import ATTENTION, CHAIN_LOG_CAPACITY, HOLDS, LOG_CAPACITY, RECURRENT, STATELESS
 
 WHOLE_GRAPH_LAYERS = 4  # deeper stacks compile per layer kind (a whole 12-layer graph was not compiled after 15 min)
 # A pass's most tokens, for every state: one range, whatever a state's log capacity (`fits` keeps each pass within
@@ -52,13 +52,20 @@ logging.getLogger("torch._inductor.ir").addFilter(
 
 def _static_layer(layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, cos: Tensor, signed_sin: Tensor,
                   positions: Tensor, slots: Tensor, *buffers: Tensor) -> Tensor:
-    """One layer of a static pass on its own buffers: a recurrent layer's `RECURRENT_BUFFERS`, or an attention layer's
-    K and V. What a per-layer graph compiles (one copy per layer kind, so no graph ever sees another kind)."""
-    if layer.state == RECURRENT:
-        access = StaticAccess(positions, slots, {name: (t,) for name, t in zip(RECURRENT_BUFFERS, buffers)}, ())
-    else:  # attention's K and V, or nothing for an MLP alone
-        access = StaticAccess(positions, slots, {}, (buffers,) if buffers else ())  # type: ignore[arg-type]
-    return fused.decoder_layer(layer, f, x, (cos, signed_sin), access, 0)
+    """One layer of a static pass on its own buffers: a recurrent layer's `RECURRENT_BUFFERS`, an attention layer's
+    K and V, or both in that order (a HYBRID layer), then the pass's embeddings where the mixer reads them. What a
+    per-layer graph compiles (one copy per layer kind, so no graph ever sees another kind)."""
+    held = HOLDS[layer.state or STATELESS]
+    n = len(RECURRENT_BUFFERS) if RECURRENT in held else 0
+    embeds = buffers[-1] if _reads_embeds(layer) else None
+    kv = buffers[n:n + 2]
+    access = StaticAccess(positions, slots, {name: (t,) for name, t in zip(RECURRENT_BUFFERS, buffers[:n])},
+                          (kv,) if ATTENTION in held else (), embeds)  # type: ignore[arg-type]
+    return fused.decoder_layer(layer, f, x, (cos, signed_sin), access, (0, 0) if len(held) == 2 else 0)
+
+
+def _reads_embeds(layer: DecoderLayer) -> bool:
+    return getattr(layer.mixer, "reads_embeds", False)
 
 
 def static_pass(model: fused.Model, x: Tensor, cos: Tensor, signed_sin: Tensor, positions: Tensor, slots: Tensor,
@@ -117,14 +124,18 @@ class CompiledPasses:
         return self.fn(model, x, *rope, positions, slots, gdn, kv)
 
     def _layer(self, layer: DecoderLayer, f: fused.FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor],
-               access: StaticAccess, index: int) -> Tensor:
+               access: StaticAccess, index: fused.Index) -> Tensor:
         """`fused.decoder_layer` as its kind's graph, on the layer's own buffers; its input's token count symbolic
         from 2 tokens on (each layer's `x` is a new tensor)."""
         if x.shape[0] > 1:
             torch._dynamo.mark_dynamic(x, 0, min=2, max=MAX_PASS_TOKENS)
-        state = layer.state
-        buffers = ([access.buffers[name][index] for name in RECURRENT_BUFFERS] if state == RECURRENT
-                   else access.kv[index] if state == ATTENTION else ())
+        held = dict(zip(HOLDS[layer.state or STATELESS], index if isinstance(index, tuple) else (index,)))
+        buffers = ([access.buffers[name][held[RECURRENT]] for name in RECURRENT_BUFFERS] if RECURRENT in held else [])
+        buffers += access.kv[held[ATTENTION]] if ATTENTION in held else ()
+        if _reads_embeds(layer):
+            buffers.append(access.embeds)
+            if x.shape[0] > 1:
+                torch._dynamo.mark_dynamic(access.embeds, 0, min=2, max=MAX_PASS_TOKENS)
         graph = self.layer_graphs.get(layer.kind)
         if graph is None:
             graph = self.layer_graphs[layer.kind] = _compile(_static_layer, self.options)

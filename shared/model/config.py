@@ -91,6 +91,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # scales each mixer's and MLP's output before its residual add (their `alpha`)
     attention_scale: float | None = None  # the attention's softmax scale; None: 1/sqrt(head_dim)
     logits_scaling: float = 1.0  # divides the logits (`HybridLM.logits`)
+    logits_multiplier: float = 1.0  # multiplies them (Falcon-H1's `lm_head_multiplier`)
     # multi-head latent attention (Kimi Linear, Bailing hybrid: `mixers/mla.py`); KDA's decay (`mixers/kda.py`)
     q_lora_rank: int = 0  # 0: one query projection
     kv_lora_rank: int = 0
@@ -128,6 +129,12 @@ class ModelConfig:
     def layer_parts(self, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.Module | None]:
         """A layer of kind `kind` as the family builds it: (its mixer's module name, the mixer, the MLP)."""
         return family_named(self.family).layer(self, kind, sparse)
+
+    def share_parts(self, layers: nn.ModuleList) -> None:
+        """Hand the built layers the parts they share, where the family has any (Zamba2's transformer blocks)."""
+        share = family_named(self.family).share
+        if share is not None:
+            share(self, layers)
 
     @functools.cached_property
     def state_spec(self) -> StateSpec:

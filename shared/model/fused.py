@@ -24,10 +24,14 @@ from torch import Tensor, nn
 from deltaspec.shared.model.layers import DecoderLayer, HybridStack
 from deltaspec.shared.state.access import StateAccess
 from deltaspec.shared.state.rollback import ModelState
-from deltaspec.shared.state.spec import ATTENTION, RECURRENT
+from deltaspec.shared.state.spec import ATTENTION, HOLDS, RECURRENT, STATELESS
 
 if TYPE_CHECKING:
     from deltaspec.shared.model.config import ModelConfig
+
+# a mixer's index among the layers of its state kind; a HYBRID layer's mixer's: (recurrent, attention)
+Index = int | tuple[int, int]
+
 
 class Model(Protocol):
     """What the passes (fused, compiled, captured) read of the model that runs them, `hybrid.HybridLM`: typed by
@@ -72,16 +76,19 @@ class FusedLayer:
 class FusedStack:
     layers: list[FusedLayer]
     final_norm: Tensor  # (hidden,) folded
-    order: list[tuple[DecoderLayer, FusedLayer, int]]  # each layer, its fused part, its index among its state kind
+    order: list[tuple[DecoderLayer, FusedLayer, Index]]  # each layer, its fused part, its index among its state kind
 
 
 def fuse_stack(stack: HybridStack) -> FusedStack:
     layers = [fuse_layer(layer) for layer in stack.layers]
-    counts = {RECURRENT: 0, ATTENTION: 0, None: 0}  # each mixer addresses the index-th state of its kind
+    counts = {RECURRENT: 0, ATTENTION: 0}  # each mixer addresses the index-th state of its kind
     order = []
     for layer, f in zip(stack.layers, layers):
-        order.append((layer, f, counts[layer.state]))
-        counts[layer.state] += 1
+        held = HOLDS[layer.state or STATELESS]  # a HYBRID layer's mixer addresses both: (recurrent, attention)
+        index = tuple(counts[kind] for kind in held)
+        order.append((layer, f, index[0] if len(index) == 1 else index or 0))
+        for kind in held:
+            counts[kind] += 1
     return FusedStack(layers, stack.norm.folded(), order)
 
 
@@ -89,7 +96,8 @@ def fuse_layer(layer: DecoderLayer) -> FusedLayer:
     mixer, mlp = layer.mixer, layer.mlp
     f = FusedLayer(input_norm=None, post_norm=None, mixer=None, mlp=None, run_mixer=None, run_mlp=None)
     if mixer is not None:
-        f.input_norm, f.input_eps = layer.input_layernorm.folded(), layer.input_layernorm.eps
+        if layer.prenorm:  # else the mixer norms its own input: it takes the residual stream as it is
+            f.input_norm, f.input_eps = layer.input_layernorm.folded(), layer.input_layernorm.eps
         f.mixer, f.run_mixer = mixer.fuse(), mixer.fused
     if mlp is not None:
         f.post_norm, f.post_eps = layer.post_attention_layernorm.folded(), layer.post_attention_layernorm.eps
@@ -102,7 +110,7 @@ def fuse_layer(layer: DecoderLayer) -> FusedLayer:
 
 
 def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
-                  index: int) -> Tensor:
+                  index: Index) -> Tensor:
     """`DecoderLayer.forward` in fewer ops: the mixer (the index-th of its kind) and the MLP, each on its pre-norm and
     added to the residual. `rope` is (cos, `rotary.rotary_signed` sin) at the tokens' positions."""
     if f.no_residual is not None:
@@ -110,14 +118,15 @@ def decoder_layer(layer: DecoderLayer, f: FusedLayer, x: Tensor, rope: tuple[Ten
     if f.normed_residual is not None:
         return _normed_residual_layer(f, x, rope, access, index)
     if f.run_mixer is not None:
-        x = f.run_mixer(f.mixer, F.rms_norm(x, x.shape[-1:], f.input_norm, f.input_eps), x, rope, access, index)
+        h = x if f.input_norm is None else F.rms_norm(x, x.shape[-1:], f.input_norm, f.input_eps)
+        x = f.run_mixer(f.mixer, h, x, rope, access, index)
     if f.run_mlp is not None:
         x = f.run_mlp(f.mlp, F.rms_norm(x, x.shape[-1:], f.post_norm, f.post_eps), x)
     return x
 
 
 def _post_norm_layer(f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
-                     index: int) -> Tensor:
+                     index: Index) -> Tensor:
     """A `norm_after` layer: the mixer and the MLP on the residual stream itself, each output normed, then added."""
     if f.run_mixer is not None:
         y = f.run_mixer(f.mixer, x, f.no_residual, rope, access, index)
@@ -129,7 +138,7 @@ def _post_norm_layer(f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor], acce
 
 
 def _normed_residual_layer(f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
-                           index: int) -> Tensor:
+                           index: Index) -> Tensor:
     """A `normed_residual` layer (MiniMax's): each part on its normed input, added to that input times its alpha."""
     alphas = f.normed_residual
     if f.run_mixer is not None:
@@ -141,7 +150,7 @@ def _normed_residual_layer(f: FusedLayer, x: Tensor, rope: tuple[Tensor, Tensor]
     return x
 
 
-LayerFn = Callable[[DecoderLayer, FusedLayer, Tensor, tuple[Tensor, Tensor], StateAccess, int], Tensor]
+LayerFn = Callable[[DecoderLayer, FusedLayer, Tensor, tuple[Tensor, Tensor], StateAccess, Index], Tensor]
 
 
 def forward(model: Model, x: Tensor, rope: tuple[Tensor, Tensor], access: StateAccess,
@@ -150,6 +159,7 @@ def forward(model: Model, x: Tensor, rope: tuple[Tensor, Tensor], access: StateA
     layer, or `decoder_layer`), then the head. Returns float32 logits `(N, vocab)` and the last layer's hidden states
     before the final norm. Where the state lives is the access's business alone."""
     run_layer = run_layer or decoder_layer
+    access.embeds = x  # what a mixer that reads the embeddings finds there (Zamba2's shared block)
     for layer, f, index in model.fused.order:
         x = run_layer(layer, f, x, rope, access, index)
     return head(model, x), x

@@ -50,11 +50,14 @@ class HybridLM(nn.Module):
         return self.lm_head.weight.dtype
 
     def logits(self, y: Tensor) -> Tensor:
-        """The LM head on final-normed hidden states `y`, divided by `logits_scaling` (Granite's) in the weights'
-        dtype as HF divides them: float32 logits. Every pass and the MTP drafter compute logits here."""
+        """The LM head on final-normed hidden states `y`, divided by `logits_scaling` (Granite's) or multiplied by
+        `logits_multiplier` (Falcon-H1's) in the weights' dtype as HF does: float32 logits. Every pass and the MTP
+        drafter compute logits here."""
         logits = self.lm_head(y)
-        scaling = self.config.logits_scaling
-        return (logits if scaling == 1.0 else logits / scaling).float()
+        scaling, multiplier = self.config.logits_scaling, self.config.logits_multiplier
+        if scaling != 1.0:
+            logits = logits / scaling
+        return (logits if multiplier == 1.0 else logits * multiplier).float()
 
     def new_state(self, capacity: int = 256, log_capacity: int = LOG_CAPACITY) -> ModelState:
         """A fresh sequence state; in a slot of the model's state pool when one is attached
@@ -143,8 +146,9 @@ class HybridLM(nn.Module):
         x = self.model.embed(ids.to(self.device))
         cos, sin, signed_sin = self.rope(start, start + T, x)
         if self.fused is None:  # the reference layers: the naive twin of the one pass
+            embeds = x
             for layer, st in zip(self.model.layers, state.layer_views()):
-                x = layer(x, st, start, (cos, sin))
+                x = layer(x, st, start, (cos, sin), embeds)
             logits = self.logits(self.model.norm(x))
         elif self.compiled is not None and self.compiled.fits(state, T):
             logits, x = self.compiled(self, x, state, (cos, signed_sin))

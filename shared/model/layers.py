@@ -15,14 +15,15 @@ from torch import Tensor, nn
 
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.norms import RMSNorm
-from deltaspec.shared.state.rollback import AttnLayerState, RecurrentSlot
+from deltaspec.shared.state.rollback import LayerView
 
 
 class DecoderLayer(nn.Module):
     """A token mixer and a channel mixer (MLP), each behind its pre-norm (or, `norm_after`, followed by its norm)
     and added to the residual; a family's layer kind may have only one of them (Nemotron-H's blocks are a Mamba2, an
     attention or an MLP alone). `input_layernorm` is the mixer's norm, `post_attention_layernorm` the MLP's, wherever
-    they sit (a post-norm family's `convert` maps its names onto these)."""
+    they sit (a post-norm family's `convert` maps its names onto these). A mixer whose `prenorm` is False norms its
+    own input (Zamba2's hybrid layer norms the stream plus its shared block's output): the layer has no mixer norm."""
 
     def __init__(self, cfg: ModelConfig, kind: str, sparse: bool = False) -> None:
         """A layer of kind `kind` (one of the family's `layer_types`), its parts as the family builds them: the
@@ -37,7 +38,8 @@ class DecoderLayer(nn.Module):
         if mixer is not None:
             self.add_module(self.mixer_name, mixer)
         self.mlp = mlp
-        if mixer is not None:  # registered in HF's order: mixer, MLP, then the norms
+        self.prenorm = mixer is not None and getattr(mixer, "prenorm", True)
+        if self.prenorm:  # registered in HF's order: mixer, MLP, then the norms
             self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         if mlp is not None:
             self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
@@ -48,14 +50,21 @@ class DecoderLayer(nn.Module):
 
     @property
     def state(self) -> str | None:
-        """Which state the layer holds (`RECURRENT`, `ATTENTION`), None for an MLP alone."""
+        """Which state the layer holds (`RECURRENT`, `ATTENTION`, `HYBRID`: both), None for an MLP alone."""
         mixer = self.mixer
         return None if mixer is None else mixer.state
 
-    def forward(self, x: Tensor, st: RecurrentSlot | AttnLayerState | None, start: int,
-                rope: tuple[Tensor, Tensor]) -> Tensor:
-        if self.mixer is not None:
-            x = self._added(0, self.input_layernorm, lambda h: self.mixer(h, st, start, rope), x)
+    def forward(self, x: Tensor, st: LayerView, start: int, rope: tuple[Tensor, Tensor],
+                embeds: Tensor | None = None) -> Tensor:
+        """`embeds`: the pass's embeddings, which a mixer that `reads_embeds` takes too (Zamba2's shared block)."""
+        mixer = self.mixer
+        if mixer is not None:
+            extra = {"embeds": embeds} if getattr(mixer, "reads_embeds", False) else {}
+
+            def part(h: Tensor) -> Tensor:
+                return mixer(h, st, start, rope, **extra)
+
+            x = self._added(0, self.input_layernorm, part, x) if self.prenorm else x + part(x)
         if self.mlp is not None:
             x = self._added(1, self.post_attention_layernorm, self.mlp, x)
         return x
@@ -76,6 +85,7 @@ class HybridStack(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, kind, cfg.sparse(i)) for i, kind in enumerate(cfg.layer_types))
+        cfg.share_parts(self.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.embedding_multiplier = cfg.embedding_multiplier
 

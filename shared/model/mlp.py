@@ -5,6 +5,7 @@ its input projections as one matmul and the residual add riding on `addmm`). `ou
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,22 +28,33 @@ class FusedMLP:
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate x) * up x) (Qwen, Llama, Bamba, Granite), with biases where the config asks for them,
-    times `out_multiplier`; `limit` clips as `swiglu` does (Bailing's shared experts)."""
+    times `out_multiplier`; Falcon-H1's `gate_multiplier` scales the gate's projection before its activation;
+    Zamba2's `act` (GELU) replaces SiLU, and its adapters add a `delta` to [gate; up] as projected; `limit` clips as
+    `swiglu` does (Bailing's shared experts)."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, out_multiplier: float = 1.0,
+                 gate_multiplier: float = 1.0, act: Callable[[Tensor], Tensor] = F.silu,
                  limit: float | None = None) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.out_multiplier, self.limit = out_multiplier, limit
+        self.out_multiplier, self.gate_multiplier, self.act, self.limit = out_multiplier, gate_multiplier, act, limit
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = F.silu(self.gate_proj(x)), self.up_proj(x)
+    def forward(self, x: Tensor, delta: Tensor | None = None) -> Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if delta is not None:
+            d_gate, d_up = delta.chunk(2, dim=-1)
+            gate, up = gate + d_gate, up + d_up
+        out = self.down_proj(self._gated(gate, up))
+        return out if self.out_multiplier == 1.0 else out * self.out_multiplier
+
+    def _gated(self, gate: Tensor, up: Tensor) -> Tensor:
+        """act(gate times its multiplier) * up, both clipped where there is a `limit`."""
+        gate = self.act(gate if self.gate_multiplier == 1.0 else gate * self.gate_multiplier)
         if self.limit is not None:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        out = self.down_proj(gate * up)
-        return out if self.out_multiplier == 1.0 else out * self.out_multiplier
+        return gate * up
 
     def fuse(self) -> FusedMLP:
         biased = self.down_proj.bias is not None
@@ -50,9 +62,10 @@ class MLP(nn.Module):
         return FusedMLP(concat(self.gate_proj, self.up_proj), self.down_proj.weight.detach().t(), b_in,
                         self.down_proj.bias.detach() * self.out_multiplier if biased else None)
 
-    def fused(self, f: FusedMLP, h: Tensor, residual: Tensor) -> Tensor:
-        out = torch.addmm(residual, swiglu(F.linear(h, f.w_in, f.b_in), self.limit), f.down_t,
-                          alpha=self.out_multiplier)
+    def fused(self, f: FusedMLP, h: Tensor, residual: Tensor, delta: Tensor | None = None) -> Tensor:
+        gate_up = F.linear(h, f.w_in, f.b_in)
+        gate, up = (gate_up if delta is None else gate_up + delta).chunk(2, dim=-1)
+        out = torch.addmm(residual, self._gated(gate, up), f.down_t, alpha=self.out_multiplier)
         return out if f.b_out is None else out + f.b_out
 
 

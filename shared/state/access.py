@@ -32,6 +32,8 @@ Recurrence = Callable[[Tensor, tuple[Tensor, ...], Start], Step]
 
 
 class StateAccess(Protocol):
+    embeds: Tensor | None  # the pass's embeddings `(N, hidden)`, set by the pass for mixers that read them
+
     def recurrent(self, i: int, x: Tensor, inputs: tuple[Tensor, ...], core: Recurrence) -> Tensor:
         """Recurrent layer i (its index among the recurrent layers) on the pass's pre-conv inputs x `(N, C)` and its
         other per-token inputs `(N, ...)`: runs `core` from the layer's window and state, stages its tokens, and
@@ -76,7 +78,7 @@ class SequenceAccess:
     """One sequence's state, staged at its offsets; the eager pass."""
 
     def __init__(self, state: ModelState) -> None:
-        self.state, self.offset = state, state.staged
+        self.state, self.offset, self.embeds = state, state.staged, None
         self.start = state.length + state.staged
 
     def recurrent(self, i: int, x: Tensor, inputs: tuple[Tensor, ...], core: Recurrence) -> Tensor:
@@ -105,6 +107,7 @@ class StaticAccess:
     slots: Tensor
     buffers: dict[str, Sequence[Tensor]]
     kv: Sequence[tuple[Tensor, Tensor]]
+    embeds: Tensor | None = None
 
     @staticmethod
     def recurrent_buffers(state: ModelState, per_layer: bool = False) -> dict:
@@ -169,7 +172,7 @@ class BatchAccess:
       one zero-padded batch and one masked attention call serves a group."""
 
     def __init__(self, states: Sequence[ModelState], lengths: list[int], device: torch.device) -> None:
-        self.states, self.lengths = states, lengths
+        self.states, self.lengths, self.embeds = states, lengths, None
         self.starts = [st.length + st.staged for st in states]  # position of each sequence's first token
         self.offsets = [sum(lengths[:i]) for i in range(len(lengths))]  # each sequence's first packed row
         short = [i for i, T in enumerate(lengths) if T <= CHUNK_SIZE]

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from deltaspec.shared.kernels import VerifyLogs
-from deltaspec.shared.state.spec import ATTENTION, LOG_CAPACITY, RECURRENT, RecurrentSpec, StateSpec
+from deltaspec.shared.state.spec import ATTENTION, HOLDS, LOG_CAPACITY, RECURRENT, RecurrentSpec, StateSpec
 
 
 class Lease(Protocol):
@@ -435,6 +435,9 @@ class AttnLayerState:
             setattr(self, name, grown)
 
 
+LayerView = RecurrentSlot | AttnLayerState | tuple[RecurrentSlot, AttnLayerState] | None  # `layer_views`' entries
+
+
 class ModelState:
     """One sequence's state for a whole hybrid stack: the committed head and at most one staged round."""
 
@@ -509,11 +512,17 @@ class ModelState:
         for layer in self.attn:
             layer.ensure_capacity(needed)
 
-    def layer_views(self) -> list[RecurrentSlot | AttnLayerState | None]:
-        """Per-layer state for one forward pass, in layer order (None for a layer without state)."""
+    def layer_views(self) -> list[LayerView]:
+        """Per-layer state for one forward pass, in layer order: a recurrent layer's slot, an attention layer's K/V,
+        both (slot, K/V) for a HYBRID layer, None for a layer without state."""
         rec, attn = iter(range(len(self.recurrent.conv))), iter(self.attn)
-        return [RecurrentSlot(self.recurrent, next(rec), self.staged) if kind == RECURRENT
-                else next(attn) if kind == ATTENTION else None for kind in self.spec.layers]
+        views = {RECURRENT: lambda: RecurrentSlot(self.recurrent, next(rec), self.staged),
+                 ATTENTION: lambda: next(attn)}
+        out: list[LayerView] = []
+        for kind in self.spec.layers:
+            held = tuple(views[k]() for k in HOLDS[kind])
+            out.append(held[0] if len(held) == 1 else held or None)
+        return out
 
     def commit(self, n: int) -> None:
         """Keep the first n staged tokens, drop the rest. All layers move together or none does."""

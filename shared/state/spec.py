@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 RECURRENT, ATTENTION, STATELESS = "recurrent", "attention", "none"  # the layer kinds the state knows (an MLP alone)
+HYBRID = "hybrid"  # a layer holding both: attention K/V and a recurrent state (Falcon-H1's parallel mixers)
+HOLDS = {RECURRENT: (RECURRENT,), ATTENTION: (ATTENTION,), HYBRID: (RECURRENT, ATTENTION), STATELESS: ()}
 # recurrent state kind -> how its log decay is laid out: per head, per head and key channel, or no state ("none");
 # "snapshot": a kind whose state is no larger than what one token would log (Mamba1: Dv = 1, a decay per channel and
 # state entry) logs the state after each staged token instead (in `k`), and a commit copies the one it keeps
@@ -73,8 +75,10 @@ class RecurrentSpec:
 
 @dataclass(frozen=True)
 class StateSpec:
-    """A model's whole state: `layers` says, layer by layer, RECURRENT, ATTENTION or STATELESS; `recurrent` is every
-    recurrent layer's spec (None for a model without one); attention K/V holds `kv_heads x head_dim` per position."""
+    """A model's whole state: `layers` says, layer by layer, RECURRENT, ATTENTION, HYBRID (both) or STATELESS;
+    `recurrent` is every recurrent layer's spec (None for a model without one); attention K/V holds
+    `kv_heads x head_dim` per position. A HYBRID layer counts among the recurrent and among the attention layers, each
+    state at its own index there (`HOLDS`)."""
 
     layers: tuple[str, ...]
     recurrent: RecurrentSpec | None
@@ -82,20 +86,19 @@ class StateSpec:
     head_dim: int
 
     def __post_init__(self) -> None:
-        bad = [kind for kind in self.layers if kind not in (RECURRENT, ATTENTION, STATELESS)]
+        bad = [kind for kind in self.layers if kind not in HOLDS]
         if bad:
-            raise ValueError(f"unknown layer kind {bad[0]!r} in a state spec (expected {RECURRENT!r}, {ATTENTION!r} "
-                             f"or {STATELESS!r})")
-        if self.recurrent is None and RECURRENT in self.layers:
+            raise ValueError(f"unknown layer kind {bad[0]!r} in a state spec (expected one of {tuple(HOLDS)})")
+        if self.recurrent is None and self.n_recurrent:
             raise ValueError("a state spec with recurrent layers needs their RecurrentSpec")
 
     @property
     def n_recurrent(self) -> int:
-        return self.layers.count(RECURRENT)
+        return sum(RECURRENT in HOLDS[kind] for kind in self.layers)
 
     @property
     def n_attention(self) -> int:
-        return self.layers.count(ATTENTION)
+        return sum(ATTENTION in HOLDS[kind] for kind in self.layers)
 
     def recurrent_buffers(self, dtype: torch.dtype, log_capacity: int = LOG_CAPACITY) -> Buffers:
         return {} if self.recurrent is None else self.recurrent.buffers(self.n_recurrent, dtype, log_capacity)

@@ -18,9 +18,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from deltaspec.shared.model.families import (bailing_hybrid, bamba, falcon_mamba, granitemoehybrid, jamba,
-                                             kimi_linear, lfm2, lfm2_moe, mamba, mamba2, minimax, nemotron_h,
-                                             olmo_hybrid, qwen3_5, qwen3_next)
+from deltaspec.shared.model.families import (bailing_hybrid, bamba, falcon_h1, falcon_mamba, granitemoehybrid,
+                                             jamba, kimi_linear, lfm2, lfm2_moe, mamba, mamba2, minimax, nemotron_h,
+                                             olmo_hybrid, qwen3_5, qwen3_next, zamba2)
 from deltaspec.shared.model.families.qwen3_5 import ConfigFields
 from deltaspec.shared.state.spec import StateSpec
 
@@ -37,17 +37,19 @@ class Family:
     state_spec: Callable[[ConfigFields], StateSpec]  # the state a model of this family holds
     convert: Callable[[dict[str, Tensor], ConfigFields], None]  # published tensor names -> the layers', in place
     publish: Callable[[dict[str, Tensor], ConfigFields], None]  # and back, for saving
+    # optional: hands parts shared across layers to the built layers, in order (Zamba2's shared transformer blocks)
+    share: Callable[[Any, nn.ModuleList], None] | None = None
 
     @classmethod
     def of(cls, module: ModuleType) -> Family:
         return cls(module.__name__.rsplit(".", 1)[-1], module.TEXT_TYPES, module.WRAPPER_TYPES,
                    module.ALWAYS_NORM_TOPK, module.LAYER_KINDS, module.fields, module.layer, module.state_spec,
-                   module.convert, module.publish)
+                   module.convert, module.publish, getattr(module, "share", None))
 
 
 FAMILIES = tuple(Family.of(module) for module in (
     qwen3_5, qwen3_next, nemotron_h, bamba, granitemoehybrid, mamba2, lfm2, lfm2_moe, mamba, falcon_mamba, olmo_hybrid,
-    jamba, kimi_linear, bailing_hybrid, minimax))
+    jamba, kimi_linear, bailing_hybrid, minimax, falcon_h1, zamba2))
 
 
 def family_of(model_type: object) -> Family | None:

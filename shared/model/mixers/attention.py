@@ -2,7 +2,8 @@
 output gate) or the plain one (Nemotron-H: no norm, no rotary, no gate), by the config's switches (OLMo's q/k norms
 span the whole projection, all heads at once). Granite's softmax scale (`attention_scale`, in place of 1/sqrt(D))
 scales q before the state access attends at 1/sqrt(D); its `residual_multiplier` scales the output as it is added
-to the residual.
+to the residual. Falcon-H1's multipliers scale the input and the keys (`in_multiplier`, `key_multiplier`); Zamba2's
+projections take [hidden; embeddings] (`input_size`) and its adapters add a `delta` to them.
 
 K/V are written past the committed length and cut by position, so a rejected token costs nothing to roll back. The
 fast path runs q (with its gate), k and v as one matmul (their biases as one) and q and k through one rotary call;
@@ -62,17 +63,22 @@ class Attention(nn.Module):
     state = ATTENTION
     compiles = True  # its fast path traces into a graph whose token count is symbolic
 
-    def __init__(self, cfg: AttentionFields) -> None:
+    def __init__(self, cfg: AttentionFields, in_multiplier: float = 1.0, key_multiplier: float = 1.0,
+                 out_multiplier: float | None = None, input_size: int | None = None) -> None:
+        """Falcon-H1's multipliers: `in_multiplier` scales the input before the projections, `key_multiplier` the
+        keys as projected, `out_multiplier` the output (default: the config's `residual_multiplier`). `input_size`:
+        the projections' input width where it is not the hidden size (Zamba2's [hidden; embeddings])."""
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.gated, self.rotary = cfg.attention_output_gate, cfg.rotary_dim > 0
         # q times this, attended at 1/sqrt(D), is attended at `attention_scale`
         self.q_scale = 1.0 if cfg.attention_scale is None else cfg.attention_scale * math.sqrt(self.head_dim)
-        self.out_multiplier = cfg.residual_multiplier
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, (1 + self.gated) * self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.in_multiplier, self.key_multiplier = in_multiplier, key_multiplier
+        self.out_multiplier = cfg.residual_multiplier if out_multiplier is None else out_multiplier
+        bias, width = cfg.attention_bias, input_size or cfg.hidden_size
+        self.q_proj = nn.Linear(width, (1 + self.gated) * self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.norm_per_head = cfg.attention_qk_norm_per_head
         if cfg.attention_qk_norm:
@@ -82,19 +88,28 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: Tensor, st: AttnLayerState, start: int, rope: tuple[Tensor, Tensor]) -> Tensor:
-        """The reference: one sequence's T tokens `(T, hidden)` at positions start.., `rope` their (cos, sin)."""
+    def forward(self, x: Tensor, st: AttnLayerState, start: int, rope: tuple[Tensor, Tensor],
+                delta: Tensor | None = None) -> Tensor:
+        """The reference: one sequence's T tokens `(T, hidden)` at positions start.., `rope` their (cos, sin);
+        `delta` is added to [q; k; v] as projected (Zamba2's adapters)."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, (1 + self.gated) * self.head_dim)
+        if self.in_multiplier != 1.0:
+            x = x * self.in_multiplier
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if delta is not None:
+            q, k, v = (p + d for p, d in zip((q, k, v), delta.split([q.shape[-1], k.shape[-1], v.shape[-1]], -1)))
+        q = q.view(T, self.n_heads, (1 + self.gated) * self.head_dim)
         q, gate = q.chunk(2, dim=-1) if self.gated else (q, None)
-        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
+        k = k.view(T, self.n_kv, self.head_dim)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         if self.q_norm is not None:
             q, k = self._normed(self.q_norm, q), self._normed(self.k_norm, k)
         if self.rotary:
             q, k = apply_partial_rotary(q, *rope), apply_partial_rotary(k, *rope)  # (T, H, D)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+        v = v.view(T, self.n_kv, self.head_dim)
         out = attend(st, q, k, v, start).reshape(T, -1)  # (T, H D)
         out = self.o_proj(out if gate is None else out * torch.sigmoid(gate.reshape(T, -1)))
         return out if self.out_multiplier == 1.0 else out * self.out_multiplier
@@ -113,13 +128,18 @@ class Attention(nn.Module):
                               b_out=None if biases[3] is None else biases[3].detach() * self.out_multiplier)
 
     def fused(self, f: FusedAttention, h: Tensor, residual: Tensor, rope: tuple[Tensor, Tensor],
-              access: StateAccess, j: int) -> Tensor:
+              access: StateAccess, j: int, delta: Tensor | None = None) -> Tensor:
         """Attention layer j (among the attention layers) on the normed input h, added to the residual; `rope` is
-        (cos, `rotary_signed` sin) at the tokens' positions."""
+        (cos, `rotary_signed` sin) at the tokens' positions; `delta` as the reference's."""
         T, H, Hkv, D = h.shape[0], self.n_heads, self.n_kv, self.head_dim
-        q_gate, k, v = F.linear(h, f.w_qkv, f.b_qkv).split(f.splits, dim=-1)
+        if self.in_multiplier != 1.0:
+            h = h * self.in_multiplier
+        qkv = F.linear(h, f.w_qkv, f.b_qkv)
+        q_gate, k, v = (qkv if delta is None else qkv + delta).split(f.splits, dim=-1)
         q_gate = q_gate.view(T, H, (1 + self.gated) * D)
         q, k = q_gate[..., :D], k.view(T, Hkv, D)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         if f.q_norm is not None:
             q = self._normed(lambda x: F.rms_norm(x, f.q_norm.shape, f.q_norm, self.q_norm.eps), q)
             k = self._normed(lambda x: F.rms_norm(x, f.k_norm.shape, f.k_norm, self.k_norm.eps), k)

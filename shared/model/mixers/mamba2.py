@@ -96,7 +96,9 @@ class Mamba2Mixer(nn.Module):
         mup = None
         if ssm_multipliers is not None:  # one factor per slice of the projection: z, x, B, C, dt
             widths = (width, width, n_groups * state_size, n_groups * state_size, num_heads)
-            mup = torch.cat([torch.full((w,), float(f)) for w, f in zip(widths, ssm_multipliers, strict=True)])
+            # made on the CPU even where the model is built on the meta device (a load): no checkpoint holds it
+            mup = torch.cat([torch.full((w,), float(f), device="cpu")
+                             for w, f in zip(widths, ssm_multipliers, strict=True)])
         self.register_buffer("mup_vector", mup, persistent=False)
 
     @property
@@ -110,6 +112,8 @@ class Mamba2Mixer(nn.Module):
         return y
 
     def fuse(self) -> Mamba2Mixer:
+        if self.mup_vector is not None:  # in the weights' dtype, as HF builds it in the model's
+            self.mup_vector = self.mup_vector.to(self.in_proj.weight)
         return self  # its input projection is one matmul already
 
     def fused(self, f: Mamba2Mixer, h: Tensor, residual: Tensor, rope: object, access: StateAccess,
