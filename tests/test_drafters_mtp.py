@@ -1,12 +1,20 @@
-"""MTP self-speculation with random MTP weights in HF layout, saved to and loaded from a checkpoint.
+"""MTP self-speculation with random MTP weights, saved to and loaded from a checkpoint in the published layout:
+Qwen3.5's (one or two attention layers) and Nemotron-H's (NVIDIA's names, per-expert tensors, `backbone.`; attention
+then MoE, as Nemotron-3 ships it, and an MLP then two attention blocks).
 
 - greedy output identical to target-only, for accept counts spanning 0..k (a steering wrapper
   runs the head every round, then proposes the truth up to a chosen count, so every count occurs);
 - the head's incremental KV cache (rows rolled back by position after every round) gives, at each
-  round, the same next-token distribution as a from-scratch computation over the committed tokens.
+  round, the same next-token distribution as a from-scratch computation over the committed tokens;
+- Nemotron-H's head gives the logits of a naive transcription of vLLM's `nemotron_h_mtp.py` on the published
+  tensors (HF 5.25 drops `mtp.*`: there is no HF oracle for the head), and serves losslessly in a batching target.
 """
+import re
+
 import pytest
 import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from deltaspec.shared.decoding.drafters import Proposal, make_drafter
 from deltaspec.shared.decoding.drafters.mtp import MTPDrafter, MTPHead, random_mtp_weights
@@ -14,17 +22,49 @@ from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.decoding.target import TargetSession
 from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
+from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.loader import load_model
 
 PROMPT = [40, 41, 42, 43, 10, 11, 40, 41]
 N = 40
+# group-limited routing over latent experts, biases, a plain MLP block: every part the head's blocks can have
+NEMOTRON = dict(
+    model_type="nemotron_h", vocab_size=257, hidden_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=10,
+    intermediate_size=56, mamba_num_heads=4, mamba_head_dim=10, ssm_state_size=8, n_groups=2, conv_kernel=4,
+    mlp_bias=True, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, moe_intermediate_size=24,
+    moe_shared_expert_intermediate_size=36, moe_latent_size=16, routed_scaling_factor=2.5, layer_norm_epsilon=1e-5,
+    hybrid_override_pattern="ME*-E", num_nextn_predict_layers=1)
+HEADS = {"qwen-1layer": 1, "qwen-2layers": 2, "nemotron-attn-moe": {"mtp_hybrid_override_pattern": "*E"},
+         "nemotron-mlp-attn-attn": {"mtp_layers_block_type": ["mlp", "attention", "full_attention"]}}
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["mtp1layer", "mtp2layers"])
-def target(request, tmp_path_factory):
-    model = random_model(hf_config(mtp_num_hidden_layers=request.param), seed=11)
-    model.mtp = random_mtp_weights(model.config, request.param, seed=5)
-    return load_model(save_checkpoint(model, tmp_path_factory.mktemp("mtp")))
+def as_published(directory):
+    """Rewrite a Nemotron-H checkpoint as NVIDIA publishes it: the trunk under `backbone.`, experts one by one."""
+    path = directory / "model.safetensors"
+    tensors = {}
+    for name, t in load_file(path).items():
+        name = re.sub(r"^model\.", "backbone.", name)
+        fused = re.match(r"^(.*\.experts)\.(up_proj|down_proj)$", name)
+        tensors.update({f"{fused[1]}.{j}.{fused[2]}.weight": w.clone() for j, w in enumerate(t)} if fused else {name: t})
+    save_file(tensors, path)
+    return directory
+
+
+@pytest.fixture(scope="module", params=list(HEADS))
+def checkpoint(request, tmp_path_factory):
+    head, directory = HEADS[request.param], tmp_path_factory.mktemp("mtp")
+    if isinstance(head, int):
+        model = random_model(hf_config(mtp_num_hidden_layers=head), seed=11)
+        model.mtp = random_mtp_weights(model.config, head, seed=5)
+        return save_checkpoint(model, directory)
+    model = random_model({**NEMOTRON, **head}, seed=11)
+    model.mtp = random_mtp_weights(model.config, seed=5)
+    return as_published(save_checkpoint(model, directory))
+
+
+@pytest.fixture(scope="module")
+def target(checkpoint):
+    return load_model(checkpoint)
 
 
 def reference_next(target, tokens: list[int]) -> torch.Tensor:
@@ -110,3 +150,129 @@ def test_mtp_needs_weights_and_a_session():
     session = TargetSession(plain, PROMPT)
     drafter.attach_session(session)
     assert len(drafter.propose(2).tokens) == 2
+
+
+def rms(x, w, eps=NEMOTRON["layer_norm_epsilon"]):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def naive_attention(t, p, x):
+    """vLLM's `NemotronHAttention`: grouped K/V, no rotary, causal over the head's rows, scale head_dim^-1/2."""
+    H, KV, d = NEMOTRON["num_attention_heads"], NEMOTRON["num_key_value_heads"], NEMOTRON["head_dim"]
+    q = (x @ t[p + "q_proj.weight"].T).view(-1, H, d).transpose(0, 1)
+    k, v = ((x @ t[p + n].T).view(-1, KV, d).transpose(0, 1).repeat_interleave(H // KV, 0)
+            for n in ("k_proj.weight", "v_proj.weight"))
+    mask = torch.ones(len(x), len(x), dtype=torch.bool).tril()
+    scores = (q @ k.transpose(1, 2) * d ** -0.5).masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1).reshape(len(x), H * d) @ t[p + "o_proj.weight"].T
+
+
+def relu2_mlp(t, p, x):
+    return F.relu(F.linear(x, t[p + "up_proj.weight"], t.get(p + "up_proj.bias"))).square() \
+        @ t[p + "down_proj.weight"].T + t.get(p + "down_proj.bias", 0)
+
+
+def naive_moe(t, p, x):
+    """vLLM's `NemotronHMoE`, token by token: sigmoid scores, the choice biased by `e_score_correction_bias`
+    among the `topk_group` groups of best top-2 sum, weights the unbiased scores renormalised and scaled; experts
+    relu^2 in the latent space (fc1/fc2_latent_proj); the shared expert on the block input."""
+    c = NEMOTRON
+    out = []
+    for h in x:
+        scores = (h.float() @ t[p + "gate.weight"].float().T).sigmoid()
+        choice = scores + t[p + "gate.e_score_correction_bias"]
+        groups = choice.view(c["n_group"], -1).topk(2, -1).values.sum(-1).topk(c["topk_group"]).indices
+        allowed = torch.zeros(c["n_group"], dtype=torch.bool)
+        allowed[groups] = True
+        chosen = choice.masked_fill(~allowed.repeat_interleave(c["n_routed_experts"] // c["n_group"]), float("-inf"))
+        top = chosen.topk(c["num_experts_per_tok"]).indices
+        weights = scores[top] / scores[top].sum() * c["routed_scaling_factor"]
+        z = F.linear(h, t[p + "fc1_latent_proj.weight"], t[p + "fc1_latent_proj.bias"])
+        routed = sum(w * (F.relu(z @ t[f"{p}experts.{e}.up_proj.weight"].T).square()
+                          @ t[f"{p}experts.{e}.down_proj.weight"].T) for e, w in zip(top.tolist(), weights))
+        out.append(F.linear(routed, t[p + "fc2_latent_proj.weight"], t[p + "fc2_latent_proj.bias"])
+                   + relu2_mlp(t, p + "shared_experts.", h))
+    return torch.stack(out)
+
+
+def naive_nemotron_mtp(t, kinds, next_ids, hidden):
+    """Logits of vLLM's `NemotronHMultiTokenPredictor` + the target's lm_head, from the published tensors `t`:
+    rows (post-`norm_f` trunk state h_i, token x_{i+1}); its fused add-and-norm residual written out."""
+    e = t["backbone.embeddings.weight"][next_ids]
+    x = torch.cat([rms(e, t["mtp.layers.0.enorm.weight"]), rms(hidden, t["mtp.layers.0.hnorm.weight"])], -1) \
+        @ t["mtp.layers.0.eh_proj.weight"].T
+    residual = None
+    for i, kind in enumerate(kinds):
+        p = f"mtp.layers.{i}."
+        residual = x if residual is None else x + residual
+        block = {"full_attention": naive_attention, "mlp": relu2_mlp, "moe": naive_moe}[kind]
+        x = block(t, p + "mixer.", rms(residual, t[p + "norm.weight"]))
+    y = rms(x + residual, t[f"mtp.layers.{len(kinds) - 1}.final_layernorm.weight"])
+    return (y @ t["lm_head.weight"].T).float()
+
+
+@pytest.mark.parametrize("checkpoint", ["nemotron-attn-moe", "nemotron-mlp-attn-attn"], indirect=True)
+def test_nemotron_mtp_logits_equal_a_naive_vllm_reference(checkpoint, target):
+    """Every round's first proposal (temperature 1: the head's distribution) against the naive head over the
+    committed tokens, from scratch; the trunk's states are the target's own (HF's, in test_families)."""
+    published = load_file(checkpoint / "model.safetensors")
+    assert not [k for k in target.mtp if ".experts." in k and k.endswith(".weight")]  # stacked by the loader
+    want = generate(target, PROMPT, N).token_ids
+    checked = []
+
+    def check(tokens, proposal):
+        _, hidden = target(torch.tensor(tokens[:-1]), target.new_state())
+        logits = naive_nemotron_mtp(published, target.config.mtp_layer_types, torch.tensor(tokens[1:]),
+                                    target.model.norm(hidden))
+        torch.testing.assert_close(proposal.probs[0], logits[-1].softmax(-1), rtol=1e-4, atol=1e-5)
+        checked.append(len(tokens))
+
+    drafter = Steered(MTPDrafter(target, SamplingParams(temperature=1.0)), want, check=check)
+    assert generate(target, PROMPT, N, drafter, 3).token_ids == want
+    assert len(checked) >= 5
+
+
+def test_nemotron_mtp_config_as_hf_reads_it():
+    """The head's kinds from HF 5.25's fields: the list (legacy names remapped), else the pattern, else HF's default;
+    heads this does not run are refused naming the field."""
+    transformers = pytest.importorskip("transformers")
+    for extra in ({}, {"mtp_hybrid_override_pattern": "*-"}, {"mtp_layers_block_type": ["attention", "mlp"]}):
+        cfg = {k: v for k, v in NEMOTRON.items() if k != "model_type"}
+        hf = transformers.NemotronHConfig(**cfg, **extra)
+        assert ModelConfig.from_dict({**NEMOTRON, **extra}).mtp_layer_types == tuple(hf.mtp_layers_block_type)
+    assert ModelConfig.from_dict({**NEMOTRON, "num_nextn_predict_layers": 0}).mtp_layer_types == ()
+    for change, named in (({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers"),
+                          ({"mtp_layers_block_type": ["linear_attention", "moe"]}, "mtp_layers_block_type")):
+        with pytest.raises(ValueError, match=named):
+            ModelConfig.from_dict({**NEMOTRON, **change})
+
+
+def test_nemotron_mtp_tensors_must_match_the_layout(tmp_path):
+    """An MTP block missing its fusion is named; a checkpoint without `mtp.*` loads, and `--draft mtp` says why not."""
+    model = random_model(NEMOTRON, seed=3)
+    model.mtp = {k: v for k, v in random_mtp_weights(model.config, seed=4).items() if k != "mtp.fc.weight"}
+    with pytest.raises(ValueError, match="missing.*fc.weight"):
+        MTPDrafter(load_model(save_checkpoint(model, tmp_path / "a")))
+    model.mtp = {}
+    with pytest.raises(ValueError, match="no MTP head"):
+        make_drafter("mtp", load_model(save_checkpoint(model, tmp_path / "b")))
+
+
+@pytest.mark.parametrize("checkpoint", ["nemotron-attn-moe"], indirect=True)
+def test_nemotron_serve_target_draft_mtp(checkpoint, target):
+    """`serve-target --draft mtp` on the published checkpoint: four Generate streams at once, batched, each drafting
+    with the head in the target's process, every one equal to target-only."""
+    from deltaspec.shared.decoding.batcher import BatchConfig
+    from deltaspec.shared.model.tokenizer import load_tokenizer
+    from deltaspec.shared.rpc.generation import generate_on_server
+    from deltaspec.target_service import servicer as target_servicer
+    from test_batching import run_threads
+    from test_rpc_support import start
+
+    service = target_servicer.service(lambda: (load_model(checkpoint), load_tokenizer(checkpoint)),
+                                      local_draft="mtp", batching=BatchConfig(max_batch=8, max_wait_ms=10.0))
+    streams = [(PROMPT, 3, 20), (PROMPT[:3], 4, 16), ([5], 2, 12), (PROMPT[2:], 0, 12)]  # (prompt, k, new tokens)
+    with start(service) as t:
+        out = run_threads(lambda i: generate_on_server(t.address, streams[i][0], "", streams[i][2],
+                                                       streams[i][1])[0].token_ids, list(range(len(streams))))
+    assert out == [generate(target, p, n).token_ids for p, _, n in streams]

@@ -167,7 +167,9 @@ CONFIGS = {
 REFUSED = {
     "nemotron_h": (({"layers_block_type": ["linear_attention", "moe"], "n_routed_experts": 6, "n_group": 4}, "n_group"),
                    ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
-                   ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers")),
+                   ({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers"),
+                   ({"num_nextn_predict_layers": 1, "mtp_layers_block_type": ["linear_attention"]},
+                    "mtp_layers_block_type")),
     "bamba": (({"hidden_act": "gelu"}, "hidden_act"), ({"rope_parameters": {"rope_type": "llama3"}}, "rope_type"),
               ({"mamba_d_head": 5}, "mamba_d_head")),
     "mamba2": (({"hidden_act": "gelu"}, "hidden_act"), ({"head_dim": 5}, "head_dim")),
