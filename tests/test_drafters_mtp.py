@@ -45,7 +45,8 @@ def as_published(directory):
     for name, t in load_file(path).items():
         name = re.sub(r"^model\.", "backbone.", name)
         fused = re.match(r"^(.*\.experts)\.(up_proj|down_proj)$", name)
-        tensors.update({f"{fused[1]}.{j}.{fused[2]}.weight": w.clone() for j, w in enumerate(t)} if fused else {name: t})
+        tensors.update({f"{fused[1]}.{j}.{fused[2]}.weight": w.clone() for j, w in enumerate(t)} if fused
+                       else {name: t})
     save_file(tensors, path)
     return directory
 
@@ -256,6 +257,21 @@ def test_nemotron_mtp_tensors_must_match_the_layout(tmp_path):
     model.mtp = {}
     with pytest.raises(ValueError, match="no MTP head"):
         make_drafter("mtp", load_model(save_checkpoint(model, tmp_path / "b")))
+
+
+@pytest.mark.parametrize("checkpoint", ["nemotron-attn-moe"], indirect=True)
+def test_nemotron_mtp_router_stays_float32(checkpoint):
+    """In a bfloat16 model the head's router is float32, as the trunk's (and HF's) is, with the checkpoint's values;
+    drafting stays lossless."""
+    target = load_model(checkpoint, dtype=torch.bfloat16)
+    head = MTPHead(target)
+    gate = head.layers[1].mlp.gate
+    assert head.fc.weight.dtype == head.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    published = load_file(checkpoint / "model.safetensors")
+    for name, t in (("weight", gate.weight), ("e_score_correction_bias", gate.e_score_correction_bias)):
+        assert t.dtype == torch.float32 and torch.equal(t, published[f"mtp.layers.1.mixer.gate.{name}"])
+    want = generate(target, PROMPT, 12).token_ids
+    assert generate(target, PROMPT, 12, MTPDrafter(target, head=head), 3).token_ids == want
 
 
 @pytest.mark.parametrize("checkpoint", ["nemotron-attn-moe"], indirect=True)

@@ -66,7 +66,8 @@ CHANNEL_MIXERS = ("mlp", "moe")  # blocks behind the shared layers' post_attenti
 MTP_DEFAULT = ["full_attention", "moe"]  # HF's `mtp_layers_block_type` when the config gives none
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # HF's remap of older kind names (MTP's)
 # the MTP head's fusion and end norm: published names (on its first and last layer) -> the MTP drafter's
-MTP_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "final_layernorm": "norm"}
+MTP_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
+             "final_layernorm": "norm"}
 
 
 def _layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
