@@ -34,8 +34,17 @@ NEMOTRON = dict(
     mlp_bias=True, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, moe_intermediate_size=24,
     moe_shared_expert_intermediate_size=36, moe_latent_size=16, routed_scaling_factor=2.5, layer_norm_epsilon=1e-5,
     hybrid_override_pattern="ME*-E", num_nextn_predict_layers=1)
+# the Ling hybrid's trunk clips its SwiGLUs, its MTP step's MoE does not (vLLM's limits are the trunk layers')
+LING = dict(
+    vocab_size=257, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=10,
+    kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=16, head_dim=12, short_conv_kernel_size=3,
+    num_local_experts=6, num_experts_per_tok=3, n_group=2, topk_group=1, n_shared_experts=2, moe_intermediate_size=12,
+    intermediate_size=24, first_k_dense_replace=1, layer_group_size=2, expert_swiglu_limit_list=[0, 0.4, 0.4],
+    share_expert_swiglu_limit_list=[0, 0.3, 0.3], attention_bias=True, rms_norm_eps=1e-5, pad_token_id=None,
+    eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 HEADS = {"qwen-1layer": 1, "qwen-2layers": 2, "nemotron-attn-moe": {"mtp_hybrid_override_pattern": "*E"},
-         "nemotron-mlp-attn-attn": {"mtp_layers_block_type": ["mlp", "attention", "full_attention"]}}
+         "nemotron-mlp-attn-attn": {"mtp_layers_block_type": ["mlp", "attention", "full_attention"]},
+         "ling-mla-moe": {**LING, "model_type": "bailing_hybrid"}}
 
 
 def as_published(directory):
@@ -58,9 +67,10 @@ def checkpoint(request, tmp_path_factory):
         model = random_model(hf_config(mtp_num_hidden_layers=head), seed=11)
         model.mtp = random_mtp_weights(model.config, head, seed=5)
         return save_checkpoint(model, directory)
-    model = random_model({**NEMOTRON, **head}, seed=11)
+    model = random_model(head if "model_type" in head else {**NEMOTRON, **head}, seed=11)
     model.mtp = random_mtp_weights(model.config, seed=5)
-    return as_published(save_checkpoint(model, directory))
+    directory = save_checkpoint(model, directory)  # the Ling hybrid's is published as it is
+    return directory if "model_type" in head else as_published(directory)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +163,7 @@ def test_mtp_needs_weights_and_a_session():
     assert len(drafter.propose(2).tokens) == 2
 
 
-def rms(x, w, eps=NEMOTRON["layer_norm_epsilon"]):
+def rms(x, w, eps=1e-5):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
@@ -233,15 +243,55 @@ def test_nemotron_mtp_logits_equal_a_naive_vllm_reference(checkpoint, target):
     assert len(checked) >= 5
 
 
-def test_nemotron_mtp_config_as_hf_reads_it():
-    """The head's kinds from HF 5.25's fields: the list (legacy names remapped), else the pattern, else HF's default;
-    heads this does not run are refused naming the field."""
+@pytest.mark.parametrize("checkpoint", ["ling-mla-moe"], indirect=True)
+def test_ling_mtp_logits_equal_hf_layer_behind_the_vllm_fusion(checkpoint, target, tmp_path):
+    """The Ling hybrid's MTP step (vLLM `bailing_moe_v3_mtp.py`) from its published tensors: the fusion written out
+    naively, then HF's own one-layer model holding the step's layer (latent attention, MoE unclipped) with the step's
+    `final_layernorm` as its final norm, and the target's LM head; every round's first proposal against it."""
+    transformers = pytest.importorskip("transformers")
+    published, step = load_file(checkpoint / "model.safetensors"), f"model.layers.{LING['num_hidden_layers']}."
+    fusion = ("enorm", "hnorm", "eh_proj", "final_layernorm")
+    one = {f"model.layers.0.{k[len(step):]}": v for k, v in published.items()
+           if k.startswith(step) and k[len(step):].split(".")[0] not in fusion}
+    one.update({"model.norm.weight": published[step + "final_layernorm.weight"],
+                **{k: published[k] for k in ("model.word_embeddings.weight", "lm_head.weight")}})
+    one_layer = {"num_hidden_layers": 1, "layer_types": ["full_attention"], "first_k_dense_replace": 0,
+                 "expert_swiglu_limit_list": [0], "share_expert_swiglu_limit_list": [0], "num_mtp_layers": 0}
+    transformers.BailingHybridConfig(**{**LING, **one_layer}).save_pretrained(tmp_path)
+    save_file(one, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    hf = transformers.BailingHybridForCausalLM.from_pretrained(tmp_path).eval()
+    want = generate(target, PROMPT, N).token_ids
+    checked = []
+
+    def check(tokens, proposal):
+        _, hidden = target(torch.tensor(tokens[:-1]), target.new_state())
+        e = published["model.word_embeddings.weight"][torch.tensor(tokens[1:])]
+        x = torch.cat([rms(e, published[step + "enorm.weight"]),
+                       rms(target.model.norm(hidden), published[step + "hnorm.weight"])], -1) \
+            @ published[step + "eh_proj.weight"].T
+        with torch.no_grad():
+            logits = hf(inputs_embeds=x[None]).logits[0, -1].float()
+        torch.testing.assert_close(proposal.probs[0], logits.softmax(-1), rtol=1e-4, atol=1e-5)
+        checked.append(len(tokens))
+
+    drafter = Steered(MTPDrafter(target, SamplingParams(temperature=1.0)), want, check=check)
+    assert generate(target, PROMPT, N, drafter, 3).token_ids == want
+    assert len(checked) >= 5
+
+
+def test_mtp_config_as_hf_reads_it():
+    """Nemotron-H's head kinds from HF 5.25's fields: the list (legacy names remapped), else the pattern, else HF's
+    default; heads this does not run are refused naming the field. The Ling hybrid's steps, under either name."""
     transformers = pytest.importorskip("transformers")
     for extra in ({}, {"mtp_hybrid_override_pattern": "*-"}, {"mtp_layers_block_type": ["attention", "mlp"]}):
         cfg = {k: v for k, v in NEMOTRON.items() if k != "model_type"}
         hf = transformers.NemotronHConfig(**cfg, **extra)
         assert ModelConfig.from_dict({**NEMOTRON, **extra}).mtp_layer_types == tuple(hf.mtp_layers_block_type)
     assert ModelConfig.from_dict({**NEMOTRON, "num_nextn_predict_layers": 0}).mtp_layer_types == ()
+    ling = {**LING, "model_type": "bailing_hybrid"}  # HF's default: one step; its alias; none
+    for steps, kinds in (({}, ("full_attention",)), ({"num_nextn_predict_layers": 2}, ("full_attention",)),
+                         ({"num_mtp_layers": 0}, ())):
+        assert ModelConfig.from_dict({**ling, **steps}).mtp_layer_types == kinds
     for change, named in (({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers"),
                           ({"mtp_layers_block_type": ["linear_attention", "moe"]}, "mtp_layers_block_type")):
         with pytest.raises(ValueError, match=named):

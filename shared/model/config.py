@@ -48,6 +48,8 @@ class ModelConfig:
     # the MTP head's layer kinds, where the family's layout names them (Nemotron-H's); () : as many full-attention
     # layers as the checkpoint's `mtp.layers.*` (Qwen's)
     mtp_layer_types: tuple[str, ...] = ()
+    # fields the MTP head's layers take in place of the trunk's (the Ling hybrid's: its head's SwiGLUs unclipped)
+    mtp_overrides: tuple[tuple[str, Any], ...] = ()
     family: str = "qwen3_5"
     post_norm_kinds: tuple[str, ...] = ()  # layer kinds whose norms follow their mixer and MLP (OLMo's attention)
     # MiniMax's residual, (layer kind, (mixer's alpha, beta), (MLP's alpha, beta)): in a layer of such a kind each part

@@ -11,7 +11,9 @@ In the issue's words: the hidden state of position p-1 with the embedding of tok
 Nemotron-H's head (vLLM `nemotron_h_mtp.py`, `NemotronHMultiTokenPredictor`) is the same computation with the
 family's own blocks for `layers` (attention then MoE, `ModelConfig.mtp_layer_types`), its plain norms, and
 the fusion and end norm published on its first and last block (`enorm`, `hnorm`, `eh_proj`, `final_layernorm`:
-the family's `convert` names them as here); its trunk states reach the head after `norm_f`, as Qwen's do.
+the family's `convert` names them as here); its trunk states reach the head after `norm_f`, as Qwen's do. The
+Ling hybrid's (vLLM `bailing_moe_v3_mtp.py`) is one latent-attention layer with a MoE whose SwiGLUs are not clipped
+(`ModelConfig.mtp_overrides`), stored as layer `num_hidden_layers` with the same fusion names.
 References (read 2026-12): vLLM `vllm/model_executor/models/qwen3_next_mtp.py`,
 `Qwen3NextMultiTokenPredictor.forward`: `hidden_states = torch.cat([inputs_embeds, hidden_states],
 dim=-1)` after the two pre-fc norms, i.e. embedding first; the hidden states it receives are the
@@ -32,6 +34,8 @@ Trunk hidden states come from the target's verify pass (`Round.hidden`, and the 
 for every drafter. The head runs where the target runs: it needs the trunk's hidden states.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor, nn
@@ -54,9 +58,10 @@ def layer_kinds(cfg: ModelConfig, n_layers: int) -> tuple[str, ...]:
 
 
 def head_layers(cfg: ModelConfig, n_layers: int) -> list[DecoderLayer]:
-    """The family's layers of those kinds; a MoE model's are sparse (its own MoE block and shared expert, in both
-    families' published layout)."""
-    return [DecoderLayer(cfg, kind, cfg.num_experts > 0) for kind in layer_kinds(cfg, n_layers)]
+    """The family's layers of those kinds, with the config's `mtp_overrides`; a MoE model's are sparse (their own
+    MoE block and shared expert, in every published layout)."""
+    layer_cfg = dataclasses.replace(cfg, **dict(cfg.mtp_overrides))
+    return [DecoderLayer(layer_cfg, kind, cfg.num_experts > 0) for kind in layer_kinds(cfg, n_layers)]
 
 
 class MTPHead(nn.Module):
@@ -89,8 +94,10 @@ class MTPHead(nn.Module):
         self.eval()
 
     def new_cache(self, capacity: int = 256) -> list[AttnLayerState | None]:
-        """K/V for each attention layer of the head; None for its MLPs."""
-        shape = (self.cfg.num_key_value_heads, capacity, self.cfg.head_dim)
+        """K/V for each attention layer of the head, shaped as the trunk's (a latent attention's latent as one
+        head); None for its MLPs."""
+        spec = self.cfg.state_spec
+        shape = (spec.kv_heads, capacity, spec.head_dim)
         p = self.fc.weight
         return [AttnLayerState(p.new_zeros(shape), p.new_zeros(shape)) if layer.state == ATTENTION else None
                 for layer in self.layers]
@@ -177,7 +184,7 @@ class MTPDrafter:
 
 
 def random_mtp_weights(cfg: ModelConfig, n_layers: int = 1, seed: int = 0) -> dict[str, Tensor]:
-    """`mtp.*` tensors as the loader keeps them (Qwen3.5's layout; the family's layer kinds where it names them,
+    """`mtp.*` tensors as the loader keeps them (the drafter's names; the family's layer kinds where it names them,
     `n_layers` then unused), drawn at random (norm weights around the family's identity): for tests and the
     benchmark's random models. `cfg` is the target's `ModelConfig`."""
     gen = torch.Generator().manual_seed(seed)

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from deltaspec.shared.model.families.mamba2 import mixer, ssd_spec, time_step_limit
-from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, refuse_unless
+from deltaspec.shared.model.fields import MTP_FUSION, ConfigError, json_float, positive_int, refuse_unless
 from deltaspec.shared.model.mixers.attention import Attention
 from deltaspec.shared.model.mlp import GroupMoE, GroupMoEFields, ReluSquaredMLP
 from deltaspec.shared.state.spec import ATTENTION, RECURRENT, STATELESS, StateSpec
@@ -65,9 +65,6 @@ PARTS = {"linear_attention": "mamba", "full_attention": "self_attn", "mlp": "mlp
 CHANNEL_MIXERS = ("mlp", "moe")  # blocks behind the shared layers' post_attention_layernorm
 MTP_DEFAULT = ["full_attention", "moe"]  # HF's `mtp_layers_block_type` when the config gives none
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # HF's remap of older kind names (MTP's)
-# the MTP head's fusion and end norm: published names (on its first and last layer) -> the MTP drafter's
-MTP_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
-             "final_layernorm": "norm"}
 
 
 def _layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
@@ -188,7 +185,7 @@ def convert(tensors: dict[str, Tensor], cfg: NemotronFields) -> None:
     for name in list(tensors):
         end = _MTP_END.match(name)
         if end and cfg.mtp_layer_types and int(end.group(1)) == _end_layer(end.group(2), cfg):
-            tensors[f"mtp.{MTP_NAMES[end.group(2)]}.{end.group(3)}"] = tensors.pop(name)
+            tensors[f"mtp.{MTP_FUSION[end.group(2)]}.{end.group(3)}"] = tensors.pop(name)
             continue
         m = _BLOCK.match(name)
         if m:
@@ -210,7 +207,7 @@ def convert(tensors: dict[str, Tensor], cfg: NemotronFields) -> None:
 
 def publish(tensors: dict[str, Tensor], cfg: NemotronFields) -> None:
     """`convert`'s inverse, in place: HF 5.25's names, and the MTP head's as NVIDIA publishes them."""
-    mtp_parts = {v: k for k, v in MTP_NAMES.items()}
+    mtp_parts = {v: k for k, v in MTP_FUSION.items()}
     for name in list(tensors):
         m = re.match(r"^(model|mtp)\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm|mamba|self_attn|mlp)\."
                      r"(.*)$", name)
