@@ -5,8 +5,8 @@ Reads `config.json` and `model.safetensors` or its shards (`model.safetensors.in
 (`mlp.experts.N.gate_proj.weight`, `up_proj`, `down_proj`) or fused as HF keeps them (`mlp.experts.gate_up_proj`
 (E, 2 I, H), `mlp.experts.down_proj` (E, H, I)), or both in one checkpoint (the published Qwen3.5-35B-A3B: main
 layers fused, MTP per expert); per-expert ones are stacked (non-gated ones too: Nemotron-H's `up_proj` alone). A
-multimodal wrapper's vision tower (`model.visual.*`) is skipped with a log line. `mtp.*` tensors are kept on
-`model.mtp`. Every tensor must be consumed and every parameter found: any mismatch stops with one `CheckpointError`
+multimodal wrapper's vision tower (`model.visual.*`) is skipped with a log line. `mtp.*` tensors (named so by the
+family's `convert`) are kept on `model.mtp` in the checkpoint's dtypes, for the MTP drafter to cast. Every tensor must be consumed and every parameter found: any mismatch stops with one `CheckpointError`
 naming the tensor or field. The tensors a module names in `keep_float32` (Nemotron-H's router, LFM2-MoE's expert
 bias) are loaded in float32 whatever the dtype, as HF keeps them.
 """

@@ -211,7 +211,7 @@ def publish(tensors: dict[str, Tensor], cfg: NemotronFields) -> None:
     for name in list(tensors):
         m = re.match(r"^(model|mtp)\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm|mamba|self_attn|mlp)\."
                      r"(.*)$", name)
-        mtp = re.match(r"^mtp\.(pre_fc_norm_embedding|pre_fc_norm_hidden|fc|norm)\.(.*)$", name)
+        mtp = re.match(rf"^mtp\.({'|'.join(mtp_parts)})\.(.*)$", name)
         if m:
             part = "norm" if m.group(3).endswith("layernorm") else "mixer"
             tensors[f"{m.group(1)}.layers.{m.group(2)}.{part}.{m.group(4)}"] = tensors.pop(name)
