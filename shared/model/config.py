@@ -45,6 +45,11 @@ class ModelConfig:
     mlp_bias: bool = False
     eos_token_id: tuple[int, ...] = ()
     mtp_num_hidden_layers: int = 0
+    # the MTP head's layer kinds, where the family's layout names them (Nemotron-H's); () : as many full-attention
+    # layers as the checkpoint's `mtp.layers.*` (Qwen's)
+    mtp_layer_types: tuple[str, ...] = ()
+    # fields the MTP head's layers take in place of the trunk's (the Ling hybrid's: its head's SwiGLUs unclipped)
+    mtp_overrides: tuple[tuple[str, Any], ...] = ()
     family: str = "qwen3_5"
     post_norm_kinds: tuple[str, ...] = ()  # layer kinds whose norms follow their mixer and MLP (OLMo's attention)
     # MiniMax's residual, (layer kind, (mixer's alpha, beta), (MLP's alpha, beta)): in a layer of such a kind each part
@@ -109,7 +114,7 @@ class ModelConfig:
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
             )
         kinds = family_named(self.family).layer_kinds
-        bad = [t for t in self.layer_types if t not in kinds]
+        bad = [t for t in self.layer_types + self.mtp_layer_types if t not in kinds]
         if bad:
             raise ConfigError(f"layer_types: unknown layer kind {bad[0]!r} (expected one of {kinds})")
         if self.linear_num_key_heads and self.linear_num_value_heads % self.linear_num_key_heads:

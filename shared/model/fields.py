@@ -9,6 +9,11 @@ from typing import Any
 from torch import Tensor
 
 
+# a DeepSeek-V3-style MTP step's fusion and end norm (published on its layer) -> the MTP drafter's names
+MTP_FUSION = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
+              "final_layernorm": "norm"}
+
+
 class ConfigError(ValueError):
     """A checkpoint's config.json cannot describe a model this engine runs."""
 

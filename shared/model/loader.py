@@ -5,8 +5,8 @@ Reads `config.json` and `model.safetensors` or its shards (`model.safetensors.in
 (`mlp.experts.N.gate_proj.weight`, `up_proj`, `down_proj`) or fused as HF keeps them (`mlp.experts.gate_up_proj`
 (E, 2 I, H), `mlp.experts.down_proj` (E, H, I)), or both in one checkpoint (the published Qwen3.5-35B-A3B: main
 layers fused, MTP per expert); per-expert ones are stacked (non-gated ones too: Nemotron-H's `up_proj` alone). A
-multimodal wrapper's vision tower (`model.visual.*`) is skipped with a log line. `mtp.*` tensors are kept on
-`model.mtp`. Every tensor must be consumed and every parameter found: any mismatch stops with one `CheckpointError`
+multimodal wrapper's vision tower (`model.visual.*`) is skipped with a log line. `mtp.*` tensors (named so by the
+family's `convert`) are kept on `model.mtp` in the checkpoint's dtypes, for the MTP drafter to cast. Every tensor must be consumed and every parameter found: any mismatch stops with one `CheckpointError`
 naming the tensor or field. The tensors a module names in `keep_float32` (Nemotron-H's router, LFM2-MoE's expert
 bias) are loaded in float32 whatever the dtype, as HF keeps them.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from deltaspec.shared.model.config import ConfigError, ModelConfig
 from deltaspec.shared.model.families import family_of
@@ -107,14 +107,19 @@ def load_model(directory: str | Path, dtype: torch.dtype | None = None, device: 
             raise CheckpointError(
                 f"{directory}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(shape)}"
             )
-    float32 = {f"{m}.{t}" for m, module in model.named_modules()
-               for t in getattr(module, "keep_float32", ())}  # as HF keeps them: float32 whatever the model's dtype
+    float32 = float32_names(model)
     model.load_state_dict({k: v.to(torch.float32 if k in float32 else dtype) for k, v in tensors.items()},
                           strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.mtp = {k: v.to(dtype) for k, v in mtp.items()}
+    model.mtp = mtp  # as the checkpoint stores them: the MTP head casts them, keeping its float32 ones
     return model.to(device).eval().fuse()
+
+
+def float32_names(module: nn.Module) -> set[str]:
+    """The state_dict keys of the tensors `module`'s parts name in `keep_float32`: float32 whatever the model's dtype,
+    as HF keeps them (Nemotron-H's router)."""
+    return {f"{m}.{t}".lstrip(".") for m, part in module.named_modules() for t in getattr(part, "keep_float32", ())}
 
 
 def stack_experts(tensors: dict[str, Tensor], cfg: ModelConfig) -> None:

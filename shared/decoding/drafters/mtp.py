@@ -8,6 +8,12 @@ Wiring (Qwen3.5 / Qwen3-Next checkpoint layout), row i predicts token i+2 from t
     logits_i = lm_head(y_i)                            # the target's (possibly tied) lm_head
 
 In the issue's words: the hidden state of position p-1 with the embedding of token p predicts p+1.
+Nemotron-H's head (vLLM `nemotron_h_mtp.py`, `NemotronHMultiTokenPredictor`) is the same computation with the
+family's own blocks for `layers` (attention then MoE, `ModelConfig.mtp_layer_types`), its plain norms, and
+the fusion and end norm published on its first and last block (`enorm`, `hnorm`, `eh_proj`, `final_layernorm`:
+the family's `convert` names them as here); its trunk states reach the head after `norm_f`, as Qwen's do. The
+Ling hybrid's (vLLM `bailing_moe_v3_mtp.py`) is one latent-attention layer with a MoE whose SwiGLUs are not clipped
+(`ModelConfig.mtp_overrides`), stored as layer `num_hidden_layers` with the same fusion names.
 References (read 2026-12): vLLM `vllm/model_executor/models/qwen3_next_mtp.py`,
 `Qwen3NextMultiTokenPredictor.forward`: `hidden_states = torch.cat([inputs_embeds, hidden_states],
 dim=-1)` after the two pre-fc norms, i.e. embedding first; the hidden states it receives are the
@@ -29,20 +35,38 @@ for every drafter. The head runs where the target runs: it needs the trunk's hid
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor, nn
 
 from deltaspec.shared.decoding.drafters import Proposal
 from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabilities
+from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.layers import DecoderLayer
+from deltaspec.shared.model.loader import float32_names
 from deltaspec.shared.model.norms import RMSNorm
 from deltaspec.shared.model.rotary import rotary_cos_sin
 from deltaspec.shared.state.rollback import AttnLayerState
+from deltaspec.shared.state.spec import ATTENTION, RECURRENT
+
+
+def layer_kinds(cfg: ModelConfig, n_layers: int) -> tuple[str, ...]:
+    """The head's layer kinds: the family's (`mtp_layer_types`), else Qwen's, `n_layers` full-attention layers."""
+    return cfg.mtp_layer_types or ("full_attention",) * n_layers
+
+
+def head_layers(cfg: ModelConfig, n_layers: int) -> list[DecoderLayer]:
+    """The family's layers of those kinds, with the config's `mtp_overrides`; a MoE model's are sparse (their own
+    MoE block and shared expert, in every published layout)."""
+    layer_cfg = dataclasses.replace(cfg, **dict(cfg.mtp_overrides))
+    return [DecoderLayer(layer_cfg, kind, cfg.num_experts > 0) for kind in layer_kinds(cfg, n_layers)]
 
 
 class MTPHead(nn.Module):
-    """The `mtp.*` module; its state_dict keys are the checkpoint's keys without `mtp.`."""
+    """The `mtp.*` module; its state_dict keys are the checkpoint's keys (after the family's `convert`) without
+    `mtp.`."""
 
     def __init__(self, target: HybridLM) -> None:
         super().__init__()
@@ -51,24 +75,32 @@ class MTPHead(nn.Module):
         n_layers = len({k.split(".")[1] for k in weights if k.startswith("layers.")})
         if not weights or not n_layers:
             raise ValueError("the target checkpoint has no MTP head (no mtp.layers.* tensors)")
-        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        D, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
         self.cfg = cfg
         self.fc = nn.Linear(2 * D, D, bias=False)
-        self.pre_fc_norm_embedding = RMSNorm(D, eps)
-        self.pre_fc_norm_hidden = RMSNorm(D, eps)
-        # a MoE model's head has its own sparse MoE block and shared expert (both families' published layout)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, "full_attention", cfg.num_experts > 0) for _ in range(n_layers))
-        self.norm = RMSNorm(D, eps)
+        self.pre_fc_norm_embedding = RMSNorm(D, eps, offset)
+        self.pre_fc_norm_hidden = RMSNorm(D, eps, offset)
+        self.layers = nn.ModuleList(head_layers(cfg, n_layers))
+        if any(layer.state == RECURRENT for layer in self.layers):
+            raise ValueError("an MTP head with recurrent layers is not supported: its cache rolls back by position")
+        self.norm = RMSNorm(D, eps, offset)
         missing, unexpected = self.load_state_dict(weights, strict=False)
         if missing or unexpected:
             raise ValueError(f"mtp.* tensors do not match the MTP layout: missing {sorted(missing)[:3]}, "
                              f"unexpected {sorted(unexpected)[:3]}")
-        self.to(device=target.device, dtype=target.dtype).eval()
+        float32 = float32_names(self)  # a router kept in float32, as the trunk's is
+        for name, t in self.to(device=target.device).state_dict(keep_vars=True).items():
+            t.data = t.data.to(torch.float32 if name in float32 else target.dtype)
+        self.eval()
 
-    def new_cache(self, capacity: int = 256) -> list[AttnLayerState]:
-        shape = (self.cfg.num_key_value_heads, capacity, self.cfg.head_dim)
+    def new_cache(self, capacity: int = 256) -> list[AttnLayerState | None]:
+        """K/V for each attention layer of the head, shaped as the trunk's (a latent attention's latent as one
+        head); None for its MLPs."""
+        spec = self.cfg.state_spec
+        shape = (spec.kv_heads, capacity, spec.head_dim)
         p = self.fc.weight
-        return [AttnLayerState(p.new_zeros(shape), p.new_zeros(shape)) for _ in self.layers]
+        return [AttnLayerState(p.new_zeros(shape), p.new_zeros(shape)) if layer.state == ATTENTION else None
+                for layer in self.layers]
 
     @torch.inference_mode()
     def forward(self, emb: Tensor, hidden: Tensor, cache: list[AttnLayerState], start: int) -> Tensor:
@@ -151,15 +183,15 @@ class MTPDrafter:
             self.rows_x += list(next_tokens)
 
 
-def random_mtp_weights(cfg, n_layers: int = 1, seed: int = 0) -> dict[str, Tensor]:
-    """`mtp.*` tensors in the Qwen3.5 checkpoint layout, drawn at random (norm weights included): for tests
-    and the benchmark's random models. `cfg` is the target's `ModelConfig`."""
+def random_mtp_weights(cfg: ModelConfig, n_layers: int = 1, seed: int = 0) -> dict[str, Tensor]:
+    """`mtp.*` tensors as the loader keeps them (the drafter's names; the family's layer kinds where it names them,
+    `n_layers` then unused), drawn at random (norm weights around the family's identity): for tests and the
+    benchmark's random models. `cfg` is the target's `ModelConfig`."""
     gen = torch.Generator().manual_seed(seed)
     D = cfg.hidden_size
     shapes = {"fc.weight": (D, 2 * D), "pre_fc_norm_embedding.weight": (D,), "pre_fc_norm_hidden.weight": (D,),
               "norm.weight": (D,)}
-    for i in range(n_layers):
-        shapes.update({f"layers.{i}.{k}": tuple(v.shape)
-                       for k, v in DecoderLayer(cfg, "full_attention", cfg.num_experts > 0).state_dict().items()})
+    for i, layer in enumerate(head_layers(cfg, n_layers)):
+        shapes.update({f"layers.{i}.{k}": tuple(v.shape) for k, v in layer.state_dict().items()})
     return {f"mtp.{k}": torch.randn(s, generator=gen) * (0.3 if len(s) == 1 else s[-1] ** -0.5)
-            for k, s in shapes.items()}
+            + (1.0 - cfg.norm_offset if "norm" in k else 0.0) for k, s in shapes.items()}

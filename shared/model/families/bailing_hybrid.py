@@ -14,7 +14,12 @@ What differs from Kimi Linear (HF 5.25's `modeling_bailing_hybrid.py`, `configur
 - SwiGLU clipping of the routed and shared experts by layer (`expert_swiglu_limit_list`,
   `share_expert_swiglu_limit_list`; 0: none): deltaspec's layers take one limit for every sparse layer, so lists
   whose limits differ between sparse layers are refused; dense MLPs are never clipped (HF's take none);
-- MTP layers after `num_hidden_layers` are ignored (as HF ignores them).
+- the MTP head (`num_mtp_layers`, alias `num_nextn_predict_layers`, HF's default 1), which HF ignores: vLLM's
+  `bailing_moe_v3_mtp.py` runs it, a DeepSeek-V3-style step stored as layer `num_hidden_layers`: `enorm`, `hnorm`,
+  `eh_proj`, a latent-attention layer with a sparse MoE whose SwiGLUs are unclipped (the limit lists hold the
+  trunk's layers only), `final_layernorm`; the target's embeddings and LM head. `convert` maps the first step onto
+  the MTP drafter's names (`--draft mtp`); further steps' layers are dropped (the drafter reuses the first, where
+  vLLM would run step j's), and so is a step's `shared_head.head` (vLLM shares the target's LM head).
 Tensors: HF 5.25 saves the published layout: `model.word_embeddings`, `attention.` for `self_attn.`, `attention.dense`
 for `o_proj`, the forget gate's tensors on the layer, the conv split into `q_conv1d`, `k_conv1d`, `v_conv1d`,
 experts per expert, the router's bias as `gate.expert_bias`. `convert` reads those and HF's in-memory names,
@@ -28,7 +33,8 @@ from torch import Tensor, nn
 
 from deltaspec.shared.model.families import kimi_linear
 from deltaspec.shared.model.families.lfm2 import rename_fragments
-from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, refuse_unless, unstack_experts
+from deltaspec.shared.model.fields import (MTP_FUSION, ConfigError, json_float, positive_int, refuse_unless,
+                                           unstack_experts)
 from deltaspec.shared.model.mixers.kda import KDAForm, KimiDeltaAttention
 from deltaspec.shared.model.mixers.mla import LatentAttention
 from deltaspec.shared.model.mlp import MLP, SharedExpertsMoE
@@ -84,8 +90,11 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
                                           ("linear_conv_kernel_dim",
                                            ("linear_conv_kernel_dim", "short_conv_kernel_size"), 4))}
     safe = bool(cfg.get("kda_safe_gate", True))
+    mtp_steps = kimi_linear.get(cfg, ("num_mtp_layers", "num_nextn_predict_layers"), 1)  # HF's default: one
     return dict(
         num_hidden_layers=n_layers, layer_types=kinds, mlp_only_layers=dense,
+        mtp_layer_types=("full_attention",) if mtp_steps else (),
+        mtp_overrides=(("expert_swiglu_limit", 0.0), ("shared_swiglu_limit", 0.0)),
         **kimi_linear.mla_fields(cfg, "bailing_hybrid", dict(kv_lora_rank=512, qk_nope_head_dim=128,
                                                              qk_rope_head_dim=64, v_head_dim=128)),
         head_dim=rope_dim, partial_rotary_factor=1.0, rope_theta=_rope(cfg), attention_output_gate=True,
@@ -108,16 +117,28 @@ def layer(cfg: Any, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.
 
 
 def convert(tensors: dict[str, Tensor], cfg: Any) -> None:
-    """The published names (or HF's in-memory ones) -> the shared layers', in place; MTP layers dropped."""
+    """The published names (or HF's in-memory ones) -> the shared layers', in place; the first MTP step's -> the MTP
+    drafter's (`mtp.*`), further steps dropped."""
     for name in [n for n in tensors if n.startswith("model.layers.")]:
-        if int(name.split(".")[2]) >= cfg.num_hidden_layers:
-            del tensors[name]
+        _, _, i, rest = name.split(".", 3)
+        if int(i) < cfg.num_hidden_layers:
+            continue
+        tensor = tensors.pop(name)
+        if int(i) == cfg.num_hidden_layers and cfg.mtp_layer_types and not rest.startswith("shared_head.head."):
+            part, _, tail = rest.partition(".")
+            tensors[f"mtp.{MTP_FUSION[part]}.{tail}" if part in MTP_FUSION else f"mtp.layers.0.{rest}"] = tensor
     rename_fragments(tensors, RENAMES)
     kimi_linear.join_convs(tensors)
 
 
 def publish(tensors: dict[str, Tensor], cfg: Any) -> None:
-    """`convert`'s inverse, in place: the published layout, as HF 5.25's `save_pretrained` writes it."""
+    """`convert`'s inverse, in place: the published layout, as HF 5.25's `save_pretrained` writes it (and the MTP
+    step as vLLM reads it)."""
+    fusion, step = {v: k for k, v in MTP_FUSION.items()}, f"model.layers.{cfg.num_hidden_layers}."
+    for name in [n for n in tensors if n.startswith("mtp.")]:
+        part, _, tail = name[len("mtp."):].partition(".")
+        tensors[step + (f"{fusion[part]}.{tail}" if part in fusion else name[len("mtp.layers.0."):])] = \
+            tensors.pop(name)
     unstack_experts(tensors)
     kimi_linear.split_convs(tensors)
     rename_fragments(tensors, tuple((ours, theirs) for theirs, ours in reversed(RENAMES)
