@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from deltaspec.shared.cli import FIXED_DRAFT_TOKENS, draft_settings
+from deltaspec.shared.cli import FIXED_DRAFT_TOKENS, build_parser, draft_settings
 from deltaspec.shared.decoding.drafters.model_drafter import STOP_BELOW
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.decoding.target import MAX_DRAFT_TOKENS
@@ -46,6 +46,14 @@ def test_generate_with_explicit_draft_dir(tmp_path):
                           "fixed").stdout.splitlines()[-1])  # drafts every round: a random pair would not pay
     assert plain["stats"]["drafted"] == 0 and spec["stats"]["drafted"] > 0
     assert spec["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 9
+
+
+def test_the_cost_model_chooses_k_by_default():
+    """`serve-target` and `generate` choose k per round unless told `--draft-length fixed`."""
+    parser = build_parser()
+    for command in (["serve-target"], ["generate", "--prompt", "x"]):
+        assert parser.parse_args(command).draft_length == "cost"
+        assert parser.parse_args([*command, "--draft-length", "fixed"]).draft_length == "fixed"
 
 
 def test_generate_with_a_cost_model_draft_length():
