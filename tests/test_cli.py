@@ -51,7 +51,7 @@ def test_generate_with_explicit_draft_dir(tmp_path):
 def test_the_cost_model_chooses_k_by_default():
     """`serve-target` and `generate` choose k per round unless told `--draft-length fixed`."""
     parser = build_parser()
-    for command in (["serve-target"], ["generate", "--prompt", "x"]):
+    for command in (["serve-target", "--port", "0"], ["generate", "--prompt", "x"]):
         assert parser.parse_args(command).draft_length == "cost"
         assert parser.parse_args([*command, "--draft-length", "fixed"]).draft_length == "fixed"
 
