@@ -181,7 +181,8 @@ def print_rows(rows: list[dict]) -> None:
           "of the front per output token and per request, of the client per output token)")
     print(" ".join(f"{f:>13}" for f in FIELDS))
     for r in rows:
-        print(" ".join(f"{r[f]:>13.1f}" if isinstance(r[f], float) else f"{r[f]:>13}" for f in FIELDS))
+        print(" ".join(f"{r[f]:>13.{3 if f.endswith('_tok') else 1}f}" if isinstance(r[f], float) else f"{r[f]:>13}"
+                       for f in FIELDS))
     by = {(r["path"], r["k"], r["concurrency"]): r for r in rows}
     print("\nfront / gRPC: tokens/s ratio, median TTFT difference (ms); speculative over target-only, each path")
     for c in LEVELS:
