@@ -43,10 +43,7 @@ class Server:
             return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
     def cpu_s(self) -> float:
-        """CPU seconds (user + system, all threads) the server has used so far."""
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
     def sessions(self) -> int:
         """Open sessions, from the server's own `deltaspec_sessions` gauge."""
@@ -95,6 +92,13 @@ def pin_threads(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process `pid` has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_pair(target_dir: Path, draft_dir: Path, *extra: str) -> dict[str, Server]:

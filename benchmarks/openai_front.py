@@ -2,14 +2,21 @@
 
 `serve-draft`, `serve-target` (speculating with it) and `serve-openai` run as child processes on loopback. For each
 concurrency (1, 4, 8), drafts a round (4: speculative; 0: target-only) and path (`grpc`: `deltaspec.Client.stream`;
-`openai`: OpenAI's client, streamed, `num_draft_tokens` in the body), that many client threads run greedy
+`openai`: OpenAI's client, streamed, `num_draft_tokens` in the body; `http`: the same request read as raw SSE lines
+with the standard library, so the front's cost is seen apart from the SDK's), that many client threads run greedy
 generations of the same prompts back to back. Per row: aggregate output tokens/s, median time to first token, and
 time per output token per token (a delivery of m tokens g seconds after the one before counts m tokens of g/m; the
-embedded pair is byte-level, so a chunk's tokens are its text's UTF-8 bytes; the total is the usage's), p50.
+embedded pair is byte-level, so a chunk's tokens are its text's UTF-8 bytes; the total is the usage's), p50; and CPU
+milliseconds per output token of the front process (idle on `grpc` rows) and of the client threads (this process),
+and the front's per request. On a host with few cores every CPU millisecond of the front and the client is taken
+from the target, so these say what the wall-clock ratios cost, without the noise of other work on the host.
 """
 from __future__ import annotations
 
+import http.client
+import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -18,10 +25,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.loopback import PROMPTS, percentile, start_pair, stop_all
+from benchmarks.loopback import PROMPTS, cpu_seconds, percentile, start_pair, stop_all
 
-LEVELS, KS, PATHS = (1, 4, 8), (4, 0), ("grpc", "openai")
-FIELDS = ("path", "k", "concurrency", "tokens", "tokens_per_s", "ttft_ms_p50", "tpot_ms_p50")
+LEVELS, KS, PATHS = (1, 4, 8), (4, 0), ("grpc", "openai", "http")
+FIELDS = ("path", "k", "concurrency", "tokens", "tokens_per_s", "ttft_ms_p50", "tpot_ms_p50", "front_ms_tok",
+          "front_ms_req", "client_ms_tok")
 
 
 class Front:
@@ -47,6 +55,9 @@ class Front:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+
+    def cpu_s(self) -> float:
+        return cpu_seconds(self.proc.pid)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -77,12 +88,36 @@ def _openai_stream(client, prompt: str, n: int, k: int):
             yield len(chunk.choices[0].text.encode())
 
 
-PATH_FNS = {"grpc": (_grpc_client, _grpc_stream), "openai": (_openai_client, _openai_stream)}
+def _http_client(address: str) -> http.client.HTTPConnection:
+    host, port = address.rsplit(":", 1)
+    return http.client.HTTPConnection(host, int(port))
 
 
-def row(path: str, address: str, k: int, concurrency: int, n: int, generations: int) -> dict:
+def _http_stream(conn: http.client.HTTPConnection, prompt: str, n: int, k: int):
+    body = {"model": "deltaspec-embedded", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+            "num_draft_tokens": k}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    for line in conn.getresponse():  # read to the end, so the connection is kept for the next request
+        if line.startswith(b"data: {"):
+            choices = json.loads(line[6:])["choices"]
+            if choices and choices[0]["text"]:
+                yield len(choices[0]["text"].encode())
+
+
+PATH_FNS = {"grpc": (_grpc_client, _grpc_stream), "openai": (_openai_client, _openai_stream),
+            "http": (_http_client, _http_stream)}
+
+
+def _own_cpu_s() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return own.ru_utime + own.ru_stime
+
+
+def row(path: str, address: str, k: int, concurrency: int, n: int, generations: int,
+        front: Front | None = None) -> dict:
     """`concurrency` threads, `generations` each, of `n` greedy tokens from the shared prompts; each thread keeps one
-    client (one channel, one HTTP connection pool), as an application does, so what is timed is the requests."""
+    client (one channel, one HTTP connection pool), as an application does, so what is timed is the requests.
+    `front`: whose CPU time is counted as the front's."""
     opener, stream = PATH_FNS[path]
     first, per_token, counts = [], [], []
     lock = threading.Lock()
@@ -105,6 +140,7 @@ def row(path: str, address: str, k: int, concurrency: int, n: int, generations: 
                 counts.append(total)
         client.close()
 
+    front_cpu, client_cpu = front.cpu_s() if front else 0.0, _own_cpu_s()
     started = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
     for t in threads:
@@ -112,8 +148,12 @@ def row(path: str, address: str, k: int, concurrency: int, n: int, generations: 
     for t in threads:
         t.join()
     seconds = time.perf_counter() - started
-    return {"k": k, "concurrency": concurrency, "tokens": sum(counts), "tokens_per_s": sum(counts) / seconds,
-            "ttft_ms_p50": 1000 * statistics.median(first), "tpot_ms_p50": 1000 * percentile(sorted(per_token), 0.5)}
+    front_cpu, client_cpu = (front.cpu_s() if front else 0.0) - front_cpu, _own_cpu_s() - client_cpu
+    tokens = sum(counts)
+    return {"k": k, "concurrency": concurrency, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "ttft_ms_p50": 1000 * statistics.median(first), "tpot_ms_p50": 1000 * percentile(sorted(per_token), 0.5),
+            "front_ms_tok": 1000 * front_cpu / tokens, "front_ms_req": 1000 * front_cpu / len(counts),
+            "client_ms_tok": 1000 * client_cpu / tokens}
 
 
 def openai_front(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
@@ -128,7 +168,7 @@ def openai_front(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
                 for path in PATHS:
                     address = servers["target"].address if path == "grpc" else front.address
                     row(path, address, k, 1, 8, 1)  # warm: connections, the prefix cache's first blocks
-                    rows.append({"path": path, **row(path, address, k, concurrency, n, generations)})
+                    rows.append({"path": path, **row(path, address, k, concurrency, n, generations, front)})
         return rows
     finally:
         if front is not None:
@@ -137,17 +177,19 @@ def openai_front(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print("\nOpenAI front vs gRPC Generate (greedy, embedded pair, streamed; ttft median, tpot per token p50)")
+    print("\nOpenAI front vs gRPC Generate (greedy, embedded pair, streamed; ttft median, tpot per token p50; CPU ms "
+          "of the front per output token and per request, of the client per output token)")
     print(" ".join(f"{f:>13}" for f in FIELDS))
     for r in rows:
-        print(" ".join(f"{r[f]:>13.1f}" if isinstance(r[f], float) else f"{r[f]:>13}" for f in FIELDS))
+        print(" ".join(f"{r[f]:>13.{3 if f.endswith('_tok') else 1}f}" if isinstance(r[f], float) else f"{r[f]:>13}"
+                       for f in FIELDS))
     by = {(r["path"], r["k"], r["concurrency"]): r for r in rows}
     print("\nfront / gRPC: tokens/s ratio, median TTFT difference (ms); speculative over target-only, each path")
     for c in LEVELS:
         for k in KS:
-            front, direct = by[("openai", k, c)], by[("grpc", k, c)]
-            print(f"  concurrency {c}, k {k}: tok/s {front['tokens_per_s'] / direct['tokens_per_s']:.3f}, "
-                  f"TTFT {front['ttft_ms_p50'] - direct['ttft_ms_p50']:+.2f} ms")
+            direct = by[("grpc", k, c)]
+            print(f"  concurrency {c}, k {k}: " + "; ".join(
+                f"{p} tok/s {by[(p, k, c)]['tokens_per_s'] / direct['tokens_per_s']:.3f}, "
+                f"TTFT {by[(p, k, c)]['ttft_ms_p50'] - direct['ttft_ms_p50']:+.2f} ms" for p in PATHS[1:]))
         speedup = {p: by[(p, 4, c)]["tokens_per_s"] / by[(p, 0, c)]["tokens_per_s"] for p in PATHS}
-        print(f"  concurrency {c}: speculative / target-only: grpc {speedup['grpc']:.2f}x, "
-              f"openai {speedup['openai']:.2f}x")
+        print(f"  concurrency {c}: speculative / target-only: " + ", ".join(f"{p} {speedup[p]:.2f}x" for p in PATHS))

@@ -189,10 +189,11 @@ def make_app(settings: Settings) -> FastAPI:
             metrics.requests.labels(http.url.path, "200").inc()
             return JSONResponse(reply.whole())
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[bytes]:
             try:
                 with use_span(span, end_on_exit=False):
-                    yield reply.first_chunk()
+                    if first := reply.first_chunk():
+                        yield first
                     async for msg in messages:
                         reply.add(msg)
                         clock.tokens(len(msg.token_ids))
@@ -266,6 +267,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def uvicorn_server(app: FastAPI, tls: tuple[str, str] | None = None) -> uvicorn.Server:
+    """uvicorn picks httptools and uvloop (dependencies, for the CPU they save per chunk: docs/openai.md) where they
+    are installed; grpc.aio runs on either loop (the tests run on uvloop)."""
     cert, key = tls or (None, None)
     return uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", ssl_certfile=cert,
                                          ssl_keyfile=key, timeout_graceful_shutdown=10))

@@ -7,6 +7,10 @@ brings text or log-probabilities (a round may commit several tokens: they share 
 a chunk with `choices: []` and the usage (`usage: null` on the others); then `data: [DONE]`. Stop strings need
 nothing here: the target holds back text that may begin one and sends the text before it
 (target_service.proto, GenerateRequest.stop_strings).
+
+Events are UTF-8 bytes from one JSON encoder made once, and a chunk that brings only text (no log-probabilities, no
+running usage: nearly all of them) is its text's JSON between a prefix and a suffix made once per reply: on a host
+with few cores the front's CPU per chunk is taken from the target (docs/openai.md, Benchmark).
 """
 from __future__ import annotations
 
@@ -18,11 +22,13 @@ from deltaspec.v1 import target_service_pb2 as pb
 from deltaspec.openai_service.schema import Request
 
 FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_EOS: "stop", pb.FINISH_REASON_STOP: "stop"}
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
+_HOLE = "\ue000text\ue000"  # stands for a chunk's text while its template is made (a private-use character)
+_json = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps with an argument makes an encoder every call
 
 
-def sse(event: dict) -> str:
-    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+def sse(event: dict) -> bytes:
+    return f"data: {_json(event)}\n\n".encode()
 
 
 class Reply:
@@ -35,6 +41,8 @@ class Reply:
         self.text, self.finish_reason = "", None
         self.logprobs: list[pb.TokenLogprob] = []
         self.text_offset = 0  # /v1/completions' logprobs.text_offset: where the next token's text starts
+        self._text_only = request.top_logprobs is None and not request.continuous_usage
+        self._around = self._chunk({"content": _HOLE} if request.chat else _HOLE).split(_json(_HOLE).encode())
 
     def add(self, msg: pb.GenerateResponse) -> None:
         self.prompt_tokens = self.prompt_tokens or len(msg.prompt_ids)
@@ -56,17 +64,20 @@ class Reply:
                   {"index": 0, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason})
         return {**self._head(self.object), "choices": [choice], "usage": self.usage()}
 
-    def first_chunk(self) -> str:
+    def first_chunk(self) -> bytes:
         """Chat's opening chunk (the assistant's role); nothing on /v1/completions."""
-        return self._chunk({"role": "assistant", "content": ""}) if self.request.chat else ""
+        return self._chunk({"role": "assistant", "content": ""}) if self.request.chat else b""
 
-    def chunk(self, msg: pb.GenerateResponse) -> str:
-        """The chunk a message makes (after `add`), or '' when it brings no text and no log-probabilities."""
+    def chunk(self, msg: pb.GenerateResponse) -> bytes:
+        """The chunk a message makes (after `add`), or b'' when it brings no text and no log-probabilities."""
         if not msg.text and not msg.logprobs:
-            return ""
+            return b""
+        if self._text_only:
+            before, after = self._around
+            return before + _json(msg.text).encode() + after
         return self._chunk({"content": msg.text} if self.request.chat else msg.text, self._logprobs(msg.logprobs))
 
-    def last_chunks(self) -> str:
+    def last_chunks(self) -> bytes:
         """The finishing chunk, the usage chunk when asked for, and [DONE]."""
         out = self._chunk({} if self.request.chat else "", None, self.finish_reason)
         if self.request.include_usage:
@@ -77,7 +88,7 @@ class Reply:
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _chunk(self, delta: dict | str, logprobs: dict | None = None, finish: str | None = None) -> str:
+    def _chunk(self, delta: dict | str, logprobs: dict | None = None, finish: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta} if self.request.chat else {"index": 0, "text": delta}
         event = {**self._head(self.object + ".chunk" if self.request.chat else self.object),
                  "choices": [{**choice, "logprobs": logprobs, "finish_reason": finish}]}
