@@ -1,0 +1,111 @@
+"""Tensor parallelism over gloo: a model sharded on 2 ranks gives the single-process logits (to 1e-5 relative: the
+all-reduce adds in another order) for a prefill, a verify, a partial commit, a revert and a decode, on the fused and
+the layer path, and the same greedy tokens target-only and speculative."""
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model
+from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.model.fields import ConfigError
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.parallel import Rank, shard, sharded_config
+
+CASES = {
+    "qwen3_5": lambda: hf_config(),
+    "qwen3_5_moe": lambda: hf_moe_config(layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    "qwen3_next": lambda: hf_moe_config("qwen3_next", mlp_only_layers=[1], intermediate_size=96,
+                                        num_attention_heads=8, num_key_value_heads=4),
+}
+PROMPT = [5, 17, 42, 9, 100, 3, 77]
+N_NEW = 12
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def near_copy(model: HybridLM, seed: int) -> HybridLM:
+    """A draft that agrees with the target often, not always."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05 * p.abs().mean())
+    return model
+
+
+def passes(model: HybridLM, draft: HybridLM) -> dict[str, object]:
+    """Logits of a prefill, a verify of 5 (2 kept), a verify reverted, a decode; then greedy generations."""
+    st = model.new_state()
+    out = {"prefill": model(torch.tensor(PROMPT), st)[0]}
+    st.commit(len(PROMPT))
+    out["verify"] = model(torch.tensor([8, 1, 200, 31, 6]), st)[0]
+    st.commit(2)
+    out["reverted"] = model(torch.tensor([4, 4, 4]), st)[0]
+    st.revert()
+    out["decode"] = model(torch.tensor([11]), st)[0]
+    st.commit(1)
+    out["decode2"] = model(torch.tensor([12]), st)[0]
+    out["greedy"] = generate(model, PROMPT, N_NEW).token_ids
+    out["speculative"] = generate(model, PROMPT, N_NEW, ModelDrafter(draft), 3).token_ids
+    return out
+
+
+def run_rank(rank: int, world: int, port: int, name: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        cfg = CASES[name]()
+        draft = near_copy(random_model(cfg, seed=3), seed=4).fuse()
+        part = shard(random_model(cfg, seed=3), Rank(rank, world))
+        got = {"fused": passes(part, draft), "layers": passes(part.fuse(False), draft)}
+        if rank == 0:
+            got["want"] = passes(random_model(cfg, seed=3).fuse(), draft)
+        torch.save(got, Path(out) / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_two_ranks_give_the_single_process_logits_and_tokens(name, tmp_path):
+    world = 2
+    mp.spawn(run_rank, args=(world, free_port(), name, str(tmp_path)), nprocs=world)
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    want = ranks[0]["want"]
+    assert len(set(want["speculative"])) > 1 and want["speculative"] == want["greedy"]
+    for got in ranks:
+        for path in ("fused", "layers"):
+            for key, value in want.items():
+                if isinstance(value, torch.Tensor):
+                    assert rel(got[path][key], value) < 1e-5, (path, key)
+                else:
+                    assert got[path][key] == value, (path, key)
+
+
+def test_sharded_state_holds_the_ranks_heads():
+    cfg = ModelConfig.from_dict(CASES["qwen3_next"]())
+    spec, part = cfg.state_spec, sharded_config(cfg, 2).state_spec
+    assert (part.recurrent.heads, part.kv_heads) == (spec.recurrent.heads // 2, spec.kv_heads // 2)
+    assert part.recurrent.conv_dim == spec.recurrent.conv_dim // 2
+
+
+@pytest.mark.parametrize("world, field", [(3, "num_attention_heads"), (4, "num_key_value_heads")])
+def test_a_size_that_does_not_divide_is_refused_naming_the_dimension(world, field):
+    with pytest.raises(ConfigError, match=f"does not divide {field}"):
+        sharded_config(ModelConfig.from_dict(hf_config()), world)
