@@ -18,6 +18,7 @@ from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_m
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.fields import ConfigError
 from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.lockstep import Leader, follow, join
 from deltaspec.shared.model.parallel import Rank, shard, sharded_config
 
 CASES = {
@@ -109,3 +110,46 @@ def test_sharded_state_holds_the_ranks_heads():
 def test_a_size_that_does_not_divide_is_refused_naming_the_dimension(world, field):
     with pytest.raises(ConfigError, match=f"does not divide {field}"):
         sharded_config(ModelConfig.from_dict(hf_config()), world)
+
+
+def lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 0 generates through a `Leader` (target-only, then speculative, then a partial commit by hand); rank 1
+    follows what it sends."""
+    torch.set_num_threads(1)
+    at = join(rank, world, port)
+    try:
+        cfg = CASES["qwen3_5_moe"]()
+        part = shard(random_model(cfg, seed=3), at)
+        if rank:
+            follow(part, at)
+            return
+        errors: list[BaseException] = []
+        leader = Leader(part, at, on_broken=errors.append)
+        draft = near_copy(random_model(cfg, seed=3), seed=4).fuse()
+        got = {"greedy": generate(part, PROMPT, N_NEW).token_ids,
+               "speculative": generate(part, PROMPT, N_NEW, ModelDrafter(draft), 3).token_ids}
+        st = part.new_state()
+        part(torch.tensor(PROMPT), st)
+        st.commit(3)
+        with pytest.raises(ValueError):
+            st.commit(99)
+        got["after_commit"] = part(torch.tensor([1, 2]), st)[0]
+        leader.stop()
+        got["want"] = passes(random_model(cfg, seed=3).fuse(), draft)
+        ref = random_model(cfg, seed=3).fuse()
+        st = ref.new_state()
+        ref(torch.tensor(PROMPT), st)
+        st.commit(3)
+        got["want_after_commit"] = ref(torch.tensor([1, 2]), st)[0]
+        got["errors"] = errors
+        torch.save(got, Path(out) / "leader.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_followers_make_every_call_rank_0_makes(tmp_path):
+    mp.spawn(lead_or_follow, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    got = torch.load(tmp_path / "leader.pt")
+    assert not got["errors"]
+    assert got["greedy"] == got["want"]["greedy"] and got["speculative"] == got["want"]["speculative"]
+    assert rel(got["after_commit"], got["want_after_commit"]) < 1e-5
