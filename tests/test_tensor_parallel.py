@@ -3,6 +3,8 @@ all-reduce adds in another order) for a prefill, a verify, a partial commit, a r
 the layer path, and the same greedy tokens target-only and speculative."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -14,12 +16,16 @@ import torch.multiprocessing as mp
 
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.speculative import generate
-from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model
+from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.fields import ConfigError
 from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.lockstep import Leader, follow, join
 from deltaspec.shared.model.parallel import Rank, shard, sharded_config
+from deltaspec.shared.rpc.generation import generate_on_server
+
+from support import Served
 
 CASES = {
     "qwen3_5": lambda: hf_config(),
@@ -153,3 +159,23 @@ def test_followers_make_every_call_rank_0_makes(tmp_path):
     assert not got["errors"]
     assert got["greedy"] == got["want"]["greedy"] and got["speculative"] == got["want"]["speculative"]
     assert rel(got["after_commit"], got["want_after_commit"]) < 1e-5
+
+
+def test_a_served_two_rank_target_gives_the_single_process_tokens_and_fails_whole(tmp_path):
+    """`serve-target --tensor-parallel 2` with in-process n-gram drafts (rounds kept in part): Generate's tokens are
+    the single-process target's; a follower killed takes the group down (callers see the target gone)."""
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    want = generate(load_model(tmp_path).fuse(), prompt, 16).token_ids
+    with Served("serve-target", tmp_path, "--tensor-parallel", "2", "--draft", "ngram",
+                "--draft-length", "fixed") as served:
+        served.wait_serving()
+        got = generate_on_server(served.address, prompt, "", 16, 3)[0]
+        assert got.token_ids == want and got.stats.drafted > 0
+        children = Path(f"/proc/{served.proc.pid}/task/{served.proc.pid}/children").read_text().split()
+        follower = next(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+        os.kill(follower, signal.SIGKILL)
+        assert served.proc.wait(timeout=60) == 70
+        assert any("tensor parallel group broken" in line for line in served.log)
+        with pytest.raises(Exception, match="UNAVAILABLE|unavailable|gone|connect"):
+            generate_on_server(served.address, prompt, "", 4, 0, recovery_window_s=0)
