@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -179,3 +181,14 @@ def test_a_served_two_rank_target_gives_the_single_process_tokens_and_fails_whol
         assert any("tensor parallel group broken" in line for line in served.log)
         with pytest.raises(Exception, match="UNAVAILABLE|unavailable|gone|connect"):
             generate_on_server(served.address, prompt, "", 4, 0, recovery_window_s=0)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--tensor-parallel", "3"), "tensor parallel size 3 does not divide num_attention_heads (4)"),
+    (("--tensor-parallel", "2", "--draft", "mtp"), "--draft mtp is not built for --tensor-parallel yet"),
+])
+def test_serve_target_refuses_what_a_group_cannot_serve_at_start(extra, message, tmp_path):
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    out = subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", "serve-target", "--model", str(tmp_path),
+                          "--port", "0", *extra], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
