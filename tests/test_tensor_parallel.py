@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.fields import ConfigError
@@ -28,6 +29,7 @@ from deltaspec.shared.model.parallel import Rank, shard, sharded_config
 from deltaspec.shared.rpc.generation import generate_on_server
 
 from support import Served
+from test_batching import run_threads
 
 CASES = {
     "qwen3_5": lambda: hf_config(),
@@ -121,8 +123,8 @@ def test_a_size_that_does_not_divide_is_refused_naming_the_dimension(world, fiel
 
 
 def lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
-    """Rank 0 generates through a `Leader` (target-only, then speculative, then a partial commit by hand); rank 1
-    follows what it sends."""
+    """Rank 0 generates through a `Leader` (target-only, then speculative, then a partial commit by hand and a
+    batched pass of two sessions); rank 1 follows what it sends."""
     torch.set_num_threads(1)
     at = join(rank, world, port)
     try:
@@ -141,14 +143,16 @@ def lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
         st.commit(3)
         with pytest.raises(ValueError):
             st.commit(99)
-        got["after_commit"] = part(torch.tensor([1, 2]), st)[0]
+        other = part.new_state()
+        got["batched"] = [logits for logits, _ in forward_batch(part, [(torch.tensor([1, 2]), st),
+                                                                       (torch.tensor(PROMPT[:4]), other)])]
         leader.stop()
         got["want"] = passes(random_model(cfg, seed=3).fuse(), draft)
         ref = random_model(cfg, seed=3).fuse()
         st = ref.new_state()
         ref(torch.tensor(PROMPT), st)
         st.commit(3)
-        got["want_after_commit"] = ref(torch.tensor([1, 2]), st)[0]
+        got["want_batched"] = [ref(torch.tensor([1, 2]), st)[0], ref(torch.tensor(PROMPT[:4]), ref.new_state())[0]]
         got["errors"] = errors
         torch.save(got, Path(out) / "leader.pt")
     finally:
@@ -160,20 +164,26 @@ def test_followers_make_every_call_rank_0_makes(tmp_path):
     got = torch.load(tmp_path / "leader.pt")
     assert not got["errors"]
     assert got["greedy"] == got["want"]["greedy"] and got["speculative"] == got["want"]["speculative"]
-    assert rel(got["after_commit"], got["want_after_commit"]) < 1e-5
+    assert all(rel(a, b) < 1e-5 for a, b in zip(got["batched"], got["want_batched"], strict=True))
 
 
 def test_a_served_two_rank_target_gives_the_single_process_tokens_and_fails_whole(tmp_path):
     """`serve-target --tensor-parallel 2` with in-process n-gram drafts (rounds kept in part): Generate's tokens are
-    the single-process target's; a follower killed takes the group down (callers see the target gone)."""
+    the single-process target's, alone and for three streams at once (batched passes); a follower killed takes the
+    group down (callers see the target gone)."""
     save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-    want = generate(load_model(tmp_path).fuse(), prompt, 16).token_ids
+    single = load_model(tmp_path).fuse()
+    want = generate(single, prompt, 16).token_ids
     with Served("serve-target", tmp_path, "--tensor-parallel", "2", "--draft", "ngram",
                 "--draft-length", "fixed") as served:
         served.wait_serving()
         got = generate_on_server(served.address, prompt, "", 16, 3)[0]
         assert got.token_ids == want and got.stats.drafted > 0
+        streams = [(prompt, 3, 16), (prompt[:6], 2, 8), (prompt[:3], 0, 12)]
+        out = run_threads(lambda i: generate_on_server(served.address, streams[i][0], "", streams[i][2],
+                                                       streams[i][1])[0].token_ids, list(range(len(streams))))
+        assert out == [want[:n] if ids == prompt else generate(single, ids, n).token_ids for ids, _, n in streams]
         children = Path(f"/proc/{served.proc.pid}/task/{served.proc.pid}/children").read_text().split()
         follower = next(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
         os.kill(follower, signal.SIGKILL)

@@ -2,7 +2,7 @@
 `Qwen3_5MoeForCausalLM`'s, with the experts fused as HF keeps them in memory)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +40,7 @@ class HybridLM(nn.Module):
         self.captured: CapturedPasses | None = None  # set by `capture()`: decode and verify passes replay graphs
         self.state_pool: StatePool | None = None  # set by `state.pool.attach`: sessions' states are its slots
         self.prefix_cache: PrefixCache | None = None  # set by `state.prefix_cache.attach`: sessions share prefixes
+        self.leader: Any = None  # set by `lockstep.Leader`: rank 0 of a tensor-parallel group announces each pass
 
     @property
     def device(self) -> torch.device:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.parallel import Rank, shard
@@ -74,6 +75,7 @@ class Leader:
         self._sid: weakref.WeakKeyDictionary[ModelState, int] = weakref.WeakKeyDictionary()
         self._forward, self._new_state = model.forward, model.new_state
         model.forward, model.new_state = self.forward, self.new_state  # what the engine's calls reach
+        model.leader = self  # and `batched.forward_batch`'s
         self._stopped = threading.Event()
         threading.Thread(target=self._ping, name="deltaspec-tp-ping", daemon=True).start()
 
@@ -94,11 +96,28 @@ class Leader:
         vocab = self.model.config.vocab_size
         if ids.ndim != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise ValueError(f"forward takes a non-empty 1-D tensor of token ids in [0, {vocab})")
+        if self.nested:  # a batch of one, already announced
+            return self._forward(ids, state)
+        return self._announced("pass", [(ids, state)], lambda: self._forward(ids, state))
+
+    def forward_batch(self, items: Sequence[tuple[Tensor, ModelState]]) -> list[tuple[Tensor, Tensor]]:
+        """`batched.forward_batch` on every rank. Positions are reserved first: a K/V budget refuses here, before
+        anything is sent (the followers' states are outside any budget)."""
+        for ids, st in items:
+            st.ensure_positions(st.length + st.staged + ids.numel())
+        return self._announced("batch", items, lambda: forward_batch(self.model, items))
+
+    @property
+    def nested(self) -> bool:
+        """Whether this thread is inside a call already announced (its inner calls are the followers' own)."""
+        return getattr(self._inside, "depth", 0) > 0
+
+    def _announced(self, op: str, items: Sequence[tuple[Tensor, ModelState]], run: Callable[[], Any]) -> Any:
         with self._lock:
-            self._send("pass", self._sid[state], ids.cpu())
+            self._send(op, -1, [(self._sid[st], ids.cpu()) for ids, st in items])
             try:
                 with self._nested():
-                    return self._forward(ids, state)
+                    return run()
             except Exception as error:  # noqa: BLE001 - the followers may have run it: the shards are no longer alike
                 self.on_broken(error)
                 raise Broken(f"a pass failed on rank 0 after it was sent: {error}") from error
@@ -121,7 +140,7 @@ class Leader:
     def _mirrored(self, sid: int, ref: weakref.ref[ModelState], name: str, *args: Any) -> Any:
         state = ref()
         method = getattr(ModelState, name)
-        if getattr(self._inside, "depth", 0):
+        if self.nested:
             return method(state, *args)
         with self._lock:
             self._send(name, sid, *args)
@@ -170,8 +189,12 @@ def follow(model: HybridLM, at: Rank) -> None:
             capacity, log_capacity = args
             states[sid] = ModelState(model.config.state_spec, device=model.device, dtype=model.dtype,
                                      capacity=capacity, log_capacity=log_capacity)
-        elif op == "pass":
-            model(args[0].to(model.device), states[sid])
+        elif op in ("pass", "batch"):
+            items = [(ids.to(model.device), states[i]) for i, ids in args[0]]
+            if op == "pass":
+                model(*items[0])
+            else:
+                forward_batch(model, items)
         elif op != "ping":
             try:
                 getattr(states[sid], op)(*args)
