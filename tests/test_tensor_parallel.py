@@ -28,7 +28,7 @@ from deltaspec.shared.model.lockstep import Leader, follow, join
 from deltaspec.shared.model.parallel import Rank, shard, sharded_config
 from deltaspec.shared.rpc.generation import generate_on_server
 
-from support import Served
+from support import Served, both_loops
 from test_batching import run_threads
 
 CASES = {
@@ -168,22 +168,22 @@ def test_followers_make_every_call_rank_0_makes(tmp_path):
 
 
 def test_a_served_two_rank_target_gives_the_single_process_tokens_and_fails_whole(tmp_path):
-    """`serve-target --tensor-parallel 2` with in-process n-gram drafts (rounds kept in part): Generate's tokens are
-    the single-process target's, alone and for three streams at once (batched passes); a follower killed takes the
-    group down (callers see the target gone)."""
-    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    """`serve-target --tensor-parallel 2` beside `serve-draft` (a near-copy: rounds kept in part): greedy tokens of
+    the single-process target through Generate's loop and the client-driven one (pipelined), then for three
+    Generate streams at once (batched passes); a follower killed takes the group down (callers see it gone)."""
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path / "target")
+    save_checkpoint(near_copy(random_model(hf_config(), seed=3), seed=4), tmp_path / "draft")
+    single = load_model(tmp_path / "target").fuse()
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-    single = load_model(tmp_path).fuse()
     want = generate(single, prompt, 16).token_ids
-    with Served("serve-target", tmp_path, "--tensor-parallel", "2", "--draft", "ngram",
-                "--draft-length", "fixed") as served:
-        served.wait_serving()
-        got = generate_on_server(served.address, prompt, "", 16, 3)[0]
-        assert got.token_ids == want and got.stats.drafted > 0
+    with Served("serve-draft", tmp_path / "draft") as drafted, \
+            Served("serve-target", tmp_path / "target", "--tensor-parallel", "2", "--draft-addr", drafted.address,
+                   "--draft-timeout", "30", "--draft-length", "fixed") as served:
+        assert both_loops(served, drafted, prompt, 16, 3) == (want, want)
         streams = [(prompt, 3, 16), (prompt[:6], 2, 8), (prompt[:3], 0, 12)]
         out = run_threads(lambda i: generate_on_server(served.address, streams[i][0], "", streams[i][2],
                                                        streams[i][1])[0].token_ids, list(range(len(streams))))
-        assert out == [want[:n] if ids == prompt else generate(single, ids, n).token_ids for ids, _, n in streams]
+        assert out == [generate(single, ids, n).token_ids for ids, _, n in streams]
         children = Path(f"/proc/{served.proc.pid}/task/{served.proc.pid}/children").read_text().split()
         follower = next(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
         os.kill(follower, signal.SIGKILL)
