@@ -1,4 +1,4 @@
-"""Tensor parallelism over gloo: a model sharded on 2 ranks gives the single-process logits (to 1e-5 relative: the
+"""Tensor parallelism over gloo: a model sharded on 2 ranks (and 4) gives the single-process logits (to 1e-5 relative: the
 all-reduce adds in another order) for a prefill, a verify, a partial commit, a revert and a decode, on the fused and
 the layer path, and the same greedy tokens target-only and speculative."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,7 +37,11 @@ CASES = {
     "qwen3_5_moe": lambda: hf_moe_config(layer_types=["linear_attention", "full_attention", "linear_attention"]),
     "qwen3_next": lambda: hf_moe_config("qwen3_next", mlp_only_layers=[1], intermediate_size=96,
                                         num_attention_heads=8, num_key_value_heads=4),
+    "qwen3_next-4": lambda: hf_moe_config("qwen3_next", mlp_only_layers=[1], intermediate_size=96,
+                                          num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4,
+                                          linear_num_value_heads=8, shared_expert_intermediate_size=64),
 }
+RANKS = {"qwen3_next-4": 4}  # 2 unless named
 PROMPT = [5, 17, 42, 9, 100, 3, 77]
 N_NEW = 12
 
@@ -94,8 +99,8 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_two_ranks_give_the_single_process_logits_and_tokens(name, tmp_path):
-    world = 2
+def test_ranks_give_the_single_process_logits_and_tokens(name, tmp_path):
+    world = RANKS.get(name, 2)
     mp.spawn(run_rank, args=(world, free_port(), name, str(tmp_path)), nprocs=world)
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     want = ranks[0]["want"]
@@ -189,8 +194,9 @@ def test_a_served_two_rank_target_gives_the_single_process_tokens_and_fails_whol
         os.kill(follower, signal.SIGKILL)
         assert served.proc.wait(timeout=60) == 70
         assert any("tensor parallel group broken" in line for line in served.log)
-        with pytest.raises(Exception, match="UNAVAILABLE|unavailable|gone|connect"):
+        with pytest.raises(grpc.RpcError) as gone:
             generate_on_server(served.address, prompt, "", 4, 0, recovery_window_s=0)
+        assert gone.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 @pytest.mark.parametrize("extra, message", [
