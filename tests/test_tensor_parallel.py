@@ -189,14 +189,48 @@ def test_a_served_two_rank_target_gives_the_single_process_tokens_and_fails_whol
         out = run_threads(lambda i: generate_on_server(served.address, streams[i][0], "", streams[i][2],
                                                        streams[i][1])[0].token_ids, list(range(len(streams))))
         assert out == [generate(single, ids, n).token_ids for ids, _, n in streams]
-        children = Path(f"/proc/{served.proc.pid}/task/{served.proc.pid}/children").read_text().split()
-        follower = next(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
-        os.kill(follower, signal.SIGKILL)
+        kill_a_follower(served)
         assert served.proc.wait(timeout=60) == 70
         assert any("tensor parallel group broken" in line for line in served.log)
         with pytest.raises(grpc.RpcError) as gone:
             generate_on_server(served.address, prompt, "", 4, 0, recovery_window_s=0)
         assert gone.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def kill_a_follower(served: Served) -> None:
+    children = Path(f"/proc/{served.proc.pid}/task/{served.proc.pid}/children").read_text().split()
+    os.kill(next(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()),
+            signal.SIGKILL)
+
+
+def test_a_generation_whose_group_loses_a_rank_midway_ends_as_an_undisturbed_one(tmp_path):
+    """A follower killed while a Generate stream is in flight (twice): the group exits, its supervisor (here the
+    test) starts it again on the same port, and the stream, recovering as after any target restart, ends with the
+    undisturbed tokens: none lost, no round applied twice."""
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    prompt, n = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], 48
+    want = generate(load_model(tmp_path).fuse(), prompt, n).token_ids
+    port = free_port()
+    group = ["serve-target", tmp_path, "--tensor-parallel", "2", "--draft", "ngram", "--draft-length", "fixed"]
+    served = [Served(*group, port=port).wait_serving()]
+    kills = [4, 20]  # after this many tokens streamed
+
+    def on_tokens(tokens: list[int], _text: str) -> None:
+        seen.extend(tokens)
+        if kills and len(seen) >= kills[0]:
+            kills.pop(0)
+            kill_a_follower(served[-1])
+            assert served[-1].proc.wait(timeout=60) == 70
+            served.append(Served(*group, port=port))  # the supervisor: a new group on the same address
+
+    seen: list[int] = []
+    try:
+        got = generate_on_server(served[0].address, prompt, "", n, 3, on_tokens=on_tokens, recovery_window_s=120)[0]
+    finally:
+        for s in served:
+            s.__exit__()
+    assert not kills and len(served) == 3
+    assert got.token_ids == want and seen == want
 
 
 @pytest.mark.parametrize("extra, message", [
