@@ -1,6 +1,7 @@
-"""Tensor parallelism over gloo: a model sharded on 2 ranks (and 4) gives the single-process logits (to 1e-5 relative: the
-all-reduce adds in another order) for a prefill, a verify, a partial commit, a revert and a decode, on the fused and
-the layer path, and the same greedy tokens target-only and speculative."""
+"""Tensor parallelism over gloo: a model sharded on 2 ranks (and 4) gives the single-process logits (to 1e-5
+relative: the all-reduce adds in another order) for a prefill, a verify, a partial commit, a revert and a decode, on
+the fused and the layer path, and the same greedy tokens target-only and speculative; served, the same tokens over
+both gRPC loops, and a lost rank takes the group down."""
 from __future__ import annotations
 
 import os
@@ -38,10 +39,10 @@ CASES = {
     "qwen3_next": lambda: hf_moe_config("qwen3_next", mlp_only_layers=[1], intermediate_size=96,
                                         num_attention_heads=8, num_key_value_heads=4),
     "qwen3_next-4": lambda: hf_moe_config("qwen3_next", mlp_only_layers=[1], intermediate_size=96,
-                                          num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4,
+                                          num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4,
                                           linear_num_value_heads=8, shared_expert_intermediate_size=64),
 }
-RANKS = {"qwen3_next-4": 4}  # 2 unless named
+RANKS = {"qwen3_next-4": 4}  # 2 unless named (4: its 2 K/V heads replicated, as Qwen3-Next-80B's are at TP 4)
 PROMPT = [5, 17, 42, 9, 100, 3, 77]
 N_NEW = 12
 
@@ -121,10 +122,21 @@ def test_sharded_state_holds_the_ranks_heads():
     assert part.recurrent.conv_dim == spec.recurrent.conv_dim // 2
 
 
-@pytest.mark.parametrize("world, field", [(3, "num_attention_heads"), (4, "num_key_value_heads")])
-def test_a_size_that_does_not_divide_is_refused_naming_the_dimension(world, field):
+@pytest.mark.parametrize("world, fields, field", [
+    (3, {}, "num_attention_heads"), (4, {}, "linear_num_key_heads"),
+    (3, {"num_attention_heads": 12, "num_key_value_heads": 4, "linear_num_key_heads": 3, "linear_num_value_heads": 6,
+         "intermediate_size": 96}, "num_key_value_heads"),
+    (4, {"num_attention_heads": 8, "linear_num_key_heads": 4, "linear_num_value_heads": 8, "intermediate_size": 102},
+     "intermediate_size")])
+def test_a_size_that_does_not_divide_is_refused_naming_the_dimension(world, fields, field):
     with pytest.raises(ConfigError, match=f"does not divide {field}"):
-        sharded_config(ModelConfig.from_dict(hf_config()), world)
+        sharded_config(ModelConfig.from_dict(hf_config(**fields)), world)
+
+
+def test_k_v_heads_fewer_than_the_ranks_are_replicated():
+    cfg = ModelConfig.from_dict(CASES["qwen3_next-4"]())
+    part = sharded_config(cfg, 4)
+    assert (part.num_attention_heads, part.num_key_value_heads, part.state_spec.kv_heads) == (2, 1, 1)
 
 
 def lead_or_follow(rank: int, world: int, port: int, out: str) -> None:

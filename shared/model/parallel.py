@@ -3,7 +3,8 @@
 Each of N ranks holds a model of the same family whose config has 1/N of the heads and of the MLP columns
 (`sharded_config`), so every pass, state, log and commit is the one the engine already has, sized to the shard:
 
-- attention: q (with its gate), k and v heads column-parallel (rank r keeps heads r H/N..), o_proj row-parallel;
+- attention: q (with its gate), k and v heads column-parallel (rank r keeps heads r H/N..; K/V heads fewer than
+  the ranks replicated, each rank keeping the one its query heads read), o_proj row-parallel;
 - Gated DeltaNet: key and value heads column-parallel with their conv channels, `A_log`, `dt_bias`, z, b and a;
   out_proj row-parallel; each session's recurrent state, conv window and logs are the rank's heads' only;
 - MLPs (and the shared expert): gate/up column-parallel, down row-parallel;
@@ -39,12 +40,13 @@ from deltaspec.shared.model.mlp import MLP, SparseMoE
 SHARDED_FIELDS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
                   "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 
-# how a parameter splits: (dim, block sizes each cut alike, None for one block), or FIRST (rank 0 keeps it, the
-# others hold zeros: a row-parallel projection's bias, added once by the all-reduce)
-Split = tuple[int, tuple[int, ...] | None]
+# how a parameter splits: (dim, block sizes each cut alike (None: one block), at most this many pieces (None: one a
+# rank), ranks sharing a piece when fewer), or FIRST (rank 0 keeps it, the others hold zeros: a row-parallel
+# projection's bias, added once by the all-reduce)
+Split = tuple[int, tuple[int, ...] | None, int | None]
 FIRST = "first"
-COLUMN: Split = (0, None)  # a Linear's output rows
-ROW: Split = (-1, None)  # a Linear's input columns
+COLUMN: Split = (0, None, None)  # a Linear's output rows
+ROW: Split = (-1, None, None)  # a Linear's input columns
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,16 @@ class Rank:
 
 def sharded_config(cfg: ModelConfig, world: int) -> ModelConfig:
     """`cfg` with the heads and MLP columns of one of `world` ranks; a ConfigError names a dimension N does not
-    divide."""
+    divide. K/V heads fewer than the ranks are replicated, as vLLM does (Qwen3-Next-80B has 2 for 16 query heads):
+    each rank keeps the one its query heads read, so N must then be a multiple of them."""
     if world < 1:
         raise ConfigError(f"tensor parallel size must be at least 1, got {world}")
     cut = {}
     for name in SHARDED_FIELDS:
         size = getattr(cfg, name)
+        if name == "num_key_value_heads" and size and world % size == 0:
+            cut[name] = max(1, size // world)
+            continue
         if size % world:
             raise ConfigError(f"tensor parallel size {world} does not divide {name} ({size})")
         cut[name] = size // world
@@ -83,20 +89,20 @@ def _splits(m: nn.Module) -> dict[str, Split | str] | None:
     """How each of a mixer's or MLP's parameters splits (those not named are replicated); None where it is not
     sharded yet."""
     if type(m) is GatedDeltaNet:
-        qkv = (0, (m.n_k * m.d_k, m.n_k * m.d_k, m.n_v * m.d_v))
+        qkv = (0, (m.n_k * m.d_k, m.n_k * m.d_k, m.n_v * m.d_v), None)
         return {"in_proj_qkv.weight": qkv, "conv1d.weight": qkv, "in_proj_z.weight": COLUMN,
                 "in_proj_b.weight": COLUMN, "in_proj_a.weight": COLUMN, "dt_bias": COLUMN, "A_log": COLUMN,
                 "out_proj.weight": ROW}
     if type(m) is Attention and (m.q_norm is None or m.norm_per_head):  # a norm over all heads would need them all
-        splits: dict[str, Split | str] = {f"{p}.{w}": COLUMN for p in ("q_proj", "k_proj", "v_proj")
-                                          for w in ("weight", "bias")}
-        return splits | {"o_proj.weight": ROW, "o_proj.bias": FIRST}
+        kv: Split = (0, None, m.n_kv)  # K/V heads, replicated over the ranks when fewer
+        return {"q_proj.weight": COLUMN, "q_proj.bias": COLUMN, "k_proj.weight": kv, "k_proj.bias": kv,
+                "v_proj.weight": kv, "v_proj.bias": kv, "o_proj.weight": ROW, "o_proj.bias": FIRST}
     if type(m) is MLP:
         return _mlp(m)
     if type(m) is SparseMoE:
         inter = m.experts.down_proj.shape[-1]
         shared = {} if m.shared_expert is None else _mlp(m.shared_expert, "shared_expert.")
-        return {"experts.gate_up_proj": (1, (inter, inter)), "experts.down_proj": ROW, **shared}
+        return {"experts.gate_up_proj": (1, (inter, inter), None), "experts.down_proj": ROW, **shared}
     return None
 
 
@@ -104,9 +110,11 @@ def _take(t: Tensor, split: Split | str, at: Rank) -> Tensor:
     """Rank `at`'s part of parameter t."""
     if split == FIRST:
         return t.clone() if at.rank == 0 else torch.zeros_like(t)
-    dim, blocks = split
+    dim, blocks, most = split
+    pieces = at.world if most is None else min(at.world, most)
+    piece = at.rank * pieces // at.world
     parts = t.split(blocks, dim) if blocks else (t,)
-    return torch.cat([p.chunk(at.world, dim)[at.rank] for p in parts], dim).clone()
+    return torch.cat([p.chunk(pieces, dim)[piece] for p in parts], dim).clone()
 
 
 def shard_tensors(model: HybridLM, at: Rank) -> dict[str, Tensor]:
