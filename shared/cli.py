@@ -362,7 +362,7 @@ def _tensor_parallel(args: argparse.Namespace, model_dir: Path) -> tuple[Callabl
         at = lockstep.join(0, world, port)
         leaders.append(lockstep.Leader(shard(model, at), at))
         leaders[0].watch(followers)
-        print(f"tensor parallel: rank 0 of {world} leads", file=sys.stderr, flush=True)
+        print(f"tensor parallel: rank 0 of {world} leads (prefix cache off)", file=sys.stderr, flush=True)
         return leaders[0].model
 
     def stop() -> None:

@@ -1,11 +1,11 @@
 """A tensor-parallel group that serves as one model: rank 0 leads, the other ranks follow, rounds commit on all.
 
 Rank 0 (`Leader`) runs the engine on its shard (`deltaspec.shared.model.parallel`) as a single process runs the whole
-model. Before each call that changes a session's state on its shard (a model pass, a commit, a revert, a mark, a
-new session) it broadcasts the call, `(op, session, args)`, and every follower (`follow`) makes the same call on its
-own shard of that session's state. The calls go out in one order under one lock, held over each pass too, so every
-rank runs the same passes in the same order (their all-reduces pair up) and keeps each round by the same closed form:
-what rank 0 applied, every rank applied. Only rank 0 samples and decides (every rank's logits are the same tensor).
+model. Each call that changes a session's state on its shard it broadcasts, `(op, session, args)`: a model pass
+before making it (the followers' all-reduces pair with its own), a commit, revert, mark or new session once made
+(none that rank 0 refuses is sent); every follower (`follow`) makes the same call on its own shard of that state.
+The calls go out in one order under one lock, held over each pass too, so every rank runs the same passes in the
+same order and keeps each round by the same closed form: what rank 0 applied, every rank applied. Only rank 0 samples and decides (every rank's logits are the same tensor).
 
 A rank that dies or stops answering breaks the group: rank 0's next broadcast or all-reduce fails (or its watcher
 sees a follower exit) and rank 0 exits, so callers see the target UNAVAILABLE and recover their sessions as after
@@ -142,10 +142,11 @@ class Leader:
         method = getattr(ModelState, name)
         if self.nested:
             return method(state, *args)
-        with self._lock:
-            self._send(name, sid, *args)
+        with self._lock:  # made first (no collective in it): one rank 0 refuses is never sent
             with self._nested():
-                return method(state, *args)
+                result = method(state, *args)
+            self._send(name, sid, *args)
+            return result
 
     @contextlib.contextmanager
     def _nested(self) -> Iterator[None]:
@@ -195,11 +196,8 @@ def follow(model: HybridLM, at: Rank) -> None:
                 model(*items[0])
             else:
                 forward_batch(model, items)
-        elif op != "ping":
-            try:
-                getattr(states[sid], op)(*args)
-            except Exception:  # noqa: BLE001 - rank 0 refused the same call alike (e.g. a commit of too many)
-                pass
+        elif op != "ping":  # a change rank 0 made: one that fails here breaks the group (this rank exits)
+            getattr(states[sid], op)(*args)
 
 
 
