@@ -5,7 +5,8 @@ model. Each call that changes a session's state on its shard it broadcasts, `(op
 before making it (the followers' all-reduces pair with its own), a commit, revert, mark or new session once made
 (none that rank 0 refuses is sent); every follower (`follow`) makes the same call on its own shard of that state.
 The calls go out in one order under one lock, held over each pass too, so every rank runs the same passes in the
-same order and keeps each round by the same closed form: what rank 0 applied, every rank applied. Only rank 0 samples and decides (every rank's logits are the same tensor).
+same order and keeps each round by the same closed form: what rank 0 applied, every rank applied. Only rank 0
+samples and decides (every rank's logits are the same tensor).
 
 A rank that dies or stops answering breaks the group: rank 0's next broadcast or all-reduce fails (or its watcher
 sees a follower exit) and rank 0 exits, so callers see the target UNAVAILABLE and recover their sessions as after
