@@ -341,7 +341,7 @@ def _tensor_parallel(args: argparse.Namespace, model_dir: Path) -> tuple[Callabl
     world = args.tensor_parallel
     if world < 1:
         raise ValueError(f"--tensor-parallel must be at least 1, got {world}")
-    for flag, on in (("--compile", args.compile), ("--capture", args.capture), ("--draft mtp", args.draft == "mtp")):
+    for flag, on in (("--compile", args.compile), ("--capture", args.capture)):
         if on:
             raise ValueError(f"{flag} is not built for --tensor-parallel yet")
     sharded_config(ModelConfig.from_file(model_dir / "config.json"), world)  # a size that does not divide: now

@@ -1,7 +1,7 @@
 """Tensor parallelism over gloo: a model sharded on 2 ranks (and 4) gives the single-process logits (to 1e-5
 relative: the all-reduce adds in another order) for a prefill, a verify, a partial commit, a revert and a decode, on
-the fused and the layer path, and the same greedy tokens target-only and speculative; served, the same tokens over
-both gRPC loops, and a lost rank takes the group down."""
+the fused and the layer path, and the same greedy tokens target-only and speculative (a draft model; MTP); served,
+the same tokens over both gRPC loops, and a lost rank takes the group down."""
 from __future__ import annotations
 
 import os
@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deltaspec.shared.decoding.drafters import make_drafter
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
@@ -34,7 +36,7 @@ from support import Served, both_loops
 from test_batching import run_threads
 
 CASES = {
-    "qwen3_5": lambda: hf_config(),
+    "qwen3_5": lambda: hf_config(mtp_num_hidden_layers=1),  # with an MTP head
     "qwen3_5_moe": lambda: hf_moe_config(layer_types=["linear_attention", "full_attention", "linear_attention"]),
     "qwen3_next": lambda: hf_moe_config("qwen3_next", mlp_only_layers=[1], intermediate_size=96,
                                         num_attention_heads=8, num_key_value_heads=4),
@@ -76,7 +78,17 @@ def passes(model: HybridLM, draft: HybridLM) -> dict[str, object]:
     out["decode2"] = model(torch.tensor([12]), st)[0]
     out["greedy"] = generate(model, PROMPT, N_NEW).token_ids
     out["speculative"] = generate(model, PROMPT, N_NEW, ModelDrafter(draft), 3).token_ids
+    if model.mtp:
+        out["mtp"] = generate(model, PROMPT, N_NEW, make_drafter("mtp", model), 3).token_ids
     return out
+
+
+def target(cfg: dict) -> HybridLM:
+    """The random target of `cfg`, with random MTP weights where it has an MTP head."""
+    model = random_model(cfg, seed=3)
+    if cfg.get("mtp_num_hidden_layers"):
+        model.mtp = random_mtp_weights(model.config, cfg["mtp_num_hidden_layers"], seed=5)
+    return model
 
 
 def run_rank(rank: int, world: int, port: int, name: str, out: str) -> None:
@@ -86,10 +98,10 @@ def run_rank(rank: int, world: int, port: int, name: str, out: str) -> None:
     try:
         cfg = CASES[name]()
         draft = near_copy(random_model(cfg, seed=3), seed=4).fuse()
-        part = shard(random_model(cfg, seed=3), Rank(rank, world))
+        part = shard(target(cfg), Rank(rank, world))
         got = {"fused": passes(part, draft), "layers": passes(part.fuse(False), draft)}
         if rank == 0:
-            got["want"] = passes(random_model(cfg, seed=3).fuse(), draft)
+            got["want"] = passes(target(cfg).fuse(), draft)
         torch.save(got, Path(out) / f"{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -105,7 +117,9 @@ def test_ranks_give_the_single_process_logits_and_tokens(name, tmp_path):
     mp.spawn(run_rank, args=(world, free_port(), name, str(tmp_path)), nprocs=world)
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     want = ranks[0]["want"]
-    assert len(set(want["speculative"])) > 1 and want["speculative"] == want["greedy"]
+    assert len(set(want["greedy"])) > 1
+    assert want["speculative"] == want["greedy"] == want.get("mtp", want["greedy"])
+    assert ("mtp" in want) == (name == "qwen3_5")
     for got in ranks:
         for path in ("fused", "layers"):
             for key, value in want.items():
@@ -248,7 +262,7 @@ def test_a_generation_whose_group_loses_a_rank_midway_ends_as_an_undisturbed_one
 
 @pytest.mark.parametrize("extra, message", [
     (("--tensor-parallel", "3"), "tensor parallel size 3 does not divide num_attention_heads (4)"),
-    (("--tensor-parallel", "2", "--draft", "mtp"), "--draft mtp is not built for --tensor-parallel yet"),
+    (("--tensor-parallel", "2", "--compile"), "--compile is not built for --tensor-parallel yet"),
 ])
 def test_serve_target_refuses_what_a_group_cannot_serve_at_start(extra, message, tmp_path):
     save_checkpoint(random_model(hf_config(), seed=3), tmp_path)

@@ -34,6 +34,7 @@ class HybridLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp: dict[str, Tensor] = {}  # the checkpoint's mtp.* tensors, kept for the MTP drafter
+        self.full_config = cfg  # the whole model's: a tensor-parallel shard's `config` is its part's
         self.fused: fused.FusedStack | None = None  # set by `fuse()`: forward takes the fused path
         self.rope_table: tuple[Tensor, Tensor, Tensor] | None = None  # cos, sin, signed sin by position (`rope`)
         self.compiled: CompiledPasses | None = None  # set by `compile()`: passes that fit the logs run compiled

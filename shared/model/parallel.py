@@ -133,8 +133,9 @@ def shard_tensors(model: HybridLM, at: Rank) -> dict[str, Tensor]:
 
 
 def shard(model: HybridLM, at: Rank) -> HybridLM:
-    """Rank `at`'s shard of `model`, fused; its layer path (`fuse(False)`) is all-reduced too. Its MTP tensors
-    are not carried."""
+    """Rank `at`'s shard of `model`, fused; its layer path (`fuse(False)`) is all-reduced too. The MTP head's
+    tensors are carried whole (`full_config` their shape): the MTP drafter runs on rank 0 alone, from the full
+    hidden states every rank has after the all-reduce, with no collective of its own."""
     if at.world == 1:
         return model.fuse()
     tensors = shard_tensors(model, at)
@@ -143,6 +144,7 @@ def shard(model: HybridLM, at: Rank) -> HybridLM:
     part.load_state_dict(tensors, strict=True, assign=True)
     if part.config.tie_word_embeddings:
         part.lm_head.weight = part.model.embed_tokens.weight
+    part.mtp, part.full_config = model.mtp, model.config
     part.eval()
     zero = part.lm_head.weight.new_zeros(())
     for layer in part.model.layers:
