@@ -313,10 +313,11 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     if args.pipeline_depth not in (0, 1):
         raise ValueError(f"--pipeline-depth is 0 or 1, not {args.pipeline_depth}")
     _check_capture(args)
-    load, stop = lambda: load_model(model_dir, device=args.device).compile(args.compile, warm_up=True) \
-        .capture(args.capture), lambda: None
     if args.tensor_parallel != 1:
         load, stop = _tensor_parallel(args, model_dir)
+    else:
+        load, stop = lambda: load_model(model_dir, device=args.device).compile(args.compile, warm_up=True) \
+            .capture(args.capture), lambda: None
     svc = service(lambda: (load(), load_tokenizer(model_dir)), _limits(args),
                   draft, args.advertise_address, telemetry, args.draft, args.pipeline_depth, _batching(args),
                   args.draft_length, model_name(model_dir))
@@ -348,10 +349,10 @@ def _tensor_parallel(args: argparse.Namespace, model_dir: Path) -> tuple[Callabl
     args.prefix_cache_block = 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        rendezvous = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     spawn = multiprocessing.get_context("spawn")
     followers = [spawn.Process(target=lockstep.follower_main, daemon=True, name=f"deltaspec-tp-rank{rank}",
-                               args=(rank, world, port, str(model_dir), args.device, args.torch_threads))
+                               args=(rank, world, rendezvous, str(model_dir), args.device, args.torch_threads))
                  for rank in range(1, world)]
     for p in followers:
         p.start()
@@ -359,7 +360,7 @@ def _tensor_parallel(args: argparse.Namespace, model_dir: Path) -> tuple[Callabl
 
     def load() -> Any:
         model = load_model(model_dir, device="cuda:0" if args.device == "cuda" else args.device)
-        at = lockstep.join(0, world, port)
+        at = lockstep.join(0, world, rendezvous)
         leaders.append(lockstep.Leader(shard(model, at), at))
         leaders[0].watch(followers)
         print(f"tensor parallel: rank 0 of {world} leads (prefix cache off)", file=sys.stderr, flush=True)

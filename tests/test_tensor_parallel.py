@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import grpc
@@ -47,6 +46,11 @@ CASES = {
 RANKS = {"qwen3_next-4": 4}  # 2 unless named (4: its 2 K/V heads replicated, as Qwen3-Next-80B's are at TP 4)
 PROMPT = [5, 17, 42, 9, 100, 3, 77]
 N_NEW = 12
+
+
+def rendezvous(directory: str) -> str:
+    """Where the ranks meet: a file in the test's own folder (no port that another job could take first)."""
+    return f"file://{directory}/rendezvous"
 
 
 def free_port() -> int:
@@ -91,10 +95,9 @@ def target(cfg: dict) -> HybridLM:
     return model
 
 
-def run_rank(rank: int, world: int, port: int, name: str, out: str) -> None:
+def run_rank(rank: int, world: int, name: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    join(rank, world, rendezvous(out))
     try:
         cfg = CASES[name]()
         draft = near_copy(random_model(cfg, seed=3), seed=4).fuse()
@@ -114,7 +117,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_ranks_give_the_single_process_logits_and_tokens(name, tmp_path):
     world = RANKS.get(name, 2)
-    mp.spawn(run_rank, args=(world, free_port(), name, str(tmp_path)), nprocs=world)
+    mp.spawn(run_rank, args=(world, name, str(tmp_path)), nprocs=world)
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     want = ranks[0]["want"]
     assert len(set(want["greedy"])) > 1
@@ -153,11 +156,11 @@ def test_k_v_heads_fewer_than_the_ranks_are_replicated():
     assert (part.num_attention_heads, part.num_key_value_heads, part.state_spec.kv_heads) == (2, 1, 1)
 
 
-def lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
+def lead_or_follow(rank: int, world: int, out: str) -> None:
     """Rank 0 generates through a `Leader` (target-only, then speculative, then a partial commit by hand and a
     batched pass of two sessions); rank 1 follows what it sends."""
     torch.set_num_threads(1)
-    at = join(rank, world, port)
+    at = join(rank, world, rendezvous(out))
     try:
         cfg = CASES["qwen3_5_moe"]()
         part = shard(random_model(cfg, seed=3), at)
@@ -191,7 +194,7 @@ def lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_followers_make_every_call_rank_0_makes(tmp_path):
-    mp.spawn(lead_or_follow, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(lead_or_follow, args=(2, str(tmp_path)), nprocs=2)
     got = torch.load(tmp_path / "leader.pt")
     assert not got["errors"]
     assert got["greedy"] == got["want"]["greedy"] and got["speculative"] == got["want"]["speculative"]

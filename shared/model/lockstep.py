@@ -44,11 +44,11 @@ PING_S = 10.0
 TIMEOUT_S = 60.0  # a collective (a pass's all-reduce, a call's broadcast) that waits longer breaks the group
 
 
-def join(rank: int, world: int, port: int, timeout_s: float = TIMEOUT_S) -> Rank:
-    """Join the group of `world` ranks on this host (rank 0 listens on `port`); gloo on CPUs, NCCL for CUDA tensors.
-    Raises if the group is not complete within `timeout_s`."""
+def join(rank: int, world: int, rendezvous: str, timeout_s: float = TIMEOUT_S) -> Rank:
+    """Join the group of `world` ranks meeting at `rendezvous` (`tcp://HOST:PORT`, rank 0 listening; or
+    `file://PATH`); gloo on CPUs, NCCL for CUDA tensors. Raises if the group is not complete within `timeout_s`."""
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     return Rank(rank, world)
 
@@ -203,9 +203,9 @@ def follow(model: HybridLM, at: Rank) -> None:
 
 
 
-def follower_main(rank: int, world: int, port: int, model_dir: str, device: str, threads: int) -> None:
+def follower_main(rank: int, world: int, rendezvous: str, model_dir: str, device: str, threads: int) -> None:
     """A follower process of `serve-target --tensor-parallel`: load, shard, join the group, follow rank 0."""
     torch.set_num_threads(threads)
     model = load_model(model_dir, device=f"cuda:{rank}" if device == "cuda" else device)
-    at = join(rank, world, port)
+    at = join(rank, world, rendezvous)
     follow(shard(model, at), at)
