@@ -14,11 +14,9 @@ latency term dominates.
 """
 from __future__ import annotations
 
-import socket
 import statistics
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ from deltaspec.shared.model import parallel
 from deltaspec.shared.model.checkpoint import hf_config, random_model
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.fields import ConfigError
+from deltaspec.shared.model.lockstep import join
 from deltaspec.shared.model.parallel import Rank, shard, sharded_config
 
 MODEL = hf_config(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_attention_heads=8,
@@ -47,11 +46,10 @@ def ring_bytes(tokens: int, hidden: int, layers: int, world: int, itemsize: int)
     return 2 * layers * tokens * hidden * itemsize * 2 * (world - 1) / world
 
 
-def _rank(rank: int, world: int, port: int, repeats: int, out: str) -> None:
+def _rank(rank: int, world: int, repeats: int, out: str) -> None:
     torch.set_num_threads(1)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
+        join(rank, world, f"file://{out}/rendezvous", timeout_s=120)
     spent = [0.0]
     reduce = parallel._all_reduce
 
@@ -85,11 +83,8 @@ def _rank(rank: int, world: int, port: int, repeats: int, out: str) -> None:
 def measured(repeats: int) -> list[dict]:
     result = []
     for world in WORLDS:
-        with tempfile.TemporaryDirectory() as out, socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            s.close()
-            mp.spawn(_rank, args=(world, port, repeats, out), nprocs=world)
+        with tempfile.TemporaryDirectory() as out:
+            mp.spawn(_rank, args=(world, repeats, out), nprocs=world)
             rows = torch.load(Path(out) / "rows.pt")
         for T, times in rows.items():
             wall = statistics.median(w for w, _ in times)
