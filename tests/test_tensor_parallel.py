@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks import shapes
 from deltaspec.shared.decoding.drafters import make_drafter
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
@@ -272,3 +273,15 @@ def test_serve_target_refuses_what_a_group_cannot_serve_at_start(extra, message,
     out = subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", "serve-target", "--model", str(tmp_path),
                           "--port", "0", *extra], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("shape", ["QWEN3_NEXT_80B_A3B", "QWEN35_35B_A3B"])
+def test_the_published_moe_shapes_shard_over_2_4_and_8_ranks(shape):
+    """Their 2 K/V heads replicated beyond 2 ranks; 3 ranks divide nothing."""
+    cfg = ModelConfig.from_dict(getattr(shapes, shape))
+    for world in (2, 4, 8):
+        part = sharded_config(cfg, world)
+        assert part.linear_num_value_heads * world == cfg.linear_num_value_heads
+        assert part.num_key_value_heads == max(1, cfg.num_key_value_heads // world)
+    with pytest.raises(ConfigError, match="does not divide num_attention_heads"):
+        sharded_config(cfg, 3)
