@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -285,3 +286,14 @@ def test_the_published_moe_shapes_shard_over_2_4_and_8_ranks(shape):
         assert part.num_key_value_heads == max(1, cfg.num_key_value_heads // world)
     with pytest.raises(ConfigError, match="does not divide num_attention_heads"):
         sharded_config(cfg, 3)
+
+
+def join_alone(_rank: int, out: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 - torch's own (a store timeout), whichever it is
+        join(0, 2, rendezvous(out), timeout_s=3)
+    assert time.monotonic() - started < 30
+
+
+def test_a_rank_whose_peers_never_come_fails_start_up_within_the_timeout(tmp_path):
+    mp.spawn(join_alone, args=(str(tmp_path),), nprocs=1)
