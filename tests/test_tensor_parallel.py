@@ -130,6 +130,7 @@ def test_ranks_give_the_single_process_logits_and_tokens(name, tmp_path):
             for key, value in want.items():
                 if isinstance(value, torch.Tensor):
                     assert rel(got[path][key], value) < 1e-5, (path, key)
+                    assert torch.equal(got[path][key], ranks[0][path][key]), (path, key)  # the ranks agree exactly
                 else:
                     assert got[path][key] == value, (path, key)
 
