@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import (cost_model, families, generation, gpu, load, moe_passes as moe, openai_front, pipeline, prefix,
-                        report, session_memory, steps as step_costs, wire)
+                        report, session_memory, steps as step_costs, tensor_parallel, wire)
 from benchmarks.report import FIGURES, RESULTS
 from benchmarks.rollback_cost import compare
 from benchmarks.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
@@ -46,7 +46,7 @@ from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY
 
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
 SECTIONS = ("steps", "acceptance", "generations", "grpc", "wire", "tracing", "rollback", "memory", "pipeline", "load",
-            "sessions", "moe", "cost_model", "prefix", "compiled", "gpu", "openai", "families")
+            "sessions", "moe", "cost_model", "prefix", "compiled", "gpu", "openai", "families", "tensor_parallel")
 
 
 def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
@@ -149,12 +149,16 @@ def run(args: argparse.Namespace) -> dict:
         if "families" in steps:
             result["families"] = families.families(quick)
             bar.update()
+        if "tensor_parallel" in steps:
+            result["tensor_parallel"] = tensor_parallel.tensor_parallel(quick)
+            bar.update()
     return result
 
 
 PRINTERS = {"pipeline": pipeline.print_rows, "load": load.print_rows, "sessions": session_memory.print_rows,
             "moe": moe.print_rows, "cost_model": cost_model.print_rows, "prefix": prefix.print_rows,
-            "openai": openai_front.print_rows, "families": families.print_rows}  # sections that print their own rows
+            "openai": openai_front.print_rows, "families": families.print_rows,
+            "tensor_parallel": tensor_parallel.print_rows}  # sections that print their own rows
 
 
 def print_tables(result: dict) -> None:
@@ -267,6 +271,8 @@ def main(args: argparse.Namespace) -> int:
         report.save("openai", result["openai"], openai_front.print_rows)
     if not args.quick and "moe" in result:
         report.save("moe", result["moe"], moe.print_rows, moe.plot)
+    if not args.quick and "tensor_parallel" in result:
+        report.save("tensor_parallel", result["tensor_parallel"], tensor_parallel.print_rows)
     if not args.quick and "cost_model" in result:
         report.save("cost_model", result["cost_model"], cost_model.print_rows)
     if not args.quick and "prefix" in result:

@@ -6,8 +6,10 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from deltaspec.shared import demo
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, EMBEDDED_MODEL_NAME
@@ -311,11 +313,67 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     if args.pipeline_depth not in (0, 1):
         raise ValueError(f"--pipeline-depth is 0 or 1, not {args.pipeline_depth}")
     _check_capture(args)
-    svc = service(lambda: (load_model(model_dir, device=args.device).compile(args.compile, warm_up=True)
-                           .capture(args.capture), load_tokenizer(model_dir)), _limits(args),
+    if args.tensor_parallel != 1:
+        load, stop = _tensor_parallel(args, model_dir)
+    else:
+        load, stop = lambda: load_model(model_dir, device=args.device).compile(args.compile, warm_up=True) \
+            .capture(args.capture), lambda: None
+    svc = service(lambda: (load(), load_tokenizer(model_dir)), _limits(args),
                   draft, args.advertise_address, telemetry, args.draft, args.pipeline_depth, _batching(args),
                   args.draft_length, model_name(model_dir))
-    return serve([svc], listen, args.grace, telemetry, args.metrics_port)
+    try:
+        return serve([svc], listen, args.grace, telemetry, args.metrics_port)
+    finally:
+        stop()
+
+
+def _tensor_parallel(args: argparse.Namespace, model_dir: Path) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """`--tensor-parallel N`: N-1 follower processes started here, and (load, stop) for rank 0's shard, which leads
+    them (`deltaspec.shared.model.lockstep`). What the group does not mirror yet is refused or turned off: the
+    prefix cache (--prefix-cache-block becomes 0)."""
+    import multiprocessing
+    import socket
+
+    from deltaspec.shared.model import lockstep
+    from deltaspec.shared.model.config import ModelConfig
+    from deltaspec.shared.model.loader import load_model
+    from deltaspec.shared.model.parallel import shard, sharded_config
+
+    world = args.tensor_parallel
+    if world < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1, got {world}")
+    for flag, on in (("--compile", args.compile), ("--capture", args.capture)):
+        if on:
+            raise ValueError(f"{flag} is not built for --tensor-parallel yet")
+    sharded_config(ModelConfig.from_file(model_dir / "config.json"), world)  # a size that does not divide: now
+    args.prefix_cache_block = 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        rendezvous = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    spawn = multiprocessing.get_context("spawn")
+    followers = [spawn.Process(target=lockstep.follower_main, daemon=True, name=f"deltaspec-tp-rank{rank}",
+                               args=(rank, world, rendezvous, str(model_dir), args.device, args.torch_threads))
+                 for rank in range(1, world)]
+    for p in followers:
+        p.start()
+    leaders: list[Any] = []
+
+    def load() -> Any:
+        model = load_model(model_dir, device="cuda:0" if args.device == "cuda" else args.device)
+        at = lockstep.join(0, world, rendezvous)
+        leaders.append(lockstep.Leader(shard(model, at), at))
+        leaders[0].watch(followers)
+        print(f"tensor parallel: rank 0 of {world} leads (prefix cache off)", file=sys.stderr, flush=True)
+        return leaders[0].model
+
+    def stop() -> None:
+        if leaders:
+            leaders[0].stop()
+        for p in followers:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return load, stop
 
 
 def model_name(model_dir: Path) -> str:
@@ -582,6 +640,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'fixed': num_draft_tokens every round")
     p.add_argument("--draft-timeout", type=float, default=1.0,
                    help="seconds one draft proposal may take before the round goes on without it")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the target over N ranks on this host (torch.distributed: gloo on CPUs, NCCL on GPUs); "
+                        "rank 0 serves, the others follow it (docs/tensor-parallel.md). Turns the prefix cache "
+                        "off")
     p.add_argument("--advertise-address", default=os.environ.get("DELTASPEC_ADVERTISE_ADDRESS", ""),
                    help="this replica's stable HOST:PORT, returned by CreateSession so clients send a session's "
                         "later calls to the replica that holds it (default: $DELTASPEC_ADVERTISE_ADDRESS; "

@@ -30,7 +30,8 @@ def forward_batch(model: HybridLM, items: Sequence[tuple[Tensor, ModelState]]) -
     """`[model(ids, state) for ids, state in items]` in one pass; every state distinct.
 
     Everything is checked before anything is staged: a refused batch (`BatchRefused`, or a K/V budget's
-    `ResourceExhausted`) changes no state.
+    `ResourceExhausted`) changes no state. On rank 0 of a tensor-parallel group the model's `leader`
+    (`deltaspec.shared.model.lockstep`) announces the batch to the other ranks and runs it here.
     """
     if len({id(st) for _, st in items}) != len(items):
         raise BatchRefused("a batch names the same sequence state twice")
@@ -41,6 +42,8 @@ def forward_batch(model: HybridLM, items: Sequence[tuple[Tensor, ModelState]]) -
     ids = torch.cat([ids for ids, _ in items]).to(device)
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
         raise BatchRefused(f"token ids outside the vocabulary [0, {cfg.vocab_size})")
+    if model.leader is not None and not model.leader.nested:  # rank 0 of a tensor-parallel group: every rank runs it
+        return model.leader.forward_batch(items)
     if model.fused is None or len(items) == 1 or any(st.recurrent.block_heads is not None for _, st in items):
         return [model(ids, st) for ids, st in items]  # a prefix cache's heads are taken by the per-sequence pass
     lengths = [t.numel() for t, _ in items]

@@ -2,7 +2,7 @@
 `Qwen3_5MoeForCausalLM`'s, with the experts fused as HF keeps them in memory)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -34,12 +34,14 @@ class HybridLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp: dict[str, Tensor] = {}  # the checkpoint's mtp.* tensors, kept for the MTP drafter
+        self.full_config = cfg  # the whole model's: a tensor-parallel shard's `config` is its part's
         self.fused: fused.FusedStack | None = None  # set by `fuse()`: forward takes the fused path
         self.rope_table: tuple[Tensor, Tensor, Tensor] | None = None  # cos, sin, signed sin by position (`rope`)
         self.compiled: CompiledPasses | None = None  # set by `compile()`: passes that fit the logs run compiled
         self.captured: CapturedPasses | None = None  # set by `capture()`: decode and verify passes replay graphs
         self.state_pool: StatePool | None = None  # set by `state.pool.attach`: sessions' states are its slots
         self.prefix_cache: PrefixCache | None = None  # set by `state.prefix_cache.attach`: sessions share prefixes
+        self.leader: Any = None  # set by `lockstep.Leader`: rank 0 of a tensor-parallel group announces each pass
 
     @property
     def device(self) -> torch.device:

@@ -70,7 +70,7 @@ class MTPHead(nn.Module):
 
     def __init__(self, target: HybridLM) -> None:
         super().__init__()
-        cfg = target.config
+        cfg = target.full_config  # on a tensor-parallel target, rank 0 holds the head whole (it drafts alone)
         weights = {k[len("mtp."):]: v for k, v in target.mtp.items()}
         n_layers = len({k.split(".")[1] for k in weights if k.startswith("layers.")})
         if not weights or not n_layers:

@@ -1,0 +1,211 @@
+"""A tensor-parallel group that serves as one model: rank 0 leads, the other ranks follow, rounds commit on all.
+
+Rank 0 (`Leader`) runs the engine on its shard (`deltaspec.shared.model.parallel`) as a single process runs the whole
+model. Each call that changes a session's state on its shard it broadcasts, `(op, session, args)`: a model pass
+before making it (the followers' all-reduces pair with its own), a commit, revert, mark or new session once made
+(none that rank 0 refuses is sent); every follower (`follow`) makes the same call on its own shard of that state.
+The calls go out in one order under one lock, held over each pass too, so every rank runs the same passes in the
+same order and keeps each round by the same closed form: what rank 0 applied, every rank applied. Only rank 0
+samples and decides (every rank's logits are the same tensor).
+
+A rank that dies or stops answering breaks the group: rank 0's next broadcast or all-reduce fails (or its watcher
+sees a follower exit) and rank 0 exits, so callers see the target UNAVAILABLE and recover their sessions as after
+any restart (no round is half applied: rank 0, which answers callers, is gone); a follower whose leader is gone
+exits too. Rank 0 pings an idle group every `PING_S` so that a silent peer is noticed within the group's timeout.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import itertools
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from deltaspec.shared.model.batched import forward_batch
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.model.parallel import Rank, shard
+from deltaspec.shared.state.rollback import ModelState
+from deltaspec.shared.state.spec import LOG_CAPACITY
+
+MIRRORED = ("commit", "revert", "mark", "commit_marked", "drop_marked", "truncate")  # ModelState's changes
+PING_S = 10.0
+TIMEOUT_S = 60.0  # a collective (a pass's all-reduce, a call's broadcast) that waits longer breaks the group
+
+
+def join(rank: int, world: int, rendezvous: str, timeout_s: float = TIMEOUT_S) -> Rank:
+    """Join the group of `world` ranks meeting at `rendezvous` (`tcp://HOST:PORT`, rank 0 listening; or
+    `file://PATH`); gloo on CPUs, NCCL for CUDA tensors. Raises if the group is not complete within `timeout_s`."""
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    return Rank(rank, world)
+
+
+class Broken(RuntimeError):
+    """The group lost a rank: its states can no longer be kept alike."""
+
+
+def exit_group(error: BaseException) -> None:
+    """What rank 0 does when its group breaks: say why and exit at once (its supervisor restarts the group)."""
+    print(f"tensor parallel group broken, exiting: {error}", file=sys.stderr, flush=True)
+    os._exit(70)
+
+
+class Leader:
+    """Rank 0's side: `model`'s forward and new_state, and every state's `MIRRORED` methods, broadcast each call
+    before making it. Every state the engine uses must come from `model.new_state`."""
+
+    def __init__(self, model: HybridLM, at: Rank, on_broken: Callable[[BaseException], None] = exit_group) -> None:
+        self.model, self.at, self.on_broken = model, at, on_broken
+        self._lock = threading.RLock()
+        self._inside = threading.local()  # calls a mirrored call makes are the followers' own business
+        self._freed: collections.deque[int] = collections.deque()  # states gone on rank 0: sent with the next call
+        self._ids = itertools.count()
+        self._sid: weakref.WeakKeyDictionary[ModelState, int] = weakref.WeakKeyDictionary()
+        self._forward, self._new_state = model.forward, model.new_state
+        model.forward, model.new_state = self.forward, self.new_state  # what the engine's calls reach
+        model.leader = self  # and `batched.forward_batch`'s
+        self._stopped = threading.Event()
+        threading.Thread(target=self._ping, name="deltaspec-tp-ping", daemon=True).start()
+
+    def new_state(self, capacity: int = 256, log_capacity: int = LOG_CAPACITY) -> ModelState:
+        with self._lock:
+            state = self._new_state(capacity, log_capacity)
+            sid = next(self._ids)
+            self._send("new", sid, capacity, state.recurrent.log_capacity)
+        self._sid[state] = sid
+        weakref.finalize(state, self._freed.append, sid).atexit = False
+        ref = weakref.ref(state)  # the state's own methods, not a cycle through it
+        for name in MIRRORED:
+            setattr(state, name, functools.partial(self._mirrored, sid, ref, name))
+        return state
+
+    def forward(self, ids: Tensor, state: ModelState) -> tuple[Tensor, Tensor]:
+        """The pass, on every rank. Input the followers would refuse alike is refused here before it is sent."""
+        vocab = self.model.config.vocab_size
+        if ids.ndim != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"forward takes a non-empty 1-D tensor of token ids in [0, {vocab})")
+        if self.nested:  # a batch of one, already announced
+            return self._forward(ids, state)
+        return self._announced("pass", [(ids, state)], lambda: self._forward(ids, state))
+
+    def forward_batch(self, items: Sequence[tuple[Tensor, ModelState]]) -> list[tuple[Tensor, Tensor]]:
+        """`batched.forward_batch` on every rank. Positions are reserved first: a K/V budget refuses here, before
+        anything is sent (the followers' states are outside any budget)."""
+        for ids, st in items:
+            st.ensure_positions(st.length + st.staged + ids.numel())
+        return self._announced("batch", items, lambda: forward_batch(self.model, items))
+
+    @property
+    def nested(self) -> bool:
+        """Whether this thread is inside a call already announced (its inner calls are the followers' own)."""
+        return getattr(self._inside, "depth", 0) > 0
+
+    def _announced(self, op: str, items: Sequence[tuple[Tensor, ModelState]], run: Callable[[], Any]) -> Any:
+        with self._lock:
+            self._send(op, -1, [(self._sid[st], ids.cpu()) for ids, st in items])
+            try:
+                with self._nested():
+                    return run()
+            except Exception as error:  # noqa: BLE001 - the followers may have run it: the shards are no longer alike
+                self.on_broken(error)
+                raise Broken(f"a pass failed on rank 0 after it was sent: {error}") from error
+
+    def stop(self) -> None:
+        """Tell the followers to exit (the group is done)."""
+        with self._lock:
+            self._stopped.set()
+            self._send("stop", -1)
+
+    def watch(self, processes: Sequence[Any]) -> None:
+        """Break the group as soon as one of the follower `processes` (multiprocessing's) exits unasked."""
+        def run() -> None:
+            wait([p.sentinel for p in processes])
+            if not self._stopped.is_set():
+                codes = [p.exitcode for p in processes if not p.is_alive()]
+                self.on_broken(Broken(f"a follower rank exited (code {codes[0] if codes else '?'})"))
+        threading.Thread(target=run, name="deltaspec-tp-watch", daemon=True).start()
+
+    def _mirrored(self, sid: int, ref: weakref.ref[ModelState], name: str, *args: Any) -> Any:
+        state = ref()
+        method = getattr(ModelState, name)
+        if self.nested:
+            return method(state, *args)
+        with self._lock:  # made first (no collective in it): one rank 0 refuses is never sent
+            with self._nested():
+                result = method(state, *args)
+            self._send(name, sid, *args)
+            return result
+
+    @contextlib.contextmanager
+    def _nested(self) -> Iterator[None]:
+        self._inside.depth = getattr(self._inside, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._inside.depth -= 1
+
+    def _send(self, op: str, sid: int, *args: Any) -> None:
+        freed = []
+        while self._freed:
+            freed.append(self._freed.popleft())
+        try:
+            dist.broadcast_object_list([(op, sid, args, freed)], src=0, group=self.at.group,
+                                       device=torch.device("cpu"))
+        except Exception as error:  # noqa: BLE001 - a rank is gone or silent
+            self.on_broken(error)
+            raise Broken(f"a follower did not take {op}: {error}") from error
+
+    def _ping(self) -> None:
+        while not self._stopped.wait(PING_S):
+            with self._lock:
+                if not self._stopped.is_set():
+                    self._send("ping", -1)
+
+
+def follow(model: HybridLM, at: Rank) -> None:
+    """A follower's loop: make every call rank 0 sends, on this rank's shard, until it says stop. Raises when the
+    leader is gone or silent past the group's timeout."""
+    states: dict[int, ModelState] = {}
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=at.group, device=torch.device("cpu"))
+        op, sid, args, freed = box[0]
+        for gone in freed:
+            states.pop(gone, None)
+        if op == "stop":
+            return
+        if op == "new":
+            capacity, log_capacity = args
+            states[sid] = ModelState(model.config.state_spec, device=model.device, dtype=model.dtype,
+                                     capacity=capacity, log_capacity=log_capacity)
+        elif op in ("pass", "batch"):
+            items = [(ids.to(model.device), states[i]) for i, ids in args[0]]
+            if op == "pass":
+                model(*items[0])
+            else:
+                forward_batch(model, items)
+        elif op != "ping":  # a change rank 0 made: one that fails here breaks the group (this rank exits)
+            getattr(states[sid], op)(*args)
+
+
+
+
+def follower_main(rank: int, world: int, rendezvous: str, model_dir: str, device: str, threads: int) -> None:
+    """A follower process of `serve-target --tensor-parallel`: load, shard, join the group, follow rank 0."""
+    torch.set_num_threads(threads)
+    model = load_model(model_dir, device=f"cuda:{rank}" if device == "cuda" else device)
+    at = join(rank, world, rendezvous)
+    follow(shard(model, at), at)

@@ -1,0 +1,300 @@
+"""Tensor parallelism over gloo: a model sharded on 2 ranks (and 4) gives the single-process logits (to 1e-5
+relative: the all-reduce adds in another order) for a prefill, a verify, a partial commit, a revert and a decode, on
+the fused and the layer path, and the same greedy tokens target-only and speculative (a draft model; MTP); served,
+the same tokens over both gRPC loops, and a lost rank takes the group down."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks import shapes
+from deltaspec.shared.decoding.drafters import make_drafter
+from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
+from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
+from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.model.batched import forward_batch
+from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
+from deltaspec.shared.model.config import ModelConfig
+from deltaspec.shared.model.fields import ConfigError
+from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.loader import load_model
+from deltaspec.shared.model.lockstep import Leader, follow, join
+from deltaspec.shared.model.parallel import Rank, shard, sharded_config
+from deltaspec.shared.rpc.generation import generate_on_server
+
+from support import Served, both_loops
+from test_batching import run_threads
+
+CASES = {
+    "qwen3_5": lambda: hf_config(mtp_num_hidden_layers=1),  # with an MTP head
+    "qwen3_5_moe": lambda: hf_moe_config(layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    "qwen3_next": lambda: hf_moe_config("qwen3_next", mlp_only_layers=[1], intermediate_size=96,
+                                        num_attention_heads=8, num_key_value_heads=4),
+    "qwen3_next-4": lambda: hf_moe_config("qwen3_next", mlp_only_layers=[1], intermediate_size=96,
+                                          num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4,
+                                          linear_num_value_heads=8, shared_expert_intermediate_size=64),
+}
+RANKS = {"qwen3_next-4": 4}  # 2 unless named (4: its 2 K/V heads replicated, as Qwen3-Next-80B's are at TP 4)
+PROMPT = [5, 17, 42, 9, 100, 3, 77]
+N_NEW = 12
+
+
+def rendezvous(directory: str) -> str:
+    """Where the ranks meet: a file in the test's own folder (no port that another job could take first)."""
+    return f"file://{directory}/rendezvous"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def near_copy(model: HybridLM, seed: int) -> HybridLM:
+    """A draft that agrees with the target often, not always."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05 * p.abs().mean())
+    return model
+
+
+def passes(model: HybridLM, draft: HybridLM) -> dict[str, object]:
+    """Logits of a prefill, a verify of 5 (2 kept), a verify reverted, a decode; then greedy generations."""
+    st = model.new_state()
+    out = {"prefill": model(torch.tensor(PROMPT), st)[0]}
+    st.commit(len(PROMPT))
+    out["verify"] = model(torch.tensor([8, 1, 200, 31, 6]), st)[0]
+    st.commit(2)
+    out["reverted"] = model(torch.tensor([4, 4, 4]), st)[0]
+    st.revert()
+    out["decode"] = model(torch.tensor([11]), st)[0]
+    st.commit(1)
+    out["decode2"] = model(torch.tensor([12]), st)[0]
+    out["greedy"] = generate(model, PROMPT, N_NEW).token_ids
+    out["speculative"] = generate(model, PROMPT, N_NEW, ModelDrafter(draft), 3).token_ids
+    if model.mtp:
+        out["mtp"] = generate(model, PROMPT, N_NEW, make_drafter("mtp", model), 3).token_ids
+    return out
+
+
+def target(cfg: dict) -> HybridLM:
+    """The random target of `cfg`, with random MTP weights where it has an MTP head."""
+    model = random_model(cfg, seed=3)
+    if cfg.get("mtp_num_hidden_layers"):
+        model.mtp = random_mtp_weights(model.config, cfg["mtp_num_hidden_layers"], seed=5)
+    return model
+
+
+def run_rank(rank: int, world: int, name: str, out: str) -> None:
+    torch.set_num_threads(1)
+    join(rank, world, rendezvous(out))
+    try:
+        cfg = CASES[name]()
+        draft = near_copy(random_model(cfg, seed=3), seed=4).fuse()
+        part = shard(target(cfg), Rank(rank, world))
+        got = {"fused": passes(part, draft), "layers": passes(part.fuse(False), draft)}
+        if rank == 0:
+            got["want"] = passes(target(cfg).fuse(), draft)
+        torch.save(got, Path(out) / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_ranks_give_the_single_process_logits_and_tokens(name, tmp_path):
+    world = RANKS.get(name, 2)
+    mp.spawn(run_rank, args=(world, name, str(tmp_path)), nprocs=world)
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    want = ranks[0]["want"]
+    assert len(set(want["greedy"])) > 1
+    assert want["speculative"] == want["greedy"] == want.get("mtp", want["greedy"])
+    assert ("mtp" in want) == (name == "qwen3_5")
+    for got in ranks:
+        for path in ("fused", "layers"):
+            for key, value in want.items():
+                if isinstance(value, torch.Tensor):
+                    assert rel(got[path][key], value) < 1e-5, (path, key)
+                    assert torch.equal(got[path][key], ranks[0][path][key]), (path, key)  # the ranks agree exactly
+                else:
+                    assert got[path][key] == value, (path, key)
+
+
+def test_sharded_state_holds_the_ranks_heads():
+    cfg = ModelConfig.from_dict(CASES["qwen3_next"]())
+    spec, part = cfg.state_spec, sharded_config(cfg, 2).state_spec
+    assert (part.recurrent.heads, part.kv_heads) == (spec.recurrent.heads // 2, spec.kv_heads // 2)
+    assert part.recurrent.conv_dim == spec.recurrent.conv_dim // 2
+
+
+@pytest.mark.parametrize("world, fields, field", [
+    (3, {}, "num_attention_heads"), (4, {}, "linear_num_key_heads"),
+    (3, {"num_attention_heads": 12, "num_key_value_heads": 4, "linear_num_key_heads": 3, "linear_num_value_heads": 6,
+         "intermediate_size": 96}, "num_key_value_heads"),
+    (4, {"num_attention_heads": 8, "linear_num_key_heads": 4, "linear_num_value_heads": 8, "intermediate_size": 102},
+     "intermediate_size")])
+def test_a_size_that_does_not_divide_is_refused_naming_the_dimension(world, fields, field):
+    with pytest.raises(ConfigError, match=f"does not divide {field}"):
+        sharded_config(ModelConfig.from_dict(hf_config(**fields)), world)
+
+
+def test_k_v_heads_fewer_than_the_ranks_are_replicated():
+    cfg = ModelConfig.from_dict(CASES["qwen3_next-4"]())
+    part = sharded_config(cfg, 4)
+    assert (part.num_attention_heads, part.num_key_value_heads, part.state_spec.kv_heads) == (2, 1, 1)
+
+
+def lead_or_follow(rank: int, world: int, out: str) -> None:
+    """Rank 0 generates through a `Leader` (target-only, then speculative, then a partial commit by hand and a
+    batched pass of two sessions); rank 1 follows what it sends."""
+    torch.set_num_threads(1)
+    at = join(rank, world, rendezvous(out))
+    try:
+        cfg = CASES["qwen3_5_moe"]()
+        part = shard(random_model(cfg, seed=3), at)
+        if rank:
+            follow(part, at)
+            return
+        errors: list[BaseException] = []
+        leader = Leader(part, at, on_broken=errors.append)
+        draft = near_copy(random_model(cfg, seed=3), seed=4).fuse()
+        got = {"greedy": generate(part, PROMPT, N_NEW).token_ids,
+               "speculative": generate(part, PROMPT, N_NEW, ModelDrafter(draft), 3).token_ids}
+        st = part.new_state()
+        part(torch.tensor(PROMPT), st)
+        st.commit(3)
+        with pytest.raises(ValueError):
+            st.commit(99)
+        other = part.new_state()
+        got["batched"] = [logits for logits, _ in forward_batch(part, [(torch.tensor([1, 2]), st),
+                                                                       (torch.tensor(PROMPT[:4]), other)])]
+        leader.stop()
+        got["want"] = passes(random_model(cfg, seed=3).fuse(), draft)
+        ref = random_model(cfg, seed=3).fuse()
+        st = ref.new_state()
+        ref(torch.tensor(PROMPT), st)
+        st.commit(3)
+        got["want_batched"] = [ref(torch.tensor([1, 2]), st)[0], ref(torch.tensor(PROMPT[:4]), ref.new_state())[0]]
+        got["errors"] = errors
+        torch.save(got, Path(out) / "leader.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_followers_make_every_call_rank_0_makes(tmp_path):
+    mp.spawn(lead_or_follow, args=(2, str(tmp_path)), nprocs=2)
+    got = torch.load(tmp_path / "leader.pt")
+    assert not got["errors"]
+    assert got["greedy"] == got["want"]["greedy"] and got["speculative"] == got["want"]["speculative"]
+    assert all(rel(a, b) < 1e-5 for a, b in zip(got["batched"], got["want_batched"], strict=True))
+
+
+def test_a_served_two_rank_target_gives_the_single_process_tokens_and_fails_whole(tmp_path):
+    """`serve-target --tensor-parallel 2` beside `serve-draft` (a near-copy: rounds kept in part): greedy tokens of
+    the single-process target through Generate's loop and the client-driven one (pipelined), then for three
+    Generate streams at once (batched passes); a follower killed takes the group down (callers see it gone)."""
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path / "target")
+    save_checkpoint(near_copy(random_model(hf_config(), seed=3), seed=4), tmp_path / "draft")
+    single = load_model(tmp_path / "target").fuse()
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    want = generate(single, prompt, 16).token_ids
+    with Served("serve-draft", tmp_path / "draft") as drafted, \
+            Served("serve-target", tmp_path / "target", "--tensor-parallel", "2", "--draft-addr", drafted.address,
+                   "--draft-timeout", "30", "--draft-length", "fixed") as served:
+        assert both_loops(served, drafted, prompt, 16, 3) == (want, want)
+        streams = [(prompt, 3, 16), (prompt[:6], 2, 8), (prompt[:3], 0, 12)]
+        out = run_threads(lambda i: generate_on_server(served.address, streams[i][0], "", streams[i][2],
+                                                       streams[i][1])[0].token_ids, list(range(len(streams))))
+        assert out == [generate(single, ids, n).token_ids for ids, _, n in streams]
+        kill_a_follower(served)
+        assert served.proc.wait(timeout=60) == 70
+        assert any("tensor parallel group broken" in line for line in served.log)
+        with pytest.raises(grpc.RpcError) as gone:
+            generate_on_server(served.address, prompt, "", 4, 0, recovery_window_s=0)
+        assert gone.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def kill_a_follower(served: Served) -> None:
+    children = Path(f"/proc/{served.proc.pid}/task/{served.proc.pid}/children").read_text().split()
+    os.kill(next(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()),
+            signal.SIGKILL)
+
+
+def test_a_generation_whose_group_loses_a_rank_midway_ends_as_an_undisturbed_one(tmp_path):
+    """A follower killed while a Generate stream is in flight (twice): the group exits, its supervisor (here the
+    test) starts it again on the same port, and the stream, recovering as after any target restart, ends with the
+    undisturbed tokens: none lost, no round applied twice."""
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    prompt, n = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], 48
+    want = generate(load_model(tmp_path).fuse(), prompt, n).token_ids
+    port = free_port()
+    # k from the cost model: its start-up passes (batches of 1 to 8 scratch sessions) run on the group too
+    group = ["serve-target", tmp_path, "--tensor-parallel", "2", "--draft", "ngram"]
+    served = [Served(*group, port=port).wait_serving()]
+    kills = [4, 20]  # after this many tokens streamed
+
+    def on_tokens(tokens: list[int], _text: str) -> None:
+        seen.extend(tokens)
+        if kills and len(seen) >= kills[0]:
+            kills.pop(0)
+            kill_a_follower(served[-1])
+            assert served[-1].proc.wait(timeout=60) == 70
+            served.append(Served(*group, port=port))  # the supervisor: a new group on the same address
+
+    seen: list[int] = []
+    try:
+        got = generate_on_server(served[0].address, prompt, "", n, 3, on_tokens=on_tokens, recovery_window_s=120)[0]
+    finally:
+        for s in served:
+            s.__exit__()
+    assert not kills and len(served) == 3
+    assert got.token_ids == want and seen == want
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--tensor-parallel", "3"), "tensor parallel size 3 does not divide num_attention_heads (4)"),
+    (("--tensor-parallel", "2", "--compile"), "--compile is not built for --tensor-parallel yet"),
+])
+def test_serve_target_refuses_what_a_group_cannot_serve_at_start(extra, message, tmp_path):
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    out = subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", "serve-target", "--model", str(tmp_path),
+                          "--port", "0", *extra], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("shape", ["QWEN3_NEXT_80B_A3B", "QWEN35_35B_A3B"])
+def test_the_published_moe_shapes_shard_over_2_4_and_8_ranks(shape):
+    """Their 2 K/V heads replicated beyond 2 ranks; 3 ranks divide nothing."""
+    cfg = ModelConfig.from_dict(getattr(shapes, shape))
+    for world in (2, 4, 8):
+        part = sharded_config(cfg, world)
+        assert part.linear_num_value_heads * world == cfg.linear_num_value_heads
+        assert part.num_key_value_heads == max(1, cfg.num_key_value_heads // world)
+    with pytest.raises(ConfigError, match="does not divide num_attention_heads"):
+        sharded_config(cfg, 3)
+
+
+def join_alone(_rank: int, out: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 - torch's own (a store timeout), whichever it is
+        join(0, 2, rendezvous(out), timeout_s=3)
+    assert time.monotonic() - started < 30
+
+
+def test_a_rank_whose_peers_never_come_fails_start_up_within_the_timeout(tmp_path):
+    mp.spawn(join_alone, args=(str(tmp_path),), nprocs=1)
