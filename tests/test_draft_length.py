@@ -82,6 +82,33 @@ def test_acceptance_follows_a_draft_that_stops_matching():
     assert length.choose() > 1
 
 
+def test_unverified_drafts_at_k0_teach_the_acceptance():
+    """At k = 0 a cheap drafter's drafts are asked for and not verified: checked against the tokens the target then
+    emits, each ends at its first miss or its last draft and teaches as a round would; a drafter that starts
+    matching brings drafting back with no probe's verify."""
+    free = PassCosts(target_s=CHEAP.target_s, draft_s=0.0)
+    length = CostModelLength(free, prior=0.02, prior_rounds=50)
+    assert length.choose() == 0 and length.shadow_k() == 4
+    assert CostModelLength(DEAR, prior=0.02, prior_rounds=50).shadow_k() == 0  # a draft step as dear as a pass
+    before = length.acceptance
+    length.shadow([5, 6, 7], 3)
+    length.emitted([5])
+    length.emitted([6, 9])  # the third draft missed: two of three kept
+    assert not length.shadows and length.acceptance > before and length.kept[1] > 0 == length.kept[2]
+    while length.choose() == 0:
+        length.shadow([1, 2, 3, 4], 4)
+        length.emitted([1, 2, 3, 4])
+    assert length.k > 1 and length.shadow_k() == 0  # drafting again: nothing left to shadow
+
+
+def test_a_good_draft_comes_back_without_probes_when_drafting_is_cheap():
+    prompt = torch.randint(0, 257, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    length = CostModelLength(PassCosts(target_s=CHEAP.target_s, draft_s=0.0), prior=0.02, prior_rounds=50)
+    got = generate(TARGET, prompt, 40, ModelDrafter(TARGET), length)
+    assert got.token_ids == generate(TARGET, prompt, 40).token_ids
+    assert got.stats.drafts > 3 and got.stats.rounds < 30  # the target as its own draft: every shadow matched
+
+
 def test_pipelined_rounds_hide_the_drafting_they_overlap():
     """Drafting as dear as a verify: serial rounds pay it every round, pipelined ones only where the round below
     missed, so at a high acceptance the pipelined loop takes longer rounds."""

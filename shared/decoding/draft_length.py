@@ -22,7 +22,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -37,6 +37,8 @@ COST_MODEL_K_MAX = 8  # the most drafts a server's cost model measures (and so p
 NEAR_BEST = 0.97  # a k whose expected gain over decoding is within 3 % of the best one's counts as good as it
 PRIOR, PRIOR_ROUNDS = 0.9, 2.0  # a fresh session's acceptance, worth two rounds: a draft someone chose is likely
 # good, and starting low costs a good draft several short rounds while starting high costs a bad one one long round
+SHADOW_SHARE = 0.01  # at k = 0, unverified drafts are asked for where they cost at most this share of a decode step
+POSITION_PRIOR = 1.0  # rounds' worth of the estimate a draft position starts from (the position before's)
 KEEP = 0.8  # weight of a session's past at each drafted round: its acceptance follows the last five rounds or so
 
 
@@ -119,22 +121,45 @@ def _timed(model, states: list, T: int) -> float:
     return elapsed
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens a round of k drafts yields at per-token acceptance a: 1 + a + ... + a^k."""
-    return k + 1.0 if acceptance == 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
+Acceptance = float | Sequence[float]  # one a for every draft, or a_i for the i-th given the ones before were kept
 
 
-def round_s(costs: PassCosts, acceptance: float, k: int, overlapped: bool = False) -> float:
+def _kept(acceptance: Acceptance, i: int) -> float:
+    """The chance the (i+1)-th draft is kept once the ones before it were."""
+    if isinstance(acceptance, Sequence):
+        return acceptance[min(i, len(acceptance) - 1)]
+    return acceptance
+
+
+def expected_tokens(acceptance: Acceptance, k: int) -> float:
+    """Tokens a round of k drafts yields: 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k (one a for every draft: the
+    geometric sum 1 + a + ... + a^k)."""
+    if not isinstance(acceptance, Sequence):
+        return k + 1.0 if acceptance == 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
+    total = run = 1.0
+    for i in range(k):
+        run *= _kept(acceptance, i)
+        total += run
+    return total
+
+
+def round_s(costs: PassCosts, acceptance: Acceptance, k: int, overlapped: bool = False) -> float:
     """Seconds a round of k drafts costs: the target's pass of k + 1 tokens and the drafting. In a pipelined loop
     (`overlapped`) a round's proposal is made while the round before is verified, and is used when that round keeps
-    every draft and the draft guessed its next token (probability a^(k+1)); only the other rounds wait for it."""
+    every draft and the draft guessed its next token (a_1 ... a_(k+1)); only the other rounds wait for it."""
     if not k:
         return costs.target_s[0]
     drafting = costs.draft_fixed_s + k * costs.draft_s
-    return costs.target_s[k] + drafting * (1 - acceptance ** (k + 1) if overlapped else 1)
+    if overlapped:
+        whole = 1.0
+        for i in range(k + 1):
+            whole *= _kept(acceptance, i)
+        drafting *= 1 - whole
+    return costs.target_s[k] + drafting
 
 
-def rates(costs: PassCosts, acceptance: float, overlapped: bool = False, continuation: float = 1.0) -> list[float]:
+def rates(costs: PassCosts, acceptance: Acceptance, overlapped: bool = False,
+          continuation: float = 1.0) -> list[float]:
     """Expected tokens per second at each k in 0..k_max (of the whole pass where `costs.others` share it). A drafter
     that may end a round early (a draft model's dynamic length, n-gram lookup whose match runs out) proposes each
     next draft with probability `continuation`, so a round asked for k drafts has i < k of them with probability
@@ -152,7 +177,7 @@ def rates(costs: PassCosts, acceptance: float, overlapped: bool = False, continu
     return out
 
 
-def best_k(costs: PassCosts, acceptance: float, overlapped: bool = False, continuation: float = 1.0) -> int:
+def best_k(costs: PassCosts, acceptance: Acceptance, overlapped: bool = False, continuation: float = 1.0) -> int:
     """The k in 0..k_max with the most tokens per second."""
     per_k = rates(costs, acceptance, overlapped, continuation)
     return max(range(len(per_k)), key=per_k.__getitem__)
@@ -244,14 +269,30 @@ class CostModelLength:
         self.accepted = prior * prior_rounds
         self.rejected = (1 - prior) * prior_rounds
         self.continued, self.stopped = prior_rounds, 0.0  # drafts made and rounds the drafter ended early
+        # per draft position: rounds that reached it (every draft before it kept) and rounds that kept it
+        self.reached, self.kept = [0.0] * self.k_max, [0.0] * self.k_max
         self.idle = 0  # rounds at k = 0 since the last probe
         self.wait = tally.wait if tally is not None else PROBE_EVERY  # rounds at k = 0 before the next probe
         self.probing = False  # the last k chosen was a probe
         self.k, self.reason = 0, "none"
+        self.shadows: list[list] = []  # [drafts, matched so far, asked] of unverified proposals (`shadow`)
 
     @property
     def acceptance(self) -> float:
+        """Per-token acceptance, one number for every draft (what a new session's prior and a span report)."""
         return self.accepted / (self.accepted + self.rejected)
+
+    def positions(self) -> list[float]:
+        """a_i, the chance the i-th draft is kept once the ones before it were, for i = 1 .. k_max + 1: what the
+        rounds that reached it kept, shrunk towards a_(i-1) (a_1's towards `acceptance`) by `POSITION_PRIOR` rounds,
+        so a position no round has reached takes the one before's. Acceptance comes in runs (a draft that matched
+        the first tokens of a passage matches its next ones), which one a for every draft would underrate: n-gram
+        lookup keeping a fifth of its drafts still paid at k = 6 where that a said k = 0."""
+        out, prior = [], self.acceptance
+        for reached, kept in zip(self.reached, self.kept):
+            prior = (kept + POSITION_PRIOR * prior) / (reached + POSITION_PRIOR)
+            out.append(prior)
+        return [*out, prior]  # the next token's: the guess a pipelined round rides on
 
     @property
     def continuation(self) -> float:
@@ -289,12 +330,48 @@ class CostModelLength:
         """Expected tokens per second at each k up to `k_max`, at this session's acceptance and the next batch's
         pass costs."""
         costs = self.costs.at(self.batch_size())
-        return rates(replace(costs, target_s=costs.target_s[:self.k_max + 1], batched=()), self.acceptance,
+        return rates(replace(costs, target_s=costs.target_s[:self.k_max + 1], batched=()), self.positions(),
                      self.overlapped, self.continuation)
 
     def expects_drafts(self) -> bool:
         """Whether a round would draft now, probes aside (a remote draft's session is then worth opening early)."""
         return self.current() > 0
+
+    def shadow_k(self) -> int:
+        """Drafts to ask for and not verify in a round of k = 0 (`shadow`): as many as cost at most `SHADOW_SHARE` of
+        a decode step to draft (n-gram lookup: microseconds each; a draft model: none). Checked against the tokens the target
+        then emits, such drafts teach the acceptance for no pass at all, where probes cost a verify each: a session
+        whose text starts repeating gets n-gram drafts back within a few tokens."""
+        if self.k or not self.k_max:
+            return 0
+        costs = self.costs.at(self.batch_size())
+        budget = SHADOW_SHARE * costs.target_s[0] - costs.draft_fixed_s
+        if budget <= 0:
+            return 0
+        return self.k_max if costs.draft_s * self.k_max <= budget else int(budget / costs.draft_s)
+
+    def shadow(self, drafts: list[int], asked: int) -> None:
+        """Drafts proposed (of `asked`) in a round of k = 0 and not verified: learnt from as the target emits the
+        tokens they guess (`emitted`); its first draft guesses the round's own token."""
+        self.shadows.append([list(drafts), 0, asked])
+        self.emitted([])
+
+    def emitted(self, tokens: list[int]) -> None:
+        """Tokens the target emitted, in order: each shadow compares its next draft with each, and ends, taught as a
+        round of that many drafts would teach, at its first miss or once every draft matched. (Under sampling a
+        one-hot draft matches the target's draw with the chance rejection sampling keeps it: the same estimate.)"""
+        for token in tokens:
+            for shadow in self.shadows:
+                drafts, matched, _ = shadow
+                if matched < len(drafts):
+                    shadow[1] = matched + 1 if drafts[matched] == token else -1 - matched  # a miss: -1 - matched
+        live = []
+        for drafts, matched, asked in self.shadows:
+            if matched < 0 or matched == len(drafts):
+                self._learn(len(drafts), matched if matched >= 0 else -1 - matched, asked)
+            else:
+                live.append([drafts, matched, asked])
+        self.shadows = live
 
     def observe(self, proposed: int, accepted: int, propose_s: float | None = None, asked: int | None = None) -> None:
         """A round's verdict: `accepted` of `proposed` drafts, which took `propose_s` seconds to get, `asked` for
@@ -302,9 +379,7 @@ class CostModelLength:
         asked = proposed if asked is None else asked
         if not asked:  # a round that asked for no drafts shows nothing of the draft
             return
-        keep = self.keep
-        self.accepted, self.rejected = keep * self.accepted + accepted, keep * self.rejected + (accepted < proposed)
-        self.continued, self.stopped = keep * self.continued + proposed, keep * self.stopped + (proposed < asked)
+        self._learn(proposed, accepted, asked)
         if self.probing:  # what it cost spaces the next probe
             decode_s, verify_s = self.costs.at(self.batch_size()).target_s[:2]
             extra = verify_s - decode_s + (propose_s or 0.0)  # over the decode step the round would have been
@@ -312,5 +387,14 @@ class CostModelLength:
             self.wait = min(wait, MAX_PROBE_EVERY)
             if self.tally is not None:
                 self.tally.wait = self.wait
+
+    def _learn(self, proposed: int, accepted: int, asked: int) -> None:
+        """What a round of `proposed` drafts (of `asked`), `accepted` of them, teaches; the past weighed `keep`."""
+        keep = self.keep
+        self.accepted, self.rejected = keep * self.accepted + accepted, keep * self.rejected + (accepted < proposed)
+        self.continued, self.stopped = keep * self.continued + proposed, keep * self.stopped + (proposed < asked)
+        for i in range(self.k_max):  # draft i + 1 was reached if every draft before it was kept
+            self.reached[i] = keep * self.reached[i] + (i <= accepted and i < proposed)
+            self.kept[i] = keep * self.kept[i] + (i < accepted)
         if self.tally is not None:
             self.tally.add(accepted, accepted < proposed)

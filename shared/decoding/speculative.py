@@ -14,7 +14,7 @@ from opentelemetry.trace import NoOpTracer, Span, Tracer
 from torch import Tensor
 
 from deltaspec.shared.decoding.draft_length import CostModelLength
-from deltaspec.shared.decoding.drafters import Drafter, NoDrafter, attach
+from deltaspec.shared.decoding.drafters import Drafter, NoDrafter, Proposal, attach
 from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.target import Round, TargetSession, check_num_draft_tokens
 from deltaspec.shared.model.hybrid import HybridLM
@@ -124,7 +124,11 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
             t0 = time.perf_counter()
             with tracer.start_as_current_span("propose") as phase:
                 asked = min(num_draft_tokens if length is None else length.choose(), room - 1)
-                proposal = drafter.propose(asked)
+                shadow = 0 if length is None or asked else min(length.shadow_k(), room - 1)
+                proposal = drafter.propose(asked or shadow)
+                if shadow:  # drafts to learn from, not to verify (the cost model's `shadow`)
+                    length.shadow(proposal.tokens, shadow)  # type: ignore[union-attr]
+                    proposal = Proposal([])
                 if traced:
                     phase.set_attributes({**ids, attr.DRAFT_TOKENS: len(proposal.tokens)})
             t1 = time.perf_counter()
@@ -154,6 +158,8 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
                                      attr.DRAFT_TOKENS: len(proposal.tokens), attr.ACCEPTED_TOKENS: keep,
                                      attr.STAGED_BYTES: rnd.staged_bytes})
         new = session.generated
+        if length is not None:
+            length.emitted(new[len(out):])
         t4 = time.perf_counter()
         drafter.advance(keep, new[-1])
         stats.commit_seconds += time.perf_counter() - t4
