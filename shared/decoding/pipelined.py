@@ -46,7 +46,7 @@ from opentelemetry.trace import Span, Tracer, use_span
 
 from deltaspec.shared.decoding.draft_length import CostModelLength
 from deltaspec.shared.decoding.drafters import Drafter, Proposal
-from deltaspec.shared.decoding.speculative import NO_TRACER, Session, Stats, _ids, drafts_kept, note_draft_length
+from deltaspec.shared.decoding.speculative import NO_TRACER, Session, Stats, _ids, draft_length_attributes, drafts_kept, note_draft_length
 from deltaspec.shared.decoding.target import Round, check_num_draft_tokens
 from deltaspec.shared.errors import FailedPrecondition, NotFound
 from deltaspec.shared.telemetry import attributes as attr
@@ -157,7 +157,9 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int,
                     t2 = time.perf_counter()
                     drafts = list(rnd.drafts)
                     if length is not None:
-                        note_draft_length(length, len(drafts), span, metrics)
+                        why = note_draft_length(length, len(drafts), metrics)
+                        if traced:
+                            span.set_attributes(draft_length_attributes(length, len(drafts), why))
                         length.observe(len(drafts), rnd.verdict.accepted, propose_s)
                     keep = drafts_kept(rnd, eos)
                     next_token = rnd.verdict.next_token if keep == rnd.verdict.accepted else drafts[keep]

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-from opentelemetry.trace import NoOpTracer, Span, Tracer
+from opentelemetry.trace import NoOpTracer, Tracer
 from torch import Tensor
 
 from deltaspec.shared.decoding.draft_length import CostModelLength
@@ -141,7 +141,9 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
                                           attr.STAGED_BYTES: rnd.staged_bytes})
             t2 = time.perf_counter()
             if length is not None:
-                note_draft_length(length, len(proposal.tokens), span, metrics)
+                why = note_draft_length(length, len(proposal.tokens), metrics)
+                if traced:
+                    span.set_attributes(draft_length_attributes(length, len(proposal.tokens), why))
                 length.observe(len(proposal.tokens), rnd.verdict.accepted, t1 - t0, asked)
             keep = drafts_kept(rnd, eos)
             with tracer.start_as_current_span("commit") as phase:
@@ -167,20 +169,22 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
         out = new
 
 
-def note_draft_length(length: CostModelLength, drafts: int, span: Span, metrics=None) -> None:
-    """A round's k from the cost model and why (it paid, nothing paid, a probe, or none made: the drafter had none,
-    or the generation's end left no room), on the round's span with the rates it expected at each k, and in the
-    metrics."""
+def note_draft_length(length: CostModelLength, drafts: int, metrics=None) -> str:
+    """Why a round took the cost model's `drafts` drafts (it paid, nothing paid, a probe, or none made: the drafter
+    had none, or the generation's end left no room), counted in the metrics."""
     if drafts:
         reason = "probe" if length.probing else "pays"
     else:
         reason = "none made" if length.reason in ("pays", "probe") else length.reason
-    if span.is_recording():
-        span.set_attributes({attr.DRAFT_LENGTH_K: drafts, attr.DRAFT_LENGTH_REASON: reason,
-                             attr.DRAFT_LENGTH_ACCEPTANCE: length.acceptance,
-                             attr.DRAFT_LENGTH_TOKENS_PER_S: length.rates()})
     if metrics is not None:
         metrics.draft_length_chosen(drafts, reason)
+    return reason
+
+
+def draft_length_attributes(length: CostModelLength, drafts: int, reason: str) -> dict:
+    """A round's span attributes for the cost model's choice: k, why, and the rates it expected at each k."""
+    return {attr.DRAFT_LENGTH_K: drafts, attr.DRAFT_LENGTH_REASON: reason,
+            attr.DRAFT_LENGTH_ACCEPTANCE: length.acceptance, attr.DRAFT_LENGTH_TOKENS_PER_S: length.rates()}
 
 
 def _ids(session: Session, round_id: str) -> dict:
