@@ -24,7 +24,7 @@ from deltaspec.shared.decoding.batcher import BatchConfig, serving
 from deltaspec.shared.decoding.draft_length import COST_MODEL_K_MAX, CostModelLength, PassCosts, Tally, drafting_cost
 from deltaspec.shared.decoding.drafters import attach, make_drafter
 from deltaspec.shared.decoding.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from deltaspec.shared.decoding.pipelined import decode_pipelined
+from deltaspec.shared.decoding.pipelined import decode_adaptive, decode_pipelined
 from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.session_table import Limits, SessionTable
 from deltaspec.shared.decoding.speculative import Stats, decode
@@ -230,7 +230,8 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
                         pipelined = bool(remote and self.pipeline_depth and not remote.drafts_dynamically())
                         if isinstance(k, CostModelLength):
                             k.overlapped = pipelined  # its drafting then hides behind the verifies
-                        rounds = decode_pipelined if pipelined else decode
+                        rounds = ((decode_adaptive if isinstance(k, CostModelLength) else decode_pipelined)
+                                  if pipelined else decode)
                         emitted = _Emitted(session)
                         for new in rounds(session, drafter, max_new_tokens, k,
                                           eos, stats, self.telemetry.tracer, self.metrics):

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from deltaspec.shared.decoding.draft_length import (MAX_PROBE_EVERY, PRIOR, PROBE_EVERY, PROBE_SHARE, CostModelLength,
                                                      PassCosts, Tally, best_k, draft_line, drafting_cost,
                                                      expected_tokens, round_s)
-from deltaspec.shared.decoding.pipelined import decode_pipelined
+from deltaspec.shared.decoding.pipelined import decode_adaptive, decode_pipelined
 from deltaspec.shared.decoding.speculative import Stats
 from deltaspec.shared.telemetry import attributes as attr
 from deltaspec.shared.telemetry.metrics import Metrics
@@ -178,6 +178,23 @@ def test_pipelined_loop_with_the_cost_model_equals_target_only_and_says_why(draf
         assert stats.speculations_kept > 0 and rounds.get(("4", "pays"), 0) >= 1
     else:
         assert stats.drafted <= 30 // PROBE_EVERY + 1 and rounds.get(("0", "none pays"), 0) > 10
+
+
+@pytest.mark.parametrize("draft", ["target", "noisy"])
+def test_adaptive_rounds_are_serial_while_nothing_is_drafted(draft):
+    """The cost model's loop runs serial rounds while it drafts nothing and pipelined ones while it drafts, handing
+    over at round ends: the target's tokens either way."""
+    prompt = torch.randint(0, 257, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    session, stats = TargetSession(TARGET, prompt, max_chain=1), Stats()
+    drafter = ModelDrafter(TARGET if draft == "target" else DRAFT)
+    drafter.start(list(prompt))
+    attach(drafter, session)
+    length = CostModelLength(CHEAP, prior=0.9 if draft == "target" else 0.02, prior_rounds=20, overlapped=True)
+    for _ in decode_adaptive(session, drafter, 30, length, set(), stats):
+        pass
+    assert session.generated == generate(TARGET, prompt, 30).token_ids
+    pipelined = stats.speculations_kept + stats.speculations_missed
+    assert pipelined > 0 if draft == "target" else pipelined == 0  # a draft never drafted for: serial throughout
 
 
 def test_pass_costs_measured_for_every_length():

@@ -6,7 +6,7 @@ With `NoDrafter` (or k = 0) it is plain target-only decoding through the same ro
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -103,8 +103,10 @@ def drafts_kept(rnd: Round, eos: set[int]) -> int:
 
 
 def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_tokens: int | CostModelLength,
-           eos: set[int], stats: Stats, tracer: Tracer = NO_TRACER, metrics=None) -> Iterator[list[int]]:
-    """Run rounds until `max_new_tokens` or an EOS (included), yielding the tokens each round commits.
+           eos: set[int], stats: Stats, tracer: Tracer = NO_TRACER, metrics=None,
+           until: Callable[[], bool] | None = None) -> Iterator[list[int]]:
+    """Run rounds until `max_new_tokens` or an EOS (included), or `until()` after a round, yielding the tokens each
+    round commits.
 
     `num_draft_tokens`: k for every round, or a `CostModelLength` that chooses k per round and learns from each
     verdict.
@@ -167,6 +169,8 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
         stats.commit_seconds += time.perf_counter() - t4
         yield new[len(out):]
         out = new
+        if until is not None and until():
+            return
 
 
 def note_draft_length(length: CostModelLength, drafts: int, metrics=None) -> str:

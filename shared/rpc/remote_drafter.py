@@ -137,8 +137,9 @@ class RemoteDrafter:
         self.round_id, self.proposed = None, []
         timeout = self._timeout()
         if k == 0 or self.paused_s > 0 or timeout <= 0:
-            self.close()  # it misses this round's outcome: free it now (a dropped id would hold a slot until
-            # its TTL; the last round of every generation has k = 0), rebuild it next time
+            self.close(wait=False)  # it misses this round's outcome: free it now (a dropped id would hold a slot
+            # until its TTL; the last round of every generation has k = 0), rebuild it next time; the round does not
+            # wait for the answer
             return Proposal([]), resolved(None), resolved(None)
         round_id = f"r{self.rounds}"
         speculation = third = resolved(None)
