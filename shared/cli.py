@@ -588,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dynamic draft length: a draft model stops proposing after a token it gives less than this "
                         "probability (exact: the decision reads only the draft; 0: always k; default 0.3 in process, "
                         "measured best with k up to 16; over gRPC the draft service's --stop-below decides)")
-    p.add_argument("--draft-length", choices=["fixed", "cost"], default="cost",
+    p.add_argument("--draft-length", choices=["fixed", "cost"], default="fixed",
                    help="in process: 'cost' picks k per round (0 to --num-draft-tokens) from the target's pass "
                         "costs and the drafter's, measured at start-up, and the acceptance seen so far, where a round "
                         "of k would not pay, k = 0 (docs/drafters.md); 'fixed': up to --num-draft-tokens every round")
@@ -632,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "rounds only: Generate's own loop and clients)")
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--capture", action="store_true", help=CAPTURE_HELP)
-    p.add_argument("--draft-length", choices=["fixed", "cost"], default="cost",
+    p.add_argument("--draft-length", choices=["fixed", "cost"], default="fixed",
                    help="Generate's drafts a round: 'cost' picks k per round (0 to the request's num_draft_tokens, "
                         "at most 8) from this server's pass costs, measured at start-up at each batch size, the batch "
                         "the round joins and the session's acceptance (docs/drafters.md), pipelined rounds counted as "

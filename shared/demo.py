@@ -49,8 +49,7 @@ def embedded_pair() -> Iterator[tuple[BackgroundServer, BackgroundServer]]:
 
     with BackgroundServer([draft_service(lambda: load_model(DEFAULT_DRAFT))]) as draft:
         target_svc = target_service(lambda: (load_model(DEFAULT_TARGET), load_tokenizer(DEFAULT_TARGET)),
-                                    draft=DraftPeer(draft.address), draft_length="cost",  # as serve-target's
-                                    model_name=EMBEDDED_MODEL_NAME)
+                                    draft=DraftPeer(draft.address), model_name=EMBEDDED_MODEL_NAME)
         with BackgroundServer([target_svc]) as target:
             with tqdm(total=2, desc="loading the embedded pair", unit="model", file=sys.stderr, leave=False) as bar:
                 for server in (draft, target):

@@ -48,12 +48,13 @@ def test_generate_with_explicit_draft_dir(tmp_path):
     assert spec["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 9
 
 
-def test_the_cost_model_chooses_k_by_default():
-    """`serve-target` and `generate` choose k per round unless told `--draft-length fixed`."""
+def test_the_draft_length_is_fixed_unless_asked():
+    """`serve-target` and `generate` draft k every round unless told `--draft-length cost`: the cost model does not
+    yet meet its rule everywhere (docs/drafters.md), the condition for making it the default."""
     parser = build_parser()
     for command in (["serve-target", "--port", "0"], ["generate", "--prompt", "x"]):
-        assert parser.parse_args(command).draft_length == "cost"
-        assert parser.parse_args([*command, "--draft-length", "fixed"]).draft_length == "fixed"
+        assert parser.parse_args(command).draft_length == "fixed"
+        assert parser.parse_args([*command, "--draft-length", "cost"]).draft_length == "cost"
 
 
 def test_generate_with_a_cost_model_draft_length():
