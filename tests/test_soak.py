@@ -11,10 +11,10 @@ from benchmarks.soak import KINDS, run
 from test_rpc_support import one_torch_thread, pair  # noqa: F401
 
 
-def test_soak_60_s(pair, capsys):
+def test_soak_40_s(pair, capsys):
     with capsys.disabled():
         print()
-        summary = run(pair[0], pair[1], sessions=16, seconds=60, report_s=15)
+        summary = run(pair[0], pair[1], sessions=16, seconds=40, report_s=10)
     assert summary["errors"] == 0, summary["error_samples"]
     assert len(summary["generations"]) == len(KINDS) and min(summary["generations"].values()) > 0
     assert summary["sessions_left"] == {"target": 0, "draft": 0}
