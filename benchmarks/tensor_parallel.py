@@ -77,6 +77,7 @@ def _rank(rank: int, world: int, repeats: int, out: str) -> None:
     if rank == 0:
         torch.save(rows, Path(out) / "rows.pt")
     if world > 1:
+        dist.barrier()  # no rank tears the group down while another still runs (gloo aborts the one left)
         dist.destroy_process_group()
 
 

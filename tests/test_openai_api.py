@@ -27,7 +27,6 @@ from deltaspec.openai_service.errors import from_rpc_error
 from deltaspec.shared.client import Client
 from deltaspec.shared.decoding.drafters import NoDrafter
 from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
-from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.session_table import Limits
 from deltaspec.shared.decoding.speculative import Stats, decode
 from deltaspec.shared.decoding.target import TargetSession

@@ -77,7 +77,8 @@ def _limit(cfg: dict[str, Any], names: tuple[str, str], n_layers: int, dense: tu
 def fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """`ModelConfig` fields of a Bailing hybrid config; HF's defaults where a field is absent."""
     refuse_unless(cfg, "hidden_act", ("silu",), "bailing_hybrid")  # the MLPs' and the short convs' activation
-    n_layers, heads = positive_int(cfg, "num_hidden_layers"), positive_int(cfg, "num_attention_heads")
+    n_layers = positive_int(cfg, "num_hidden_layers")
+    positive_int(cfg, "num_attention_heads")  # required: refused here, naming it, when absent or not a count
     group = positive_int({"layer_group_size": cfg.get("layer_group_size", 6)}, "layer_group_size")
     kinds = kimi_linear.layer_types(cfg, {}, n_layers, "bailing_hybrid",
                                     ["full_attention" if (i + 1) % group == 0 else "linear_attention"
