@@ -42,6 +42,17 @@ def refuse_unless(cfg: dict[str, Any], name: str, supported: tuple[Any, ...], mo
                           f"{', '.join(repr(v) for v in supported)})")
 
 
+def supported_kinds(kinds: list, allowed: tuple[str, ...], model_type: str, what: str = "layer kind",
+                    named: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """`kinds` as a tuple, or a load stopped at the first (sorted) one not `allowed`, naming it and what is
+    supported (`named`: as the config may spell them, legacy names included; default `allowed`)."""
+    unsupported = sorted({str(k) for k in kinds if k not in allowed})
+    if unsupported:
+        raise ConfigError(f"config.json: {model_type} {what} {unsupported[0]!r} is not supported (supported: "
+                          f"{', '.join(allowed if named is None else named)})")
+    return tuple(kinds)
+
+
 def rename(tensors: dict[str, Tensor], table: Iterable[tuple[str, str]]) -> None:
     """Rename, in place, every tensor whose name starts with a table entry's first prefix to start with its second;
     a `*` stands for a layer index, the same in both. The first entry that matches wins."""

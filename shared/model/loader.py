@@ -6,9 +6,10 @@ Reads `config.json` and `model.safetensors` or its shards (`model.safetensors.in
 (E, 2 I, H), `mlp.experts.down_proj` (E, H, I)), or both in one checkpoint (the published Qwen3.5-35B-A3B: main
 layers fused, MTP per expert); per-expert ones are stacked (non-gated ones too: Nemotron-H's `up_proj` alone). A
 multimodal wrapper's vision tower (`model.visual.*`) is skipped with a log line. `mtp.*` tensors (named so by the
-family's `convert`) are kept on `model.mtp` in the checkpoint's dtypes, for the MTP drafter to cast. Every tensor must be consumed and every parameter found: any mismatch stops with one `CheckpointError`
-naming the tensor or field. The tensors a module names in `keep_float32` (Nemotron-H's router, LFM2-MoE's expert
-bias) are loaded in float32 whatever the dtype, as HF keeps them.
+family's `convert`) are kept on `model.mtp` in the checkpoint's dtypes, for the MTP drafter to cast. Every tensor
+must be consumed and every parameter found: any mismatch stops with one `CheckpointError` naming the tensor or
+field. The tensors a module names in `keep_float32` (Nemotron-H's router, LFM2-MoE's expert bias) are loaded in
+float32 whatever the dtype, as HF keeps them.
 """
 from __future__ import annotations
 

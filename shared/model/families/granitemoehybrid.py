@@ -29,7 +29,8 @@ from torch import Tensor, nn
 
 from deltaspec.shared.model.families import bamba
 from deltaspec.shared.model.families.mamba2 import mixer
-from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, refuse_unless, rename
+from deltaspec.shared.model.fields import (ConfigError, json_float, positive_int, refuse_unless, rename,
+                                           supported_kinds)
 from deltaspec.shared.model.mixers.attention import Attention
 from deltaspec.shared.model.mlp import MLP, SparseMoE
 
@@ -51,11 +52,7 @@ def _layer_types(cfg: dict[str, Any], n_layers: int) -> tuple[str, ...]:
     if not isinstance(kinds, list):
         raise ConfigError(f"config.json: field 'layer_types' must be a list of layer kinds, got {kinds!r}")
     kinds = [LEGACY_KINDS.get(k, k) for k in kinds]
-    unsupported = sorted({str(k) for k in kinds if k not in LAYER_KINDS})
-    if unsupported:
-        raise ConfigError(f"config.json: granitemoehybrid layer kind {unsupported[0]!r} is not supported (supported: "
-                          f"{', '.join((*LAYER_KINDS, *LEGACY_KINDS))})")
-    return tuple(kinds)
+    return supported_kinds(kinds, LAYER_KINDS, "granitemoehybrid", named=(*LAYER_KINDS, *LEGACY_KINDS))
 
 
 def fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from deltaspec.shared.model.families.lfm2 import rename_fragments
 from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, refuse_unless, rename_experts, \
-    unstack_experts
+    supported_kinds, unstack_experts
 from deltaspec.shared.model.mixers.kda import KDAForm, KimiDeltaAttention
 from deltaspec.shared.model.mixers.mla import LatentAttention
 from deltaspec.shared.model.mlp import MLP, SharedExpertsMoE
@@ -63,11 +63,7 @@ def layer_types(cfg: dict[str, Any], linear: dict[str, Any], n_layers: int, mode
                     raise ConfigError(f"config.json: {model_type}'s linear_attn_config.{name} names layer {i}")
                 kinds[i - 1] = kind
     kinds = default if kinds is None else kinds
-    bad = [k for k in kinds if k not in LAYER_KINDS]
-    if bad:
-        raise ConfigError(f"config.json: {model_type} layer kind {bad[0]!r} in layer_types is not supported "
-                          f"(supported: {', '.join(LAYER_KINDS)})")
-    return tuple(kinds)
+    return supported_kinds(kinds, LAYER_KINDS, model_type, "layer kind in layer_types")
 
 
 def dense_layers(cfg: dict[str, Any], n_layers: int, first_dense: int, model_type: str) -> tuple[int, ...]:

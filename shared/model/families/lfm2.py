@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from deltaspec.shared.model.families.qwen3_5 import ConfigFields
-from deltaspec.shared.model.fields import ConfigError, json_float, positive_int
+from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, supported_kinds
 from deltaspec.shared.model.mixers.attention import Attention
 from deltaspec.shared.model.mixers.short_conv import ShortConv
 from deltaspec.shared.model.mlp import MLP
@@ -43,11 +43,7 @@ def _layer_types(cfg: dict[str, Any], n_layers: int) -> tuple[str, ...]:
         attention = cfg.get("full_attn_idxs")
         attention = range(n_layers) if attention is None else attention
         kinds = ["full_attention" if i in attention else "conv" for i in range(n_layers)]
-    unsupported = sorted({k for k in kinds if k not in LAYER_KINDS})
-    if unsupported:
-        raise ConfigError(f"config.json: lfm2 layer kind {unsupported[0]!r} is not supported (supported: "
-                          f"{', '.join(LAYER_KINDS)})")
-    return tuple(kinds)
+    return supported_kinds(kinds, LAYER_KINDS, "lfm2")
 
 
 def _ff_dim(cfg: dict[str, Any]) -> int:

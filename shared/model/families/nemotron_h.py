@@ -29,7 +29,8 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from deltaspec.shared.model.families.mamba2 import mixer, ssd_spec, time_step_limit
-from deltaspec.shared.model.fields import MTP_FUSION, ConfigError, json_float, positive_int, refuse_unless
+from deltaspec.shared.model.fields import (MTP_FUSION, ConfigError, json_float, positive_int, refuse_unless,
+                                           supported_kinds)
 from deltaspec.shared.model.mixers.attention import Attention
 from deltaspec.shared.model.mlp import GroupMoE, GroupMoEFields, ReluSquaredMLP
 from deltaspec.shared.state.spec import ATTENTION, RECURRENT, STATELESS, StateSpec
@@ -73,15 +74,8 @@ def _layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
         kinds = [PATTERN.get(c, c) for c in cfg["hybrid_override_pattern"]]
     if not isinstance(kinds, list) or not kinds:
         raise ConfigError("config.json: nemotron_h needs 'layers_block_type' (or 'hybrid_override_pattern')")
-    return _supported(kinds, "layer kind")
+    return supported_kinds(kinds, LAYER_KINDS, "nemotron_h")
 
-
-def _supported(kinds: list[str], what: str, allowed: tuple[str, ...] = LAYER_KINDS) -> tuple[str, ...]:
-    unsupported = sorted({k for k in kinds if k not in allowed})
-    if unsupported:
-        raise ConfigError(f"config.json: nemotron_h {what} {unsupported[0]!r} is not supported (supported: "
-                          f"{', '.join(allowed)})")
-    return tuple(kinds)
 
 
 def _mtp_layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
@@ -98,7 +92,8 @@ def _mtp_layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
         kinds = [PATTERN.get(c, c) for c in cfg["mtp_hybrid_override_pattern"]]
     if not isinstance(kinds, list) or not kinds:
         raise ConfigError("config.json: nemotron_h's mtp_layers_block_type must be a non-empty list of layer kinds")
-    return _supported(kinds, "MTP layer kind (mtp_layers_block_type)", ("full_attention", "mlp", "moe"))
+    return supported_kinds(kinds, ("full_attention", "mlp", "moe"), "nemotron_h",
+                           "MTP layer kind (mtp_layers_block_type)")
 
 
 def fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deltaspec.shared.model.families.mamba2 import mixer, ssd_spec
-from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, refuse_unless, rename
+from deltaspec.shared.model.fields import (ConfigError, json_float, positive_int, refuse_unless, rename,
+                                           supported_kinds)
 from deltaspec.shared.model.mixers.shared_block import SharedBlock, SharedBlockMixer
 from deltaspec.shared.state.spec import HYBRID, RECURRENT, StateSpec
 
@@ -56,11 +57,7 @@ def _layer_types(cfg: dict[str, Any], n_layers: int) -> tuple[str, ...]:
     if not isinstance(kinds, list) or len(kinds) != n_layers:
         raise ConfigError(f"config.json: field 'layers_block_type' must list {n_layers} layer kinds, got {kinds!r}")
     kinds = ["linear_attention" if k == "mamba" else k for k in kinds]
-    bad = sorted({str(k) for k in kinds if k not in LAYER_KINDS})
-    if bad:
-        raise ConfigError(f"config.json: zamba2 layer kind {bad[0]!r} is not supported (supported: mamba, "
-                          f"{', '.join(LAYER_KINDS)})")
-    return tuple(kinds)
+    return supported_kinds(kinds, LAYER_KINDS, "zamba2", named=("mamba", *LAYER_KINDS))
 
 
 def fields(cfg: dict[str, Any]) -> dict[str, Any]:
