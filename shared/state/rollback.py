@@ -219,9 +219,9 @@ class RecurrentStates:
         `(L, K-1, C)` and `out_state` `(L, H, Dk, Dv)` (a prefix cache's entry, or a buffer of this state)."""
         if not self.logged:
             raise ValueError(f"partial commit ({n} of {staged}) of a staging longer than {self.log_capacity} tokens")
-        if self.decay == "snapshot":  # the logs hold the state after each staged token: keep the n-th
+        if self.decay == "snapshot":  # the logs hold the state after each staged token (as d): keep the n-th
             self._window_after(n, out_window, self._x_tail(n))
-            out_state.copy_(self.k[..., n - 1:n])
+            out_state.copy_(self.delta[:, :, n - 1:n])
             return out_window, out_state
         if out_state.is_cuda and self.decay in ("head", "key"):  # one Triton launch for every (layer, head) tile
             # (`shared/kernels/triton_commit.py`):
@@ -304,7 +304,7 @@ class BlockHeads:
 
     def __init__(self, rec: RecurrentStates, ends: list[int]) -> None:
         self.ends = ends  # staged offsets, increasing
-        self.snapshot = rec.decay == "snapshot"  # k is the state after each token
+        self.snapshot = rec.decay == "snapshot"  # delta is the state after each token
         self.windows = rec.conv.new_empty(len(ends), *rec.conv.shape)  # (E, L, K-1, C)
         self.states = rec.state.new_empty(len(ends), *rec.state.shape)  # (E, L, H, Dk, Dv)
 
@@ -324,7 +324,7 @@ class BlockHeads:
                 self.states[j, i] = after
                 continue
             if self.snapshot:
-                self.states[j, i] = k[n - 1][..., None]
+                self.states[j, i] = delta[n - 1][:, None]
                 continue
             # the tokens since the last boundary, laid out as the logs hold them
             plan = commit_plan(g[start:n].flatten(1).t(), k[start:n].permute(1, 2, 0)[None],

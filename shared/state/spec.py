@@ -20,8 +20,9 @@ RECURRENT, ATTENTION, STATELESS = "recurrent", "attention", "none"  # the layer 
 HYBRID = "hybrid"  # a layer holding both: attention K/V and a recurrent state (Falcon-H1's parallel mixers)
 HOLDS = {RECURRENT: (RECURRENT,), ATTENTION: (ATTENTION,), HYBRID: (RECURRENT, ATTENTION), STATELESS: ()}
 # recurrent state kind -> how its log decay is laid out: per head, per head and key channel, or no state ("none");
-# "snapshot": a kind whose state is no larger than what one token would log (Mamba1: Dv = 1, a decay per channel and
-# state entry) logs the state after each staged token instead (in `k`), and a commit copies the one it keeps
+# "snapshot": a kind whose state is no larger than what one token would log (Mamba1: a decay per channel and state
+# entry) logs the state after each staged token instead (as d: the layer's whole state one head of 1 x Dv, so one
+# token's states are contiguous in the logs), and a commit copies the one it keeps
 DECAYS = {"gdn": "head", "ssd": "head", "kda": "key", "mamba": "snapshot", "conv": "none", "lightning": "head"}
 RECURRENT_KINDS = tuple(DECAYS)
 

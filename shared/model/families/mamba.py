@@ -67,9 +67,10 @@ def mixer(cfg: Any, rms_eps: float | None = None, rms_weights: bool = False) -> 
 
 
 def mamba1_spec(cfg: Any) -> RecurrentSpec:
-    """The state of one such mixer: a conv window over x; per channel (head) a `(state_size, 1)` column."""
-    return RecurrentSpec("mamba", conv_dim=cfg.mamba_num_heads, conv_width=cfg.mamba_conv_kernel,
-                         heads=cfg.mamba_num_heads, key_dim=cfg.ssm_state_size, value_dim=1)
+    """The state of one such mixer: a conv window over x; `state_size` numbers per channel, held as one head of
+    `1 x channels state_size` (the logs then hold each token's states contiguous: `mixers/mamba1.py`)."""
+    return RecurrentSpec("mamba", conv_dim=cfg.mamba_num_heads, conv_width=cfg.mamba_conv_kernel, heads=1,
+                         key_dim=1, value_dim=cfg.mamba_num_heads * cfg.ssm_state_size)
 
 
 def layer(cfg: Any, kind: str, sparse: bool) -> tuple[str, nn.Module | None, nn.Module | None]:

@@ -7,12 +7,13 @@ Each channel c of the d_inner keeps a vector over the state index n:
 
     h_t[c, n] = exp(dt_t[c] A[c, n]) h_{t-1}[c, n] + dt_t[c] B_t[n] xc_t[c],    y_t[c] = h_t[c] . C_t + D[c] xc_t[c]
 
-and out_proj(y silu(z)) is what the mixer adds. In the state algebra `S_t = D(g_t) S_{t-1} + k_t d_t^T` this is the
-kind `mamba`: every channel a head (H = d_inner), key_dim = N, value_dim = 1, k_t = B_t and q_t = C_t for every
-head, d_t = dt_t xc_t, and a log decay per head and key channel g_t = dt_t A `(H, N)`. Nothing logged depends on the
-state, so a commit of any prefix is the closed form. FalconMamba (`rms_eps` set) RMS-normalises dt (before dt_proj),
-B and C without weights (HF's `*_layernorm` are buffers of ones its kernels take; they are not in its state dict);
-Jamba (`rms_weights` too) with weights, its `dt_layernorm`, `b_layernorm`, `c_layernorm` parameters.
+and out_proj(y silu(z)) is what the mixer adds. In the state algebra `S_t = D(g_t) S_{t-1} + k_t d_t^T` this is
+every channel a head (H = d_inner) with k_t = B_t and q_t = C_t, d_t = dt_t xc_t and a log decay per state entry
+g_t = dt_t A `(H, N)`. A channel's state holds no more numbers than one token's (B, dt A) would log, so the state floor
+keeps it as the kind `mamba` (a `snapshot` kind): the state after each staged token is logged, the layer's states as
+one head of one key and I N values (each token's states contiguous), and a commit copies the one it keeps.
+FalconMamba (`rms_eps` set) RMS-normalises dt (before dt_proj), B and C without weights (HF's `*_layernorm` are
+buffers of ones its kernels take; they are not in its state dict); Jamba (`rms_weights` too) with weights, its `dt_layernorm`, `b_layernorm`, `c_layernorm` parameters.
 
 As `mamba2.py`, the pass is split in `inputs`, `recurrence` (the `Step`) and `output`; `Mamba1Mixer.forward` is the
 reference (`reference`: one token at a time through the state).
@@ -108,9 +109,11 @@ def selective(m: Mamba1Mixer, xc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def recurrence(m: Mamba1Mixer, full: Tensor, extras: tuple[Tensor, ...], start: Start) -> Step:
     """full = [conv window; x] `(..., K-1+T, I)` -> the pass's `Step`: out `(..., T, I, 1)` (with D's skip), and what
-    the `snapshot` kind logs: the state after each token as k `(..., T, I, N)` (d and g zeros, `(..., T, I, 1)` and
-    `(..., T, I)`). The states come from `decay_states` with k = B (broadcast over the channels, a view), d = dt xc,
-    g = dt A; each token's output is its state read by C.
+    the `snapshot` kind logs: the state after each token as d `(..., T, 1, I N)` (k and g zeros, `(..., T, 1, 1)` and
+    `(..., T, 1)`): the state floor holds the layer's states as one head of value_dim I N (`initial`
+    `(..., 1, 1, I N)`), so a token's states are contiguous in the logs and a commit copies one block. The states
+    come from `decay_states` with k = B (broadcast over the channels, a view), d = dt xc, g = dt A; each token's
+    output is its state read by C.
 
     A padding token (start.valid 0) gets dt = 0: no write and no decay, so the state passes it unchanged."""
     xc = F.silu(causal_conv(full, m.conv1d.weight[:, 0], m.conv1d.bias))  # (..., T, I) (mkldnn's conv costs more)
@@ -120,9 +123,13 @@ def recurrence(m: Mamba1Mixer, full: Tensor, extras: tuple[Tensor, ...], start: 
     xc = xc.float()
     g = dt[..., None] * -m.A_log.float().exp()  # (..., T, I, N)
     d = (dt * xc)[..., None]  # (..., T, I, 1)
-    states = decay_states(B[..., None, :].expand(g.shape), d, g, start.initial)  # (..., T, I, N, 1)
-    out = (states[..., 0] @ C[..., None]) + (m.D * xc)[..., None]  # (..., T, I, 1)
-    return Step(out, states[..., 0], torch.zeros_like(d), torch.zeros_like(dt), states[..., -1, :, :, :])
+    lead = start.initial.shape[:-3]
+    initial = start.initial.reshape(*lead, *m.A_log.shape, 1)  # (..., I, N, 1): each channel a head of the scan
+    states = decay_states(B[..., None, :].expand(g.shape), d, g, initial)[..., 0]  # (..., T, I, N)
+    out = (states @ C[..., None]) + (m.D * xc)[..., None]  # (..., T, I, 1)
+    logged = states.flatten(-2)[..., None, :]  # (..., T, 1, I N)
+    zeros = logged.new_zeros(*logged.shape[:-1])
+    return Step(out, zeros[..., None], logged, zeros, logged[..., -1, :, None, :])
 
 
 def output(m: Mamba1Mixer, out: Tensor, z: Tensor, residual: Tensor) -> Tensor:
@@ -134,21 +141,23 @@ def output(m: Mamba1Mixer, out: Tensor, z: Tensor, residual: Tensor) -> Tensor:
 def reference(m: Mamba1Mixer, h: Tensor, window: Tensor,
               state: Tensor) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
     """The pass in its plainest form, one token at a time through the state: the fast path's twin in tests, and the
-    engine's layer path. h `(T, hidden)`, window `(K-1, I)` (the last pre-conv inputs), state `(I, N, 1)`; returns
-    what `output` adds to the residual `(T, hidden)`, the pre-conv inputs x `(T, I)`, the state after the tokens, and
-    what the state floor logs of them: the state after each token k `(T, I, N)`, zeros d `(T, I, 1)` and g `(T, I)`."""
+    engine's layer path. h `(T, hidden)`, window `(K-1, I)` (the last pre-conv inputs), state `(1, 1, I N)` (as the
+    state floor holds it); returns what `output` adds to the residual `(T, hidden)`, the pre-conv inputs x `(T, I)`,
+    the state after the tokens, and what the state floor logs of them: zeros k `(T, 1, 1)`, the state after each
+    token d `(T, 1, I N)`, zeros g `(T, 1)`."""
     x, z = inputs(m, h)
     full = torch.cat([window, x])  # (K-1+T, I)
     xc = F.silu(F.conv1d(full.t()[None], m.conv1d.weight, m.conv1d.bias, groups=m.intermediate_size))[0].t()
     dt, B, C = selective(m, xc)
     xc = xc.float()
     A = -m.A_log.float().exp()  # (I, N)
+    state = state.reshape(A.shape)
     ys, states = [], []
     for t in range(h.shape[0]):
         g, d = dt[t, :, None] * A, dt[t] * xc[t]  # (I, N), (I,)
-        state = g.exp()[..., None] * state + (d[:, None] * B[t])[..., None]  # (I, N, 1)
-        ys.append(state[..., 0] @ C[t] + m.D * xc[t])
-        states.append(state[..., 0])
+        state = g.exp() * state + d[:, None] * B[t]  # (I, N)
+        ys.append(state @ C[t] + m.D * xc[t])
+        states.append(state.flatten()[None])
     y = output(m, torch.stack(ys)[..., None], z, torch.zeros_like(h))
-    T, I = dt.shape
-    return y, x, state, (torch.stack(states), xc.new_zeros(T, I, 1), xc.new_zeros(T, I))
+    T = dt.shape[0]
+    return y, x, state.reshape(1, 1, -1), (xc.new_zeros(T, 1, 1), torch.stack(states), xc.new_zeros(T, 1))
