@@ -16,7 +16,9 @@ compiled passes (steps fused vs compiled, and the long generations again with bo
 where CUDA is present, the GPU: Qwen3.5 shapes at their real sizes with random bf16 weights (passes against the
 floor the copy bandwidth sets, HF generate() on the same weights, up to 256 sessions at once with and without
 speculation: `benchmarks.gpu`), the load table with both servers on CUDA, and eager against captured and compiled
-generations (`generation.fast_paths`). `--only` runs some sections. Plots go to docs/figures/ (where the
+generations (`generation.fast_paths`). `--only` runs some sections; `--only aiperf` (never in a full run: it needs
+AIPerf installed apart, `benchmarks.openai_aiperf`) runs NVIDIA's load generator against the OpenAI front beside the
+bench's own client. Plots go to docs/figures/ (where the
 documentation pages show them); a full run's tables also go to benchmarks/results/bench.txt (all sections) and
 benchmarks/results/load.txt (the load section, whenever it runs in full; prefix_cache.txt likewise).
 """
@@ -31,8 +33,8 @@ import json
 import torch
 from tqdm import tqdm
 
-from benchmarks import (cost_model, families, generation, gpu, load, moe_passes as moe, openai_front, pipeline, prefix,
-                        report, session_memory, steps as step_costs, tensor_parallel, wire)
+from benchmarks import (cost_model, families, generation, gpu, load, moe_passes as moe, openai_aiperf, openai_front,
+                        pipeline, prefix, report, session_memory, steps as step_costs, tensor_parallel, wire)
 from benchmarks.report import FIGURES, RESULTS
 from benchmarks.rollback_cost import compare
 from benchmarks.speedup import acceptance_and_speedup, heldout_prompts, memory_bound_ratio
@@ -46,7 +48,9 @@ from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY
 
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n    ")
 SECTIONS = ("steps", "acceptance", "generations", "grpc", "wire", "tracing", "rollback", "memory", "pipeline", "load",
-            "sessions", "moe", "cost_model", "prefix", "compiled", "gpu", "openai", "families", "tensor_parallel")
+            "sessions", "moe", "cost_model", "prefix", "compiled", "gpu", "openai", "families", "tensor_parallel",
+            "aiperf")
+ON_REQUEST = ("aiperf",)  # sections a run without --only skips
 
 
 def rollback_rows(rounds: int, ks: tuple[int, ...]) -> list[dict]:
@@ -75,7 +79,8 @@ def run(args: argparse.Namespace) -> dict:
     new_tokens = 48 if quick else 96
     lengths = args.lengths or ((96, 384) if quick else (96, 384, 1024))
     long_prompts = heldout_prompts(args.prompts or (2 if quick else 5))
-    steps = [s for s in SECTIONS if s in (args.only or SECTIONS) and (s != "gpu" or torch.cuda.is_available())]
+    steps = [s for s in SECTIONS if s in (args.only or set(SECTIONS) - set(ON_REQUEST))
+             and (s != "gpu" or torch.cuda.is_available())]
     result: dict = {}
     repeats = 1 if quick else 2
     long = sum(section in steps for section in ("generations", "compiled"))  # a tick per generation, not per section
@@ -152,13 +157,17 @@ def run(args: argparse.Namespace) -> dict:
         if "tensor_parallel" in steps:
             result["tensor_parallel"] = tensor_parallel.tensor_parallel(quick)
             bar.update()
+        if "aiperf" in steps:
+            result["aiperf"] = openai_aiperf.aiperf_rows(DEFAULT_TARGET, DEFAULT_DRAFT, quick)
+            bar.update()
     return result
 
 
 PRINTERS = {"pipeline": pipeline.print_rows, "load": load.print_rows, "sessions": session_memory.print_rows,
             "moe": moe.print_rows, "cost_model": cost_model.print_rows, "prefix": prefix.print_rows,
             "openai": openai_front.print_rows, "families": families.print_rows,
-            "tensor_parallel": tensor_parallel.print_rows}  # sections that print their own rows
+            "tensor_parallel": tensor_parallel.print_rows,
+            "aiperf": openai_aiperf.print_rows}  # sections that print their own rows
 
 
 def print_tables(result: dict) -> None:
@@ -269,6 +278,8 @@ def main(args: argparse.Namespace) -> int:
         report.save("load", result["load"], load.print_rows, load.plot)
     if not args.quick and "openai" in result:
         report.save("openai", result["openai"], openai_front.print_rows)
+    if not args.quick and "aiperf" in result:
+        report.save("aiperf", result["aiperf"], openai_aiperf.print_rows)
     if not args.quick and "moe" in result:
         report.save("moe", result["moe"], moe.print_rows, moe.plot)
     if not args.quick and "tensor_parallel" in result:

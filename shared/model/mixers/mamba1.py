@@ -13,7 +13,8 @@ g_t = dt_t A `(H, N)`. A channel's state holds no more numbers than one token's 
 keeps it as the kind `mamba` (a `snapshot` kind): the state after each staged token is logged, the layer's states as
 one head of one key and I N values (each token's states contiguous), and a commit copies the one it keeps.
 FalconMamba (`rms_eps` set) RMS-normalises dt (before dt_proj), B and C without weights (HF's `*_layernorm` are
-buffers of ones its kernels take; they are not in its state dict); Jamba (`rms_weights` too) with weights, its `dt_layernorm`, `b_layernorm`, `c_layernorm` parameters.
+buffers of ones its kernels take; they are not in its state dict); Jamba (`rms_weights` too) with weights, its
+`dt_layernorm`, `b_layernorm`, `c_layernorm` parameters.
 
 As `mamba2.py`, the pass is split in `inputs`, `recurrence` (the `Step`) and `output`; `Mamba1Mixer.forward` is the
 reference (`reference`: one token at a time through the state).

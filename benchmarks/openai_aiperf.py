@@ -1,0 +1,129 @@
+"""AIPerf, NVIDIA's OpenAI load generator, against the OpenAI front, beside the bench's own client
+(`deltaspec bench --only aiperf`).
+
+AIPerf runs in an environment of its own (its pins are not deltaspec's), found as `$DELTASPEC_AIPERF` or `aiperf` on
+the PATH:
+
+    python -m venv ~/aiperf && ~/aiperf/bin/pip install aiperf
+    DELTASPEC_AIPERF=~/aiperf/bin/aiperf deltaspec bench --only aiperf
+
+It runs offline: the embedded pair is byte-level, so its tokenizer is written as a `tokenizer.json` whose ids are the
+UTF-8 bytes (what `ByteTokenizer` does), and the requests are the bench's own prompts as a `single_turn` dataset,
+greedy, `max_tokens` n with `ignore_eos`, `num_draft_tokens` k in the body; output tokens are counted from the usage
+the front reports (`--use-server-token-count`), not re-tokenised (the pair can write bytes that are not UTF-8).
+For each concurrency and k, the bench's raw-SSE client (`openai_front.row`, path `http`) and then AIPerf send the same
+number of requests to the same front; the rows give each one's output tokens/s, median time to first token and median
+time per output token (ours: per token, a chunk of m tokens counting m gaps of a m-th; AIPerf's inter-token latency:
+per request, (latency - TTFT) / (tokens - 1), then its median over requests).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import urllib.request
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models
+from tokenizers.pre_tokenizers import ByteLevel
+
+from benchmarks.loopback import PROMPTS, start_pair, stop_all
+from benchmarks.openai_front import KS, LEVELS, Front, row
+
+FIELDS = ("client", "k", "concurrency", "requests", "tokens_per_s", "ttft_ms_p50", "tpot_ms_p50")
+
+
+def aiperf_executable() -> str:
+    found = os.environ.get("DELTASPEC_AIPERF") or shutil.which("aiperf")
+    if not found:
+        raise RuntimeError("AIPerf not found: install it in its own environment (python -m venv ~/aiperf && "
+                           "~/aiperf/bin/pip install aiperf) and set DELTASPEC_AIPERF=~/aiperf/bin/aiperf")
+    return found
+
+
+def byte_tokenizer(directory: Path, eos: str = "<|endoftext|>") -> Path:
+    """The embedded pair's tokenizer for HF's `AutoTokenizer`: id b is the byte b (GPT-2's byte-to-character map, no
+    merges), the end of sequence 256."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    tokenizer = Tokenizer(models.BPE(vocab={char[b]: b for b in range(256)} | {eos: 256}, merges=[]))
+    tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([eos])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "model_max_length": 4096}))
+    return directory
+
+
+def _served_model(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/v1/models", timeout=10) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def aiperf_row(exe: str, address: str, tokenizer: Path, dataset: Path, out: Path, k: int, concurrency: int, n: int,
+               requests: int) -> dict:
+    """One AIPerf run of `requests` streamed completions at `concurrency`, after one warm-up request a client."""
+    args = [exe, "profile", "--model", _served_model(address), "--url", f"http://{address}",
+            "--endpoint-type", "completions", "--streaming", "--tokenizer", str(tokenizer), "--input-file",
+            str(dataset), "--custom-dataset-type", "single_turn", "--concurrency", str(concurrency),
+            "--request-count", str(requests), "--warmup-request-count", str(concurrency), "--use-server-token-count",
+            "--extra-inputs", f"max_tokens:{n}", "--extra-inputs", "ignore_eos:true", "--extra-inputs",
+            "temperature:0", "--extra-inputs", f"num_draft_tokens:{k}", "--output-artifact-dir", str(out),
+            "--random-seed", "1", "--ui-type", "none"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"aiperf exited with {done.returncode}: {done.stderr[-2000:] or done.stdout[-2000:]}")
+    got = json.loads((out / "profile_export_aiperf.json").read_text())
+    return {"requests": int(got["request_count"]["avg"]), "tokens_per_s": got["output_token_throughput"]["avg"],
+            "ttft_ms_p50": got["time_to_first_token"]["p50"], "tpot_ms_p50": got["inter_token_latency"]["p50"]}
+
+
+def aiperf_rows(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
+    exe = aiperf_executable()
+    n, generations = (48, 2) if quick else (96, 4)
+    servers = start_pair(target_dir, draft_dir)
+    front = None
+    try:
+        front = Front(servers["target"].address)
+        rows = []
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer = byte_tokenizer(Path(tmp) / "tokenizer")
+            dataset = Path(tmp) / "prompts.jsonl"
+            dataset.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))
+            for concurrency in LEVELS:
+                for k in KS:
+                    row("http", front.address, k, 1, 8, 1)  # warm
+                    ours = row("http", front.address, k, concurrency, n, generations)
+                    rows.append({"client": "bench", "k": k, "concurrency": concurrency,
+                                 "requests": concurrency * generations, **{f: ours[f] for f in FIELDS[4:]}})
+                    theirs = aiperf_row(exe, front.address, tokenizer, dataset, Path(tmp) / f"run-{concurrency}-{k}",
+                                        k, concurrency, n, concurrency * generations)
+                    rows.append({"client": "aiperf", "k": k, "concurrency": concurrency, **theirs})
+        return rows
+    finally:
+        if front is not None:
+            front.stop()
+        stop_all(servers)
+
+
+def print_rows(rows: list[dict]) -> None:
+    print("\nAIPerf and the bench's raw-SSE client against the same OpenAI front (greedy, embedded pair, streamed; "
+          "TTFT and time per output token p50)")
+    print(" ".join(f"{f:>13}" for f in FIELDS))
+    for r in rows:
+        print(" ".join(f"{r[f]:>13.2f}" if isinstance(r[f], float) else f"{r[f]:>13}" for f in FIELDS))
+    by = {(r["client"], r["k"], r["concurrency"]): r for r in rows}
+    print("\nAIPerf / bench: tokens/s, TTFT, time per output token; speculative over target-only, each client")
+    for c in LEVELS:
+        for k in KS:
+            a, b = by[("aiperf", k, c)], by[("bench", k, c)]
+            print(f"  concurrency {c}, k {k}: tok/s {a['tokens_per_s'] / b['tokens_per_s']:.3f}, TTFT "
+                  f"{a['ttft_ms_p50'] / b['ttft_ms_p50']:.3f}, TPOT {a['tpot_ms_p50'] / b['tpot_ms_p50']:.3f}")
+        print(f"  concurrency {c}: speculative / target-only: " + ", ".join(
+            f"{client} {by[(client, 4, c)]['tokens_per_s'] / by[(client, 0, c)]['tokens_per_s']:.2f}x"
+            for client in ("bench", "aiperf")))
