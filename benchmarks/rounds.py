@@ -17,6 +17,7 @@ from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.kernels.experts import experts_read as layer_read
 from deltaspec.shared.model.mlp import GroupMoE, SparseMoE
 from deltaspec.shared.state.rollback import ModelState
 
@@ -94,7 +95,8 @@ def sessions(model: HybridLM, batch: int, gen: torch.Generator, capacity: int = 
 
 def experts_read(model: HybridLM) -> float:
     """Distinct experts the last pass read, per sparse layer (mean); 0 for a dense model."""
-    sparse = [int(layer.mlp.touched) for layer in model.model.layers if isinstance(layer.mlp, (SparseMoE, GroupMoE))]
+    sparse = [layer_read(layer.mlp.touched) for layer in model.model.layers
+              if isinstance(layer.mlp, (SparseMoE, GroupMoE))]
     return statistics.mean(sparse) if sparse else 0.0
 
 

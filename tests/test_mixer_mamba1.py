@@ -50,6 +50,7 @@ def pair(family: str) -> tuple[torch.nn.Module, Mamba1Mixer]:
     randomize(hf, seed=len(family))
     ours = Mamba1Mixer(**ours_args)
     ours.load_state_dict(hf.state_dict())
+    ours.fuse()
     return hf, ours
 
 

@@ -86,6 +86,7 @@ def pair(family: str) -> tuple[torch.nn.Module, Mamba2Mixer, float]:
     randomize(hf, seed=len(family))
     ours = Mamba2Mixer(**ours_args)
     ours.load_state_dict(hf.state_dict())
+    ours.fuse()
     return hf, ours, getattr(config, "ssm_out_multiplier", getattr(config, "residual_multiplier", 1.0))
 
 

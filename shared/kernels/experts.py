@@ -44,15 +44,15 @@ def apply_experts(w_in: Tensor, down_proj: Tensor, x: Tensor, weights: Tensor, c
     down_proj[e] act(w_in[e] x), each distinct expert applied once to all the tokens that chose it; the experts as HF
     keeps them: `w_in` its `gate_up_proj` (E, 2 I, H) (`swiglu`) or `up_proj` (E, I, H), `down_proj` (E, H, I).
     Each product with its weight is in their promoted dtype (float32 weights: HF's Nemotron-H), then cast to x's.
-    Returns the sum (N, H) and how many distinct experts were read.
+    Returns the sum (N, H) and what says how many distinct experts were read (`experts_read`).
 
     Two ways to apply the experts to their groups, the same arithmetic: one grouped matmul per projection over all
     the (token, slot) pairs (`torch._grouped_mm`, offsets per expert, empty groups for the experts no token chose):
     fixed shapes and no host sync, so a compiled graph or a CUDA graph holds it; or a loop over the distinct
     experts, which reads the group sizes on the host. `grouped` None: the grouped form where it is one kernel
     (`grouped_gemm_fast`), inside a compiled graph, and on a CPU for passes with many (token, expert) pairs per
-    expert (`CPU_GROUPED_PAIRS_PER_EXPERT`); the loop elsewhere. Grouped, the count is a 0-d tensor (reading it
-    would sync)."""
+    expert (`CPU_GROUPED_PAIRS_PER_EXPERT`); the loop elsewhere. Grouped, what is returned for the count is where
+    each expert's group ends, counted only when asked (a count would be ops in every pass, and reading it a sync)."""
     flat = chosen.flatten()
     by_expert, order = flat.sort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order within a group
     tokens = order // chosen.shape[1]
@@ -66,7 +66,7 @@ def apply_experts(w_in: Tensor, down_proj: Tensor, x: Tensor, weights: Tensor, c
         ends = torch.searchsorted(by_expert, everyone, right=True).to(torch.int32)  # where each expert's group ends
         y = torch._grouped_mm(act(torch._grouped_mm(xs, w_in.transpose(1, 2), offs=ends)), down_proj.transpose(1, 2),
                               offs=ends)
-        touched: Tensor | int = (ends.diff(prepend=ends.new_zeros(1)) > 0).sum()
+        touched: Tensor | int = ends
     else:
         used, counts = torch.unique_consecutive(by_expert, return_counts=True)
         outs = [F.linear(act(F.linear(group, w_in[e])), down_proj[e])
@@ -74,3 +74,9 @@ def apply_experts(w_in: Tensor, down_proj: Tensor, x: Tensor, weights: Tensor, c
         y, touched = torch.cat(outs), len(outs)
     y = (y * weights.flatten().index_select(0, order)[:, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, y), touched
+
+
+def experts_read(touched: Tensor | int) -> int:
+    """How many distinct experts a pass read, from what `apply_experts` returned for it: the count, or where each
+    expert's group ends."""
+    return touched if isinstance(touched, int) else int((touched.diff(prepend=touched.new_zeros(1)) > 0).sum())

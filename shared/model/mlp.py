@@ -107,7 +107,7 @@ class SparseMoE(nn.Module):
         self.experts = Experts(n_experts, hidden, intermediate)
         self.shared_expert = MLP(hidden, shared_intermediate) if shared_intermediate else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_gate and shared_intermediate else None
-        self.touched: Tensor | int = 0  # distinct experts the last eager pass read
+        self.touched: Tensor | int = 0  # what says how many distinct experts the last eager pass read (`experts_read`)
 
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Routing weights (N, k) and expert indices (N, k) from the router logits (N, E)."""
@@ -218,7 +218,7 @@ class GroupMoE(nn.Module):
         self.shared_experts = ReluSquaredMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, bias)
         self.fc1_latent_proj = nn.Linear(cfg.hidden_size, latent, bias=bias) if latent else None
         self.fc2_latent_proj = nn.Linear(latent, cfg.hidden_size, bias=bias) if latent else None
-        self.touched: Tensor | int = 0  # distinct experts the last eager pass read
+        self.touched: Tensor | int = 0  # what says how many distinct experts the last eager pass read (`experts_read`)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         cfg = self.cfg
@@ -281,7 +281,7 @@ class SharedExpertsMoE(nn.Module):
         self.shared_experts = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size,
                                   limit=cfg.shared_swiglu_limit or None)
         self.act = functools.partial(swiglu, limit=cfg.expert_swiglu_limit or None)
-        self.touched: Tensor | int = 0  # distinct experts the last eager pass read
+        self.touched: Tensor | int = 0  # what says how many distinct experts the last eager pass read (`experts_read`)
 
     def routed(self, x: Tensor) -> Tensor:
         cfg = self.cfg

@@ -5,9 +5,9 @@ packed tokens of many sessions in a batched pass): one router matmul over the pa
 the (token, expert) pairs sorted by expert, then each distinct expert chosen applied once to its group of tokens
 and the weighted results added back to their tokens in expert order (as HF's `Experts.forward` adds them). No loop
 over tokens and nothing computed for an expert no token chose: a verify of T tokens reads at most T x top-k experts
-per layer (`SparseMoE.touched` in `deltaspec.shared.model.mlp` says how many it did). How the experts meet
-their groups (one grouped matmul, or a loop over the experts used) is a kernel's choice, made in
-`deltaspec.shared.kernels.experts`: the grouped form has fixed shapes, so compiled and captured passes cover MoE
+per layer (`SparseMoE.touched` in `deltaspec.shared.model.mlp`, counted by `kernels.experts.experts_read`, says how
+many it did). How the experts meet their groups (one grouped matmul, or a loop over the experts used) is a kernel's
+choice, made in `deltaspec.shared.kernels.experts`: the grouped form has fixed shapes, so compiled and captured passes cover MoE
 models.
 
 Routing is a discrete choice made per token from that token's hidden state by this one function in every pass

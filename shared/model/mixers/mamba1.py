@@ -74,7 +74,10 @@ class Mamba1Mixer(nn.Module):
         return y
 
     def fuse(self) -> Mamba1Mixer:
-        return self  # its input projection is one matmul already
+        """Itself (its input projection is one matmul already), with the decay rates -exp(A_log) `(I, N)` made once
+        (`neg_a`)."""
+        self.neg_a = -self.A_log.detach().float().exp()
+        return self
 
     def fused(self, f: Mamba1Mixer, h: Tensor, residual: Tensor, rope: object, access: StateAccess,
               i: int) -> Tensor:
@@ -91,19 +94,13 @@ def inputs(m: Mamba1Mixer, h: Tensor) -> tuple[Tensor, Tensor]:
     return x, z
 
 
-def _rms(y: Tensor, eps: float) -> Tensor:
-    """FalconMamba's weightless RMSNorm (in float32)."""
-    y = y.float()
-    return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-
-
 def selective(m: Mamba1Mixer, xc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The conv's output xc `(..., T, I)` -> dt `(..., T, I)` (after dt_proj and softplus), B and C `(..., T, N)`."""
     dt, B, C = m.x_proj(xc).split([m.dt_rank, m.state_size, m.state_size], dim=-1)
-    if m.rms_weights:
-        dt, B, C = m.dt_layernorm(dt), m.b_layernorm(B), m.c_layernorm(C)
-    elif m.rms_eps is not None:
-        dt, B, C = (_rms(y, m.rms_eps).to(xc.dtype) for y in (dt, B, C))
+    if m.rms_eps is not None:  # in float32, one fused op each (a decode step is dispatch-bound)
+        norms = (m.dt_layernorm, m.b_layernorm, m.c_layernorm) if m.rms_weights else (None,) * 3
+        dt, B, C = (F.rms_norm(y.float(), y.shape[-1:], None if n is None else n.weight.float(), m.rms_eps).to(xc.dtype)
+                    for y, n in zip((dt, B, C), norms))
     dt = F.softplus((dt @ m.dt_proj.weight.t()).float() + m.dt_proj.bias.float())
     return dt, B.float(), C.float()
 
@@ -122,7 +119,7 @@ def recurrence(m: Mamba1Mixer, full: Tensor, extras: tuple[Tensor, ...], start: 
     if start.valid is not None:
         dt = dt * start.valid
     xc = xc.float()
-    g = dt[..., None] * -m.A_log.float().exp()  # (..., T, I, N)
+    g = dt[..., None] * m.neg_a  # (..., T, I, N)
     d = (dt * xc)[..., None]  # (..., T, I, 1)
     lead = start.initial.shape[:-3]
     initial = start.initial.reshape(*lead, *m.A_log.shape, 1)  # (..., I, N, 1): each channel a head of the scan

@@ -112,9 +112,12 @@ class Mamba2Mixer(nn.Module):
         return y
 
     def fuse(self) -> Mamba2Mixer:
-        if self.mup_vector is not None:  # in the weights' dtype, as HF builds it in the model's
+        """Itself (its input projection is one matmul already), with what a pass would recompute made once: the
+        decay rates -exp(A_log) (`neg_a`), the muP vector in the weights' dtype (as HF builds it in the model's)."""
+        if self.mup_vector is not None:
             self.mup_vector = self.mup_vector.to(self.in_proj.weight)
-        return self  # its input projection is one matmul already
+        self.neg_a = -self.A_log.detach().float().exp()
+        return self
 
     def fused(self, f: Mamba2Mixer, h: Tensor, residual: Tensor, rope: object, access: StateAccess,
               i: int) -> Tensor:
@@ -155,7 +158,7 @@ def recurrence(m: Mamba2Mixer, full: Tensor, extras: tuple[Tensor], start: Start
         dt = dt.clamp(*m.dt_limit)
     if start.valid is not None:
         dt = dt * start.valid
-    g = dt * -m.A_log.float().exp()
+    g = dt * m.neg_a
     d = dt[..., None] * x
     out, final = decay_scan(C, B, d, g, start.initial, static=start.static)
     return Step(out + m.D[:, None] * x, B, d, g, final)
