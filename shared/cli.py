@@ -329,8 +329,7 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
 
 def _tensor_parallel(args: argparse.Namespace, model_dir: Path) -> tuple[Callable[[], Any], Callable[[], None]]:
     """`--tensor-parallel N`: N-1 follower processes started here, and (load, stop) for rank 0's shard, which leads
-    them (`deltaspec.shared.model.lockstep`). What the group does not mirror yet is refused or turned off: the
-    prefix cache (--prefix-cache-block becomes 0)."""
+    them (`deltaspec.shared.model.lockstep`). What the group does not mirror yet is refused."""
     import multiprocessing
     import socket
 
@@ -346,7 +345,6 @@ def _tensor_parallel(args: argparse.Namespace, model_dir: Path) -> tuple[Callabl
         if on:
             raise ValueError(f"{flag} is not built for --tensor-parallel yet")
     sharded_config(ModelConfig.from_file(model_dir / "config.json"), world)  # a size that does not divide: now
-    args.prefix_cache_block = 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         rendezvous = f"tcp://127.0.0.1:{s.getsockname()[1]}"
@@ -363,7 +361,7 @@ def _tensor_parallel(args: argparse.Namespace, model_dir: Path) -> tuple[Callabl
         at = lockstep.join(0, world, rendezvous)
         leaders.append(lockstep.Leader(shard(model, at), at))
         leaders[0].watch(followers)
-        print(f"tensor parallel: rank 0 of {world} leads (prefix cache off)", file=sys.stderr, flush=True)
+        print(f"tensor parallel: rank 0 of {world} leads", file=sys.stderr, flush=True)
         return leaders[0].model
 
     def stop() -> None:
@@ -642,8 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds one draft proposal may take before the round goes on without it")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the target over N ranks on this host (torch.distributed: gloo on CPUs, NCCL on GPUs); "
-                        "rank 0 serves, the others follow it (docs/tensor-parallel.md). Turns the prefix cache "
-                        "off")
+                        "rank 0 serves, the others follow it, each caching its shard of the prefix cache "
+                        "(docs/tensor-parallel.md)")
     p.add_argument("--advertise-address", default=os.environ.get("DELTASPEC_ADVERTISE_ADDRESS", ""),
                    help="this replica's stable HOST:PORT, returned by CreateSession so clients send a session's "
                         "later calls to the replica that holds it (default: $DELTASPEC_ADVERTISE_ADDRESS; "

@@ -32,6 +32,8 @@ from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.lockstep import Leader, follow, join
 from deltaspec.shared.model.parallel import Rank, shard, sharded_config
 from deltaspec.shared.rpc.generation import generate_on_server
+from deltaspec.shared.state import prefix_cache
+from deltaspec.shared.state.prefix_cache import Cursor
 
 from support import Served, both_loops
 from test_batching import run_threads
@@ -208,6 +210,67 @@ def test_followers_make_every_call_rank_0_makes(tmp_path):
     assert not got["errors"]
     assert got["greedy"] == got["want"]["greedy"] and got["speculative"] == got["want"]["speculative"]
     assert all(rel(a, b) < 1e-5 for a, b in zip(got["batched"], got["want_batched"], strict=True))
+
+
+def cached_prompts() -> list[list[int]]:
+    """A prompt longer than the logs (its prefill takes its block heads in the pass), one branching off it inside a
+    block without a recurrent state, and one extending it."""
+    long = torch.randint(0, 256, (41,), generator=torch.Generator().manual_seed(7)).tolist()
+    return [long, long[:20] + [3, 1, 4, 1, 5, 9, 2, 6], long + [7, 7, 8]]
+
+
+def lead_with_a_prefix_cache(rank: int, world: int, out: str) -> None:
+    """Rank 0 generates through a `Leader` with a prefix cache (blocks of 4, a recurrent state every 2): target-only
+    and speculative (partial commits), a hit's logits by hand, then every entry evicted and the first prompt again;
+    rank 1 follows, replaying the cache's journal on its shard."""
+    torch.set_num_threads(1)
+    at = join(rank, world, rendezvous(out))
+    try:
+        cfg = CASES["qwen3_next"]()
+        part = shard(random_model(cfg, seed=3), at)
+        if rank:
+            follow(part, at)
+            dist.barrier()
+            return
+        errors: list[BaseException] = []
+        Leader(part, at, on_broken=errors.append)
+        cache = prefix_cache.attach(part, 4, state_every=2)
+        draft = near_copy(random_model(cfg, seed=3), seed=4).fuse()
+        prompts = cached_prompts()
+        got: dict[str, object] = {"tokens": [generate(part, prompts[0], 6).token_ids,
+                                             generate(part, prompts[1], 6, ModelDrafter(draft), 3).token_ids,
+                                             generate(part, prompts[2], 6, ModelDrafter(draft), 3).token_ids]}
+        st = part.new_state()
+        cursor = Cursor(cache, st)
+        cursor.prefill(part, prompts[2][:-1])
+        got["cached"], got["logits"] = cursor.cached_tokens, part(torch.tensor(prompts[2][-1:]), st)[0]
+        cache.reclaim(cache.bytes)
+        got["emptied"] = len(cache.entries)
+        got["tokens"].append(generate(part, prompts[0], 6).token_ids)
+        got["tokens"].append(generate(part, prompts[0], 6).token_ids)
+        got["stats"], got["errors"] = cache.stats, errors
+        part.leader.stop()
+        ref = random_model(cfg, seed=3).fuse()
+        got["want"] = [generate(ref, ids, 6, ModelDrafter(draft) if i in (1, 2) else None, 3).token_ids
+                       for i, ids in enumerate(prompts + [prompts[0]] * 2)]
+        got["want_logits"] = ref(torch.tensor(prompts[2]), ref.new_state())[0][-1:]
+        torch.save(got, Path(out) / "leader.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_group_shares_prefixes_through_the_prefix_cache(tmp_path):
+    """Each rank caches its shard of every entry: later prompts hit (a branch resumed from the grid, an extension
+    from the leaf), and their tokens and logits are the single process's; eviction is mirrored too."""
+    mp.spawn(lead_with_a_prefix_cache, args=(2, str(tmp_path)), nprocs=2)
+    got = torch.load(tmp_path / "leader.pt", weights_only=False)
+    assert not got["errors"]
+    assert got["tokens"] == got["want"]
+    stats = got["stats"]
+    assert stats.hits >= 4 and stats.evictions > 0 and got["emptied"] == 0  # prompts 1, 2, by hand, the last
+    assert got["cached"] == 40
+    assert rel(got["logits"], got["want_logits"]) < 1e-5
 
 
 def test_a_served_two_rank_target_gives_the_single_process_tokens_and_fails_whole(tmp_path):

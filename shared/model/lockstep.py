@@ -12,6 +12,11 @@ A rank that dies or stops answering breaks the group: rank 0's next broadcast or
 sees a follower exit) and rank 0 exits, so callers see the target UNAVAILABLE and recover their sessions as after
 any restart (no round is half applied: rank 0, which answers callers, is gone); a follower whose leader is gone
 exits too. Rank 0 pings an idle group every `PING_S` so that a silent peer is noticed within the group's timeout.
+
+A prefix cache on rank 0 (`deltaspec.shared.state.prefix_cache`) journals each change to its entries and each hit
+it loads into a session (`Leader.journal`); the journal goes out with rank 0's next call, in order, ahead of it, and
+each follower replays it on its shard of every entry (`deltaspec.shared.model.shard_cache`). A pass that takes a
+prefill's block heads for the cache says where, so every rank takes its shard of them.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.parallel import Rank, shard
+from deltaspec.shared.model.shard_cache import ShardCache
 from deltaspec.shared.state.rollback import ModelState
 from deltaspec.shared.state.spec import LOG_CAPACITY
 
@@ -72,6 +78,7 @@ class Leader:
         self._lock = threading.RLock()
         self._inside = threading.local()  # calls a mirrored call makes are the followers' own business
         self._freed: collections.deque[int] = collections.deque()  # states gone on rank 0: sent with the next call
+        self._journal: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()  # the prefix cache's
         self._ids = itertools.count()
         self._sid: weakref.WeakKeyDictionary[ModelState, int] = weakref.WeakKeyDictionary()
         self._forward, self._new_state = model.forward, model.new_state
@@ -108,6 +115,11 @@ class Leader:
             st.ensure_positions(st.length + st.staged + ids.numel())
         return self._announced("batch", items, lambda: forward_batch(self.model, items))
 
+    def journal(self, op: str, *args: Any) -> None:
+        """A prefix cache's change (its `journal`), sent ahead of the next call: what it reads from a session comes
+        before that session's next call, a hit's load before its first pass."""
+        self._journal.append((op, tuple(self._sid[a] if isinstance(a, ModelState) else a for a in args)))
+
     @property
     def nested(self) -> bool:
         """Whether this thread is inside a call already announced (its inner calls are the followers' own)."""
@@ -115,7 +127,8 @@ class Leader:
 
     def _announced(self, op: str, items: Sequence[tuple[Tensor, ModelState]], run: Callable[[], Any]) -> Any:
         with self._lock:
-            self._send(op, -1, [(self._sid[st], ids.cpu()) for ids, st in items])
+            self._send(op, -1, [(self._sid[st], ids.cpu(), None if st.recurrent.block_heads is None
+                                 else st.recurrent.block_heads.ends) for ids, st in items])
             try:
                 with self._nested():
                     return run()
@@ -158,11 +171,13 @@ class Leader:
             self._inside.depth -= 1
 
     def _send(self, op: str, sid: int, *args: Any) -> None:
-        freed = []
+        journal, freed = [], []
+        while self._journal:
+            journal.append(self._journal.popleft())
         while self._freed:
             freed.append(self._freed.popleft())
         try:
-            dist.broadcast_object_list([(op, sid, args, freed)], src=0, group=self.at.group,
+            dist.broadcast_object_list([(op, sid, args, journal, freed)], src=0, group=self.at.group,
                                        device=torch.device("cpu"))
         except Exception as error:  # noqa: BLE001 - a rank is gone or silent
             self.on_broken(error)
@@ -179,12 +194,16 @@ def follow(model: HybridLM, at: Rank) -> None:
     """A follower's loop: make every call rank 0 sends, on this rank's shard, until it says stop. Raises when the
     leader is gone or silent past the group's timeout."""
     states: dict[int, ModelState] = {}
+    cache = ShardCache()
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=at.group, device=torch.device("cpu"))
-        op, sid, args, freed = box[0]
+        op, sid, args, journal, freed = box[0]
+        for change, change_args in journal:
+            cache.replay(change, change_args, states)
         for gone in freed:
             states.pop(gone, None)
+            cache.forget(gone)
         if op == "stop":
             return
         if op == "new":
@@ -192,15 +211,17 @@ def follow(model: HybridLM, at: Rank) -> None:
             states[sid] = ModelState(model.config.state_spec, device=model.device, dtype=model.dtype,
                                      capacity=capacity, log_capacity=log_capacity)
         elif op in ("pass", "batch"):
-            items = [(ids.to(model.device), states[i]) for i, ids in args[0]]
+            for i, _, heads in args[0]:
+                cache.before_pass(i, states[i], heads)
+            items = [(ids.to(model.device), states[i]) for i, ids, _ in args[0]]
             if op == "pass":
                 model(*items[0])
             else:
                 forward_batch(model, items)
+            for i, _, _ in args[0]:
+                cache.after_pass(i, states[i])
         elif op != "ping":  # a change rank 0 made: one that fails here breaks the group (this rank exits)
             getattr(states[sid], op)(*args)
-
-
 
 
 def follower_main(rank: int, world: int, rendezvous: str, model_dir: str, device: str, threads: int) -> None:
