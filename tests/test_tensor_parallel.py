@@ -17,12 +17,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from benchmarks import shapes
 from deltaspec.shared.decoding.drafters import make_drafter
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
-from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.decoding.drafters import attach
+from deltaspec.shared.decoding.speculative import Stats, decode, generate
+from deltaspec.shared.decoding.target import TargetSession
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
 from deltaspec.shared.model.config import ModelConfig
@@ -34,6 +39,8 @@ from deltaspec.shared.model.parallel import Rank, shard, sharded_config
 from deltaspec.shared.rpc.generation import generate_on_server
 from deltaspec.shared.state import prefix_cache
 from deltaspec.shared.state.prefix_cache import Cursor
+from deltaspec.shared.telemetry import attributes as attr
+from deltaspec.shared.telemetry.metrics import Metrics
 
 from support import Served, both_loops
 from test_batching import run_threads
@@ -165,6 +172,20 @@ def test_k_v_heads_fewer_than_the_ranks_are_replicated():
     assert (part.num_attention_heads, part.num_key_value_heads, part.state_spec.kv_heads) == (2, 1, 1)
 
 
+def traced_rounds(model: HybridLM, draft: HybridLM) -> tuple[list[float | None], float]:
+    """A speculative generation's round spans' collective time (None where a span has none), through the real
+    tracer SDK with an in-memory exporter, and the rounds the collective time histogram counted."""
+    exporter, provider, metrics = InMemorySpanExporter(), TracerProvider(), Metrics()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    session, drafter = TargetSession(model, PROMPT), ModelDrafter(draft)
+    drafter.start(PROMPT)
+    attach(drafter, session)
+    for _ in decode(session, drafter, 8, 3, set(), Stats(), provider.get_tracer("test"), metrics):
+        pass
+    spans = [s.attributes.get(attr.TP_COLLECTIVE_S) for s in exporter.get_finished_spans() if s.name == "round"]
+    return spans, metrics.registry.get_sample_value("deltaspec_tp_collective_seconds_count") or 0.0
+
+
 def lead_or_follow(rank: int, world: int, out: str) -> None:
     """Rank 0 generates through a `Leader` (target-only, then speculative, then a partial commit by hand and a
     batched pass of two sessions); rank 1 follows what it sends."""
@@ -190,6 +211,7 @@ def lead_or_follow(rank: int, world: int, out: str) -> None:
         other = part.new_state()
         got["batched"] = [logits for logits, _ in forward_batch(part, [(torch.tensor([1, 2]), st),
                                                                        (torch.tensor(PROMPT[:4]), other)])]
+        got["traced"] = traced_rounds(part, draft)
         leader.stop()
         got["want"] = passes(random_model(cfg, seed=3).fuse(), draft)
         ref = random_model(cfg, seed=3).fuse()
@@ -198,6 +220,7 @@ def lead_or_follow(rank: int, world: int, out: str) -> None:
         st.commit(3)
         got["want_batched"] = [ref(torch.tensor([1, 2]), st)[0], ref(torch.tensor(PROMPT[:4]), ref.new_state())[0]]
         got["errors"] = errors
+        got["traced_alone"] = traced_rounds(ref, draft)
         torch.save(got, Path(out) / "leader.pt")
         dist.barrier()
     finally:
@@ -210,6 +233,11 @@ def test_followers_make_every_call_rank_0_makes(tmp_path):
     assert not got["errors"]
     assert got["greedy"] == got["want"]["greedy"] and got["speculative"] == got["want"]["speculative"]
     assert all(rel(a, b) < 1e-5 for a, b in zip(got["batched"], got["want_batched"], strict=True))
+    # each round's time in the group's collectives, on its span and in the histogram; none in one process
+    spans, counted = got["traced"]
+    assert spans and all(s is not None and 0 < s < 10 for s in spans) and counted == len(spans)
+    spans, counted = got["traced_alone"]
+    assert spans and all(s is None for s in spans) and counted == 0
 
 
 def cached_prompts() -> list[list[int]]:

@@ -27,6 +27,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -127,14 +128,19 @@ class Leader:
 
     def _announced(self, op: str, items: Sequence[tuple[Tensor, ModelState]], run: Callable[[], Any]) -> Any:
         with self._lock:
+            started = self.at.clock.seconds
             self._send(op, -1, [(self._sid[st], ids.cpu(), None if st.recurrent.block_heads is None
                                  else st.recurrent.block_heads.ends) for ids, st in items])
             try:
                 with self._nested():
-                    return run()
+                    out = run()
             except Exception as error:  # noqa: BLE001 - the followers may have run it: the shards are no longer alike
                 self.on_broken(error)
                 raise Broken(f"a pass failed on rank 0 after it was sent: {error}") from error
+            spent = self.at.clock.seconds - started  # a batch's, whole, for each of its sessions: each waited on it
+            for _, st in items:
+                st.collective_s += spent
+            return out
 
     def stop(self) -> None:
         """Tell the followers to exit (the group is done)."""
@@ -159,7 +165,9 @@ class Leader:
         with self._lock:  # made first (no collective in it): one rank 0 refuses is never sent
             with self._nested():
                 result = method(state, *args)
+            started = self.at.clock.seconds
             self._send(name, sid, *args)
+            state.collective_s += self.at.clock.seconds - started
             return result
 
     @contextlib.contextmanager
@@ -176,9 +184,11 @@ class Leader:
             journal.append(self._journal.popleft())
         while self._freed:
             freed.append(self._freed.popleft())
+        started = time.perf_counter()
         try:
             dist.broadcast_object_list([(op, sid, args, journal, freed)], src=0, group=self.at.group,
                                        device=torch.device("cpu"))
+            self.at.clock.seconds += time.perf_counter() - started
         except Exception as error:  # noqa: BLE001 - a rank is gone or silent
             self.on_broken(error)
             raise Broken(f"a follower did not take {op}: {error}") from error

@@ -22,8 +22,9 @@ biases of row-parallel projections are kept by rank 0 only, for the same reason.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,14 @@ COLUMN: Split = (0, None, None)  # a Linear's output rows
 ROW: Split = (-1, None, None)  # a Linear's input columns
 
 
+@dataclass
+class Clock:
+    """Seconds a rank spent in the group's collectives (its all-reduces; rank 0's broadcasts too): what its passes
+    waited on the other ranks and the wire. Two clock reads a collective, nothing without a group."""
+
+    seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class Rank:
     """Where a shard sits: its rank among `world` ranks and the process group they all-reduce in (None: the
@@ -57,6 +66,7 @@ class Rank:
     rank: int
     world: int
     group: dist.ProcessGroup | None = None
+    clock: Clock = field(default_factory=Clock, compare=False)
 
 
 def sharded_config(cfg: ModelConfig, world: int) -> ModelConfig:
@@ -157,7 +167,9 @@ def shard(model: HybridLM, at: Rank) -> HybridLM:
 
 
 def _all_reduce(out: Tensor, at: Rank) -> Tensor:
+    started = time.perf_counter()
     dist.all_reduce(out, group=at.group)
+    at.clock.seconds += time.perf_counter() - started
     return out
 
 
