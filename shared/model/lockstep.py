@@ -179,11 +179,13 @@ class Leader:
             self._inside.depth -= 1
 
     def _send(self, op: str, sid: int, *args: Any) -> None:
+        # the states gone first, the journal after: whatever the journal says of a state gone was journaled before it
+        # went, so it goes out with that state's end or ahead of it (a follower replays the journal before it frees)
         journal, freed = [], []
-        while self._journal:
-            journal.append(self._journal.popleft())
         while self._freed:
             freed.append(self._freed.popleft())
+        while self._journal:
+            journal.append(self._journal.popleft())
         started = time.perf_counter()
         try:
             dist.broadcast_object_list([(op, sid, args, journal, freed)], src=0, group=self.at.group,
