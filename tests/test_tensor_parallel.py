@@ -28,6 +28,7 @@ from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
 from deltaspec.shared.decoding.drafters import attach
 from deltaspec.shared.decoding.speculative import Stats, decode, generate
 from deltaspec.shared.decoding.target import TargetSession
+from deltaspec.shared.kernels.experts import apply_experts
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
 from deltaspec.shared.model.config import ModelConfig
@@ -35,7 +36,7 @@ from deltaspec.shared.model.fields import ConfigError
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.lockstep import Leader, follow, join
-from deltaspec.shared.model.parallel import Rank, shard, sharded_config
+from deltaspec.shared.model.parallel import Rank, shard, shard_tensors, sharded_config
 from deltaspec.shared.rpc.generation import generate_on_server
 from deltaspec.shared.state import prefix_cache
 from deltaspec.shared.state.prefix_cache import Cursor
@@ -114,6 +115,9 @@ def run_rank(rank: int, world: int, name: str, out: str) -> None:
         draft = near_copy(random_model(cfg, seed=3), seed=4).fuse()
         part = shard(target(cfg), Rank(rank, world))
         got = {"fused": passes(part, draft), "layers": passes(part.fuse(False), draft)}
+        if cfg.get("num_experts"):  # and with the routed experts spread whole over the ranks (8 experts)
+            part = shard(target(cfg), Rank(rank, world), expert_parallel=True)
+            got |= {"ep-fused": passes(part, draft), "ep-layers": passes(part.fuse(False), draft)}
         if rank == 0:
             got["want"] = passes(target(cfg).fuse(), draft)
         torch.save(got, Path(out) / f"{rank}.pt")
@@ -138,8 +142,9 @@ def test_ranks_give_the_single_process_logits_and_tokens(name, tmp_path):
     assert len(set(want["greedy"])) > 1
     assert want["speculative"] == want["greedy"] == want.get("mtp", want["greedy"])
     assert ("mtp" in want) == (name == "qwen3_5")
+    assert ("ep-fused" in ranks[0]) == (name != "qwen3_5")
     for got in ranks:
-        for path in ("fused", "layers"):
+        for path in [path for path in ("fused", "layers", "ep-fused", "ep-layers") if path in got]:
             for key, value in want.items():
                 if isinstance(value, torch.Tensor):
                     assert rel(got[path][key], value) < 1e-5, (path, key)
@@ -164,6 +169,32 @@ def test_sharded_state_holds_the_ranks_heads():
 def test_a_size_that_does_not_divide_is_refused_naming_the_dimension(world, fields, field):
     with pytest.raises(ConfigError, match=f"does not divide {field}"):
         sharded_config(ModelConfig.from_dict(hf_config(**fields)), world)
+
+
+def test_expert_parallelism_spreads_whole_experts_and_refuses_a_size_that_does_not_divide_them():
+    cfg = CASES["qwen3_next"]()
+    model = random_model(cfg, seed=3)
+    experts = model.model.layers[0].mlp.experts
+    parts = [shard_tensors(model, Rank(r, 2), expert_parallel=True) for r in range(2)]
+    for r, part in enumerate(parts):
+        assert torch.equal(part["model.layers.0.mlp.experts.gate_up_proj"], experts.gate_up_proj[4 * r:4 * r + 4])
+        assert torch.equal(part["model.layers.0.mlp.experts.down_proj"], experts.down_proj[4 * r:4 * r + 4])
+    assert sharded_config(ModelConfig.from_dict(cfg), 2, expert_parallel=True).moe_intermediate_size == \
+        cfg["moe_intermediate_size"]
+    # each rank's experts' share, zero for a token routed to none of them (0: to 5 and 6 only), adds up to the whole
+    gen = torch.Generator().manual_seed(1)
+    x, weights = torch.randn(5, cfg["hidden_size"], generator=gen), torch.rand(5, 2, generator=gen)
+    chosen = torch.tensor([[5, 6], [0, 7], [3, 2], [4, 1], [1, 6]])
+    for grouped in (False, True):
+        whole, _ = apply_experts(experts.gate_up_proj, experts.down_proj, x, weights, chosen, grouped)
+        shares = [apply_experts(experts.gate_up_proj[4 * r:4 * r + 4], experts.down_proj[4 * r:4 * r + 4], x,
+                                weights, chosen, grouped, first=4 * r)[0] for r in range(2)]
+        assert not shares[0][0].any() and shares[1][0].any()
+        assert torch.allclose(shares[0] + shares[1], whole, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match=r"expert parallel size 4 does not divide num_experts \(6\)"):
+        sharded_config(ModelConfig.from_dict(hf_moe_config(num_experts=6)), 4, expert_parallel=True)
+    with pytest.raises(ConfigError, match="expert parallelism needs routed experts"):
+        sharded_config(ModelConfig.from_dict(hf_config()), 2, expert_parallel=True)
 
 
 def test_k_v_heads_fewer_than_the_ranks_are_replicated():
@@ -366,6 +397,7 @@ def test_a_generation_whose_group_loses_a_rank_midway_ends_as_an_undisturbed_one
 @pytest.mark.parametrize("extra, message", [
     (("--tensor-parallel", "3"), "tensor parallel size 3 does not divide num_attention_heads (4)"),
     (("--tensor-parallel", "2", "--compile"), "--compile is not built for --tensor-parallel yet"),
+    (("--tensor-parallel", "2", "--expert-parallel"), "expert parallelism needs routed experts"),
 ])
 def test_serve_target_refuses_what_a_group_cannot_serve_at_start(extra, message, tmp_path):
     save_checkpoint(random_model(hf_config(), seed=3), tmp_path)

@@ -236,9 +236,10 @@ def follow(model: HybridLM, at: Rank) -> None:
             getattr(states[sid], op)(*args)
 
 
-def follower_main(rank: int, world: int, rendezvous: str, model_dir: str, device: str, threads: int) -> None:
+def follower_main(rank: int, world: int, rendezvous: str, model_dir: str, device: str, threads: int,
+                  expert_parallel: bool = False) -> None:
     """A follower process of `serve-target --tensor-parallel`: load, shard, join the group, follow rank 0."""
     torch.set_num_threads(threads)
     model = load_model(model_dir, device=f"cuda:{rank}" if device == "cuda" else device)
     at = join(rank, world, rendezvous)
-    follow(shard(model, at), at)
+    follow(shard(model, at, expert_parallel), at)
