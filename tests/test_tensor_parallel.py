@@ -1,7 +1,9 @@
 """Tensor parallelism over gloo: a model sharded on 2 ranks (and 4) gives the single-process logits (to 1e-5
 relative: the all-reduce adds in another order) for a prefill, a verify, a partial commit, a revert and a decode, on
-the fused and the layer path, and the same greedy tokens target-only and speculative (a draft model; MTP); served,
-the same tokens over both gRPC loops, and a lost rank takes the group down."""
+the fused and the layer path, and the same greedy tokens target-only and speculative (a draft model; MTP), with MoE
+experts cut by columns or spread whole over the ranks (expert parallelism); a prefix cache whose every entry each
+rank holds its shard of; each round's collective time on its span; served, the same tokens over both gRPC loops,
+and a lost rank takes the group down."""
 from __future__ import annotations
 
 import os
@@ -288,7 +290,8 @@ def lead_with_a_prefix_cache(rank: int, world: int, out: str) -> None:
         cfg = CASES["qwen3_next"]()
         part = shard(random_model(cfg, seed=3), at)
         if rank:
-            follow(part, at)
+            mirror = follow(part, at)
+            torch.save({k: (e.end, e.state is not None) for k, e in mirror.entries.items()}, Path(out) / "mirror.pt")
             dist.barrier()
             return
         errors: list[BaseException] = []
@@ -308,6 +311,7 @@ def lead_with_a_prefix_cache(rank: int, world: int, out: str) -> None:
         got["tokens"].append(generate(part, prompts[0], 6).token_ids)
         got["tokens"].append(generate(part, prompts[0], 6).token_ids)
         got["stats"], got["errors"] = cache.stats, errors
+        got["entries"] = {k: (e.end, e.state is not None) for k, e in cache.entries.items()}
         part.leader.stop()
         ref = random_model(cfg, seed=3).fuse()
         got["want"] = [generate(ref, ids, 6, ModelDrafter(draft) if i in (1, 2) else None, 3).token_ids
@@ -329,6 +333,7 @@ def test_a_group_shares_prefixes_through_the_prefix_cache(tmp_path):
     stats = got["stats"]
     assert stats.hits >= 4 and stats.evictions > 0 and got["emptied"] == 0  # prompts 1, 2, by hand, the last
     assert got["cached"] == 40
+    assert got["entries"] and torch.load(tmp_path / "mirror.pt") == got["entries"]  # the same blocks, states alike
     assert rel(got["logits"], got["want_logits"]) < 1e-5
 
 

@@ -202,9 +202,9 @@ class Leader:
                     self._send("ping", -1)
 
 
-def follow(model: HybridLM, at: Rank) -> None:
-    """A follower's loop: make every call rank 0 sends, on this rank's shard, until it says stop. Raises when the
-    leader is gone or silent past the group's timeout."""
+def follow(model: HybridLM, at: Rank) -> ShardCache:
+    """A follower's loop: make every call rank 0 sends, on this rank's shard, until it says stop; returns its shard
+    of rank 0's prefix cache as it was then. Raises when the leader is gone or silent past the group's timeout."""
     states: dict[int, ModelState] = {}
     cache = ShardCache()
     while True:
@@ -217,7 +217,7 @@ def follow(model: HybridLM, at: Rank) -> None:
             states.pop(gone, None)
             cache.forget(gone)
         if op == "stop":
-            return
+            return cache
         if op == "new":
             capacity, log_capacity = args
             states[sid] = ModelState(model.config.state_spec, device=model.device, dtype=model.dtype,
