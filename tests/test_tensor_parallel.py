@@ -340,7 +340,8 @@ def test_a_group_shares_prefixes_through_the_prefix_cache(tmp_path):
 def test_a_served_two_rank_target_gives_the_single_process_tokens_and_fails_whole(tmp_path):
     """`serve-target --tensor-parallel 2` beside `serve-draft` (a near-copy: rounds kept in part): greedy tokens of
     the single-process target through Generate's loop and the client-driven one (pipelined), then for three
-    Generate streams at once (batched passes); a follower killed takes the group down (callers see it gone)."""
+    Generate streams at once (batched passes), and for a prompt sent twice (the second from the prefix cache); a
+    follower killed takes the group down (callers see it gone)."""
     save_checkpoint(random_model(hf_config(), seed=3), tmp_path / "target")
     save_checkpoint(near_copy(random_model(hf_config(), seed=3), seed=4), tmp_path / "draft")
     single = load_model(tmp_path / "target").fuse()
@@ -354,6 +355,10 @@ def test_a_served_two_rank_target_gives_the_single_process_tokens_and_fails_whol
         out = run_threads(lambda i: generate_on_server(served.address, streams[i][0], "", streams[i][2],
                                                        streams[i][1])[0].token_ids, list(range(len(streams))))
         assert out == [generate(single, ids, n).token_ids for ids, _, n in streams]
+        long = prompt * 3  # its first 16 positions cached by the first request (the default blocks of 16)
+        first, again = (generate_on_server(served.address, long, "", 8, 3)[0] for _ in range(2))
+        assert first.token_ids == again.token_ids == generate(single, long, 8).token_ids
+        assert again.stats.cached_prompt_tokens >= 16
         kill_a_follower(served)
         assert served.proc.wait(timeout=60) == 70
         assert any("tensor parallel group broken" in line for line in served.log)
