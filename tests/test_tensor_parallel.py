@@ -82,8 +82,9 @@ def near_copy(model: HybridLM, seed: int) -> HybridLM:
     return model
 
 
-def passes(model: HybridLM, draft: HybridLM) -> dict[str, object]:
-    """Logits of a prefill, a verify of 5 (2 kept), a verify reverted, a decode; then greedy generations."""
+def passes(model: HybridLM, draft: HybridLM | None) -> dict[str, object]:
+    """Logits of a prefill, a verify of 5 (2 kept), a verify reverted, a decode; then greedy generations (with a
+    `draft`)."""
     st = model.new_state()
     out = {"prefill": model(torch.tensor(PROMPT), st)[0]}
     st.commit(len(PROMPT))
@@ -94,6 +95,8 @@ def passes(model: HybridLM, draft: HybridLM) -> dict[str, object]:
     out["decode"] = model(torch.tensor([11]), st)[0]
     st.commit(1)
     out["decode2"] = model(torch.tensor([12]), st)[0]
+    if draft is None:
+        return out
     out["greedy"] = generate(model, PROMPT, N_NEW).token_ids
     out["speculative"] = generate(model, PROMPT, N_NEW, ModelDrafter(draft), 3).token_ids
     if model.mtp:
@@ -119,7 +122,7 @@ def run_rank(rank: int, world: int, name: str, out: str) -> None:
         got = {"fused": passes(part, draft), "layers": passes(part.fuse(False), draft)}
         if cfg.get("num_experts"):  # and with the routed experts spread whole over the ranks (8 experts)
             part = shard(target(cfg), Rank(rank, world), expert_parallel=True)
-            got |= {"ep-fused": passes(part, draft), "ep-layers": passes(part.fuse(False), draft)}
+            got |= {"ep-fused": passes(part, draft), "ep-layers": passes(part.fuse(False), None)}  # logits only
         if rank == 0:
             got["want"] = passes(target(cfg).fuse(), draft)
         torch.save(got, Path(out) / f"{rank}.pt")
@@ -132,7 +135,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-# 4 ranks on 2 cores (19 s: their time slices wait for each other) run with `-m slow`, for the suite's time goal;
+# 4 ranks on 2 cores (37 s with the expert-parallel passes: their time slices wait for each other) run with `-m slow`;
 # the 4-rank shards' shapes are checked in the suite (test_k_v_heads_fewer_than_the_ranks_are_replicated)
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if RANKS.get(name, 2) > 2 else name
                                   for name in sorted(CASES)])
@@ -148,6 +151,9 @@ def test_ranks_give_the_single_process_logits_and_tokens(name, tmp_path):
     for got in ranks:
         for path in [path for path in ("fused", "layers", "ep-fused", "ep-layers") if path in got]:
             for key, value in want.items():
+                if key not in got[path]:  # the expert-parallel layer path: logits only
+                    assert path == "ep-layers" and not isinstance(value, torch.Tensor), (path, key)
+                    continue
                 if isinstance(value, torch.Tensor):
                     assert rel(got[path][key], value) < 1e-5, (path, key)
                     assert torch.equal(got[path][key], ranks[0][path][key]), (path, key)  # the ranks agree exactly
