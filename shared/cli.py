@@ -313,6 +313,8 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     if args.pipeline_depth not in (0, 1):
         raise ValueError(f"--pipeline-depth is 0 or 1, not {args.pipeline_depth}")
     _check_capture(args)
+    if args.expert_parallel and args.tensor_parallel < 2:
+        raise ValueError("--expert-parallel spreads the experts over the ranks of --tensor-parallel N: give N >= 2")
     if args.tensor_parallel != 1:
         load, stop = _tensor_parallel(args, model_dir)
     else:
@@ -329,8 +331,7 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
 
 def _tensor_parallel(args: argparse.Namespace, model_dir: Path) -> tuple[Callable[[], Any], Callable[[], None]]:
     """`--tensor-parallel N`: N-1 follower processes started here, and (load, stop) for rank 0's shard, which leads
-    them (`deltaspec.shared.model.lockstep`). What the group does not mirror yet is refused or turned off: the
-    prefix cache (--prefix-cache-block becomes 0)."""
+    them (`deltaspec.shared.model.lockstep`). What the group does not mirror yet is refused."""
     import multiprocessing
     import socket
 
@@ -345,14 +346,14 @@ def _tensor_parallel(args: argparse.Namespace, model_dir: Path) -> tuple[Callabl
     for flag, on in (("--compile", args.compile), ("--capture", args.capture)):
         if on:
             raise ValueError(f"{flag} is not built for --tensor-parallel yet")
-    sharded_config(ModelConfig.from_file(model_dir / "config.json"), world)  # a size that does not divide: now
-    args.prefix_cache_block = 0
+    ep = args.expert_parallel
+    sharded_config(ModelConfig.from_file(model_dir / "config.json"), world, ep)  # a size that does not divide: now
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         rendezvous = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     spawn = multiprocessing.get_context("spawn")
     followers = [spawn.Process(target=lockstep.follower_main, daemon=True, name=f"deltaspec-tp-rank{rank}",
-                               args=(rank, world, rendezvous, str(model_dir), args.device, args.torch_threads))
+                               args=(rank, world, rendezvous, str(model_dir), args.device, args.torch_threads, ep))
                  for rank in range(1, world)]
     for p in followers:
         p.start()
@@ -361,9 +362,9 @@ def _tensor_parallel(args: argparse.Namespace, model_dir: Path) -> tuple[Callabl
     def load() -> Any:
         model = load_model(model_dir, device="cuda:0" if args.device == "cuda" else args.device)
         at = lockstep.join(0, world, rendezvous)
-        leaders.append(lockstep.Leader(shard(model, at), at))
+        leaders.append(lockstep.Leader(shard(model, at, ep), at))
         leaders[0].watch(followers)
-        print(f"tensor parallel: rank 0 of {world} leads (prefix cache off)", file=sys.stderr, flush=True)
+        print(f"tensor parallel: rank 0 of {world} leads", file=sys.stderr, flush=True)
         return leaders[0].model
 
     def stop() -> None:
@@ -642,8 +643,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds one draft proposal may take before the round goes on without it")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the target over N ranks on this host (torch.distributed: gloo on CPUs, NCCL on GPUs); "
-                        "rank 0 serves, the others follow it (docs/tensor-parallel.md). Turns the prefix cache "
-                        "off")
+                        "rank 0 serves, the others follow it, each caching its shard of the prefix cache "
+                        "(docs/tensor-parallel.md)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --tensor-parallel N: spread a mixture-of-experts target's routed experts over the ranks "
+                        "whole (E/N each) instead of cutting every expert's columns N ways; N must divide the "
+                        "experts (docs/tensor-parallel.md)")
     p.add_argument("--advertise-address", default=os.environ.get("DELTASPEC_ADVERTISE_ADDRESS", ""),
                    help="this replica's stable HOST:PORT, returned by CreateSession so clients send a session's "
                         "later calls to the replica that holds it (default: $DELTASPEC_ADVERTISE_ADDRESS; "

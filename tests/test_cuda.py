@@ -336,6 +336,10 @@ def test_bfloat16_moe_target_groups_its_experts_and_captures_on_cuda():
         want, read = apply_experts(experts.gate_up_proj, experts.down_proj, x, weights, chosen, grouped=False)
         got, counted = apply_experts(on_gpu.gate_up_proj, on_gpu.down_proj, x.cuda(), weights.cuda(), chosen.cuda())
         assert (got.cpu().float() - want.float()).norm() / want.float().norm() < 1e-2 and int(counted) == read
+        # expert parallelism: each half of the experts' share, grouped on the GPU, adds up to the whole
+        shares = [apply_experts(on_gpu.gate_up_proj[6 * r:6 * r + 6], on_gpu.down_proj[6 * r:6 * r + 6], x.cuda(),
+                                weights.cuda(), chosen.cuda(), first=6 * r)[0] for r in range(2)]
+        assert ((shares[0] + shares[1]).cpu().float() - want.float()).norm() / want.float().norm() < 1e-2
     every = hf_moe_config("qwen3_next", num_experts=4, num_experts_per_tok=4)
     want, _ = rounds(on(every, "cpu"))
     for compiled, captured, attempts in ((False, False, 1), (True, False, 1), (False, True, 2), (True, True, 2)):

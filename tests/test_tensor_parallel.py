@@ -1,7 +1,9 @@
 """Tensor parallelism over gloo: a model sharded on 2 ranks (and 4) gives the single-process logits (to 1e-5
 relative: the all-reduce adds in another order) for a prefill, a verify, a partial commit, a revert and a decode, on
-the fused and the layer path, and the same greedy tokens target-only and speculative (a draft model; MTP); served,
-the same tokens over both gRPC loops, and a lost rank takes the group down."""
+the fused and the layer path, and the same greedy tokens target-only and speculative (a draft model; MTP), with MoE
+experts cut by columns or spread whole over the ranks (expert parallelism); a prefix cache whose every entry each
+rank holds its shard of; each round's collective time on its span; served, the same tokens over both gRPC loops,
+and a lost rank takes the group down."""
 from __future__ import annotations
 
 import os
@@ -17,12 +19,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from benchmarks import shapes
 from deltaspec.shared.decoding.drafters import make_drafter
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
-from deltaspec.shared.decoding.speculative import generate
+from deltaspec.shared.decoding.drafters import attach
+from deltaspec.shared.decoding.speculative import Stats, decode, generate
+from deltaspec.shared.decoding.target import TargetSession
+from deltaspec.shared.kernels.experts import apply_experts
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
 from deltaspec.shared.model.config import ModelConfig
@@ -30,8 +38,12 @@ from deltaspec.shared.model.fields import ConfigError
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.lockstep import Leader, follow, join
-from deltaspec.shared.model.parallel import Rank, shard, sharded_config
+from deltaspec.shared.model.parallel import Rank, shard, shard_tensors, sharded_config
 from deltaspec.shared.rpc.generation import generate_on_server
+from deltaspec.shared.state import prefix_cache
+from deltaspec.shared.state.prefix_cache import Cursor
+from deltaspec.shared.telemetry import attributes as attr
+from deltaspec.shared.telemetry.metrics import Metrics
 
 from support import Served, both_loops
 from test_batching import run_threads
@@ -70,8 +82,9 @@ def near_copy(model: HybridLM, seed: int) -> HybridLM:
     return model
 
 
-def passes(model: HybridLM, draft: HybridLM) -> dict[str, object]:
-    """Logits of a prefill, a verify of 5 (2 kept), a verify reverted, a decode; then greedy generations."""
+def passes(model: HybridLM, draft: HybridLM | None) -> dict[str, object]:
+    """Logits of a prefill, a verify of 5 (2 kept), a verify reverted, a decode; then greedy generations (with a
+    `draft`)."""
     st = model.new_state()
     out = {"prefill": model(torch.tensor(PROMPT), st)[0]}
     st.commit(len(PROMPT))
@@ -82,6 +95,8 @@ def passes(model: HybridLM, draft: HybridLM) -> dict[str, object]:
     out["decode"] = model(torch.tensor([11]), st)[0]
     st.commit(1)
     out["decode2"] = model(torch.tensor([12]), st)[0]
+    if draft is None:
+        return out
     out["greedy"] = generate(model, PROMPT, N_NEW).token_ids
     out["speculative"] = generate(model, PROMPT, N_NEW, ModelDrafter(draft), 3).token_ids
     if model.mtp:
@@ -105,6 +120,9 @@ def run_rank(rank: int, world: int, name: str, out: str) -> None:
         draft = near_copy(random_model(cfg, seed=3), seed=4).fuse()
         part = shard(target(cfg), Rank(rank, world))
         got = {"fused": passes(part, draft), "layers": passes(part.fuse(False), draft)}
+        if cfg.get("num_experts"):  # and with the routed experts spread whole over the ranks (8 experts)
+            part = shard(target(cfg), Rank(rank, world), expert_parallel=True)
+            got |= {"ep-fused": passes(part, draft), "ep-layers": passes(part.fuse(False), None)}  # logits only
         if rank == 0:
             got["want"] = passes(target(cfg).fuse(), draft)
         torch.save(got, Path(out) / f"{rank}.pt")
@@ -117,7 +135,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-# 4 ranks on 2 cores (19 s: their time slices wait for each other) run with `-m slow`, for the suite's time goal;
+# 4 ranks on 2 cores (37 s with the expert-parallel passes: their time slices wait for each other) run with `-m slow`;
 # the 4-rank shards' shapes are checked in the suite (test_k_v_heads_fewer_than_the_ranks_are_replicated)
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if RANKS.get(name, 2) > 2 else name
                                   for name in sorted(CASES)])
@@ -129,9 +147,13 @@ def test_ranks_give_the_single_process_logits_and_tokens(name, tmp_path):
     assert len(set(want["greedy"])) > 1
     assert want["speculative"] == want["greedy"] == want.get("mtp", want["greedy"])
     assert ("mtp" in want) == (name == "qwen3_5")
+    assert ("ep-fused" in ranks[0]) == (name != "qwen3_5")
     for got in ranks:
-        for path in ("fused", "layers"):
+        for path in [path for path in ("fused", "layers", "ep-fused", "ep-layers") if path in got]:
             for key, value in want.items():
+                if key not in got[path]:  # the expert-parallel layer path: logits only
+                    assert path == "ep-layers" and not isinstance(value, torch.Tensor), (path, key)
+                    continue
                 if isinstance(value, torch.Tensor):
                     assert rel(got[path][key], value) < 1e-5, (path, key)
                     assert torch.equal(got[path][key], ranks[0][path][key]), (path, key)  # the ranks agree exactly
@@ -157,10 +179,50 @@ def test_a_size_that_does_not_divide_is_refused_naming_the_dimension(world, fiel
         sharded_config(ModelConfig.from_dict(hf_config(**fields)), world)
 
 
+def test_expert_parallelism_spreads_whole_experts_and_refuses_a_size_that_does_not_divide_them():
+    cfg = CASES["qwen3_next"]()
+    model = random_model(cfg, seed=3)
+    experts = model.model.layers[0].mlp.experts
+    parts = [shard_tensors(model, Rank(r, 2), expert_parallel=True) for r in range(2)]
+    for r, part in enumerate(parts):
+        assert torch.equal(part["model.layers.0.mlp.experts.gate_up_proj"], experts.gate_up_proj[4 * r:4 * r + 4])
+        assert torch.equal(part["model.layers.0.mlp.experts.down_proj"], experts.down_proj[4 * r:4 * r + 4])
+    assert sharded_config(ModelConfig.from_dict(cfg), 2, expert_parallel=True).moe_intermediate_size == \
+        cfg["moe_intermediate_size"]
+    # each rank's experts' share, zero for a token routed to none of them (0: to 5 and 6 only), adds up to the whole
+    gen = torch.Generator().manual_seed(1)
+    x, weights = torch.randn(5, cfg["hidden_size"], generator=gen), torch.rand(5, 2, generator=gen)
+    chosen = torch.tensor([[5, 6], [0, 7], [3, 2], [4, 1], [1, 6]])
+    for grouped in (False, True):
+        whole, _ = apply_experts(experts.gate_up_proj, experts.down_proj, x, weights, chosen, grouped)
+        shares = [apply_experts(experts.gate_up_proj[4 * r:4 * r + 4], experts.down_proj[4 * r:4 * r + 4], x,
+                                weights, chosen, grouped, first=4 * r)[0] for r in range(2)]
+        assert not shares[0][0].any() and shares[1][0].any()
+        assert torch.allclose(shares[0] + shares[1], whole, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match=r"expert parallel size 4 does not divide num_experts \(6\)"):
+        sharded_config(ModelConfig.from_dict(hf_moe_config(num_experts=6)), 4, expert_parallel=True)
+    with pytest.raises(ConfigError, match="expert parallelism needs routed experts"):
+        sharded_config(ModelConfig.from_dict(hf_config()), 2, expert_parallel=True)
+
+
 def test_k_v_heads_fewer_than_the_ranks_are_replicated():
     cfg = ModelConfig.from_dict(CASES["qwen3_next-4"]())
     part = sharded_config(cfg, 4)
     assert (part.num_attention_heads, part.num_key_value_heads, part.state_spec.kv_heads) == (2, 1, 1)
+
+
+def traced_rounds(model: HybridLM, draft: HybridLM) -> tuple[list[float | None], float]:
+    """A speculative generation's round spans' collective time (None where a span has none), through the real
+    tracer SDK with an in-memory exporter, and the rounds the collective time histogram counted."""
+    exporter, provider, metrics = InMemorySpanExporter(), TracerProvider(), Metrics()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    session, drafter = TargetSession(model, PROMPT), ModelDrafter(draft)
+    drafter.start(PROMPT)
+    attach(drafter, session)
+    for _ in decode(session, drafter, 8, 3, set(), Stats(), provider.get_tracer("test"), metrics):
+        pass
+    spans = [s.attributes.get(attr.TP_COLLECTIVE_S) for s in exporter.get_finished_spans() if s.name == "round"]
+    return spans, metrics.registry.get_sample_value("deltaspec_tp_collective_seconds_count") or 0.0
 
 
 def lead_or_follow(rank: int, world: int, out: str) -> None:
@@ -188,6 +250,7 @@ def lead_or_follow(rank: int, world: int, out: str) -> None:
         other = part.new_state()
         got["batched"] = [logits for logits, _ in forward_batch(part, [(torch.tensor([1, 2]), st),
                                                                        (torch.tensor(PROMPT[:4]), other)])]
+        got["traced"] = traced_rounds(part, draft)
         leader.stop()
         got["want"] = passes(random_model(cfg, seed=3).fuse(), draft)
         ref = random_model(cfg, seed=3).fuse()
@@ -196,6 +259,7 @@ def lead_or_follow(rank: int, world: int, out: str) -> None:
         st.commit(3)
         got["want_batched"] = [ref(torch.tensor([1, 2]), st)[0], ref(torch.tensor(PROMPT[:4]), ref.new_state())[0]]
         got["errors"] = errors
+        got["traced_alone"] = traced_rounds(ref, draft)
         torch.save(got, Path(out) / "leader.pt")
         dist.barrier()
     finally:
@@ -208,12 +272,82 @@ def test_followers_make_every_call_rank_0_makes(tmp_path):
     assert not got["errors"]
     assert got["greedy"] == got["want"]["greedy"] and got["speculative"] == got["want"]["speculative"]
     assert all(rel(a, b) < 1e-5 for a, b in zip(got["batched"], got["want_batched"], strict=True))
+    # each round's time in the group's collectives, on its span and in the histogram; none in one process
+    spans, counted = got["traced"]
+    assert spans and all(s is not None and 0 < s < 10 for s in spans) and counted == len(spans)
+    spans, counted = got["traced_alone"]
+    assert spans and all(s is None for s in spans) and counted == 0
+
+
+def cached_prompts() -> list[list[int]]:
+    """A prompt longer than the logs (its prefill takes its block heads in the pass), one branching off it inside a
+    block without a recurrent state, and one extending it."""
+    long = torch.randint(0, 256, (41,), generator=torch.Generator().manual_seed(7)).tolist()
+    return [long, long[:20] + [3, 1, 4, 1, 5, 9, 2, 6], long + [7, 7, 8]]
+
+
+def lead_with_a_prefix_cache(rank: int, world: int, out: str) -> None:
+    """Rank 0 generates through a `Leader` with a prefix cache (blocks of 4, a recurrent state every 2): target-only
+    and speculative (partial commits), a hit's logits by hand, then every entry evicted and the first prompt again;
+    rank 1 follows, replaying the cache's journal on its shard."""
+    torch.set_num_threads(1)
+    at = join(rank, world, rendezvous(out))
+    try:
+        cfg = CASES["qwen3_next"]()
+        part = shard(random_model(cfg, seed=3), at)
+        if rank:
+            mirror = follow(part, at)
+            torch.save({k: (e.end, e.state is not None) for k, e in mirror.entries.items()}, Path(out) / "mirror.pt")
+            dist.barrier()
+            return
+        errors: list[BaseException] = []
+        Leader(part, at, on_broken=errors.append)
+        cache = prefix_cache.attach(part, 4, state_every=2)
+        draft = near_copy(random_model(cfg, seed=3), seed=4).fuse()
+        prompts = cached_prompts()
+        got: dict[str, object] = {"tokens": [generate(part, prompts[0], 6).token_ids,
+                                             generate(part, prompts[1], 6, ModelDrafter(draft), 3).token_ids,
+                                             generate(part, prompts[2], 6, ModelDrafter(draft), 3).token_ids]}
+        st = part.new_state()
+        cursor = Cursor(cache, st)
+        cursor.prefill(part, prompts[2][:-1])
+        got["cached"], got["logits"] = cursor.cached_tokens, part(torch.tensor(prompts[2][-1:]), st)[0]
+        cache.reclaim(cache.bytes)
+        got["emptied"] = len(cache.entries)
+        got["tokens"].append(generate(part, prompts[0], 6).token_ids)
+        got["tokens"].append(generate(part, prompts[0], 6).token_ids)
+        got["stats"], got["errors"] = cache.stats, errors
+        got["entries"] = {k: (e.end, e.state is not None) for k, e in cache.entries.items()}
+        part.leader.stop()
+        ref = random_model(cfg, seed=3).fuse()
+        got["want"] = [generate(ref, ids, 6, ModelDrafter(draft) if i in (1, 2) else None, 3).token_ids
+                       for i, ids in enumerate(prompts + [prompts[0]] * 2)]
+        got["want_logits"] = ref(torch.tensor(prompts[2]), ref.new_state())[0][-1:]
+        torch.save(got, Path(out) / "leader.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_group_shares_prefixes_through_the_prefix_cache(tmp_path):
+    """Each rank caches its shard of every entry: later prompts hit (a branch resumed from the grid, an extension
+    from the leaf), and their tokens and logits are the single process's; eviction is mirrored too."""
+    mp.spawn(lead_with_a_prefix_cache, args=(2, str(tmp_path)), nprocs=2)
+    got = torch.load(tmp_path / "leader.pt", weights_only=False)
+    assert not got["errors"]
+    assert got["tokens"] == got["want"]
+    stats = got["stats"]
+    assert stats.hits >= 4 and stats.evictions > 0 and got["emptied"] == 0  # prompts 1, 2, by hand, the last
+    assert got["cached"] == 40
+    assert got["entries"] and torch.load(tmp_path / "mirror.pt") == got["entries"]  # the same blocks, states alike
+    assert rel(got["logits"], got["want_logits"]) < 1e-5
 
 
 def test_a_served_two_rank_target_gives_the_single_process_tokens_and_fails_whole(tmp_path):
     """`serve-target --tensor-parallel 2` beside `serve-draft` (a near-copy: rounds kept in part): greedy tokens of
     the single-process target through Generate's loop and the client-driven one (pipelined), then for three
-    Generate streams at once (batched passes); a follower killed takes the group down (callers see it gone)."""
+    Generate streams at once (batched passes), and for a prompt sent twice (the second from the prefix cache); a
+    follower killed takes the group down (callers see it gone)."""
     save_checkpoint(random_model(hf_config(), seed=3), tmp_path / "target")
     save_checkpoint(near_copy(random_model(hf_config(), seed=3), seed=4), tmp_path / "draft")
     single = load_model(tmp_path / "target").fuse()
@@ -227,6 +361,10 @@ def test_a_served_two_rank_target_gives_the_single_process_tokens_and_fails_whol
         out = run_threads(lambda i: generate_on_server(served.address, streams[i][0], "", streams[i][2],
                                                        streams[i][1])[0].token_ids, list(range(len(streams))))
         assert out == [generate(single, ids, n).token_ids for ids, _, n in streams]
+        long = prompt * 3  # its first 16 positions cached by the first request (the default blocks of 16)
+        first, again = (generate_on_server(served.address, long, "", 8, 3)[0] for _ in range(2))
+        assert first.token_ids == again.token_ids == generate(single, long, 8).token_ids
+        assert again.stats.cached_prompt_tokens >= 16
         kill_a_follower(served)
         assert served.proc.wait(timeout=60) == 70
         assert any("tensor parallel group broken" in line for line in served.log)
@@ -275,6 +413,7 @@ def test_a_generation_whose_group_loses_a_rank_midway_ends_as_an_undisturbed_one
 @pytest.mark.parametrize("extra, message", [
     (("--tensor-parallel", "3"), "tensor parallel size 3 does not divide num_attention_heads (4)"),
     (("--tensor-parallel", "2", "--compile"), "--compile is not built for --tensor-parallel yet"),
+    (("--tensor-parallel", "2", "--expert-parallel"), "expert parallelism needs routed experts"),
 ])
 def test_serve_target_refuses_what_a_group_cannot_serve_at_start(extra, message, tmp_path):
     save_checkpoint(random_model(hf_config(), seed=3), tmp_path)

@@ -51,6 +51,7 @@ from deltaspec.shared.decoding.speculative import (NO_TRACER, Session, Stats, _i
 from deltaspec.shared.decoding.target import Round, check_num_draft_tokens
 from deltaspec.shared.errors import FailedPrecondition, NotFound
 from deltaspec.shared.telemetry import attributes as attr
+from deltaspec.shared.telemetry.spans import round_attributes
 
 
 @dataclass
@@ -227,11 +228,11 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int,
                     phases = (propose_s + (t1 - t0) + (t4 - t3), t2 - t1, (t3 - t2) + (time.perf_counter() - t5))
                     stats.add_round(len(drafts), keep, rnd.staged_bytes, phases)
                     if metrics is not None:
-                        metrics.round(len(drafts), keep, rnd.staged_bytes, *phases)
+                        metrics.round(len(drafts), keep, rnd.staged_bytes, *phases, rnd.collective_s)
                     if traced:
                         span.set_attributes({**ids, attr.BASE_VERSION: cur.base, attr.NEW_VERSION: version,
                                              attr.DRAFT_TOKENS: len(drafts), attr.ACCEPTED_TOKENS: keep,
-                                             attr.STAGED_BYTES: rnd.staged_bytes})
+                                             **round_attributes(rnd.staged_bytes, rnd.collective_s)})
             out = [*out, *tokens]
             if len(out) >= max_new_tokens or out[-1] in eos or (not kept and fresh is None):
                 return  # done, or `until` ended the rounds

@@ -19,7 +19,7 @@ from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.decoding.target import Round, TargetSession, check_num_draft_tokens
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.telemetry import attributes as attr
-from deltaspec.shared.telemetry.spans import generation_span, record_usage
+from deltaspec.shared.telemetry.spans import generation_span, record_usage, round_attributes
 
 NO_TRACER = NoOpTracer()
 
@@ -156,11 +156,11 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
             t3 = time.perf_counter()
             stats.add_round(len(proposal.tokens), keep, rnd.staged_bytes, (t1 - t0, t2 - t1, t3 - t2))
             if metrics is not None:
-                metrics.round(len(proposal.tokens), keep, rnd.staged_bytes, t1 - t0, t2 - t1, t3 - t2)
+                metrics.round(len(proposal.tokens), keep, rnd.staged_bytes, t1 - t0, t2 - t1, t3 - t2, rnd.collective_s)
             if traced:
                 span.set_attributes({**ids, attr.BASE_VERSION: base, attr.NEW_VERSION: version,
                                      attr.DRAFT_TOKENS: len(proposal.tokens), attr.ACCEPTED_TOKENS: keep,
-                                     attr.STAGED_BYTES: rnd.staged_bytes})
+                                     **round_attributes(rnd.staged_bytes, rnd.collective_s)})
         new = session.generated
         if length is not None:
             length.emitted(new[len(out):])

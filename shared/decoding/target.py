@@ -59,6 +59,7 @@ class Round:
     new_version: int | None = None
     committed_tokens: list[int] = field(default_factory=list)  # what the commit appended
     logprobs: list[TokenLogprob] | None = None  # rows 0..accepted's emitted tokens, when the session keeps them
+    collective_s: float = 0.0  # rank 0's time in a tensor-parallel group's collectives: its verify, its commit
 
 
 def check_num_draft_tokens(k: int) -> None:
@@ -205,11 +206,13 @@ class TargetSession:
                 raise FailedPrecondition(f"base version {base_version} is ahead of the head ({self.version}): "
                                          "no round has made it yet", "base_version", "VERSION_AHEAD")
             self._check_input(drafts, draft_probs)
+            collective_s = self.state.collective_s
             logits, hidden = self.model(torch.tensor([self.tokens[-1], *drafts]), self.state)
             verdict = self._verdict(logits, drafts_t, draft_probs, len(self.tokens))
             self.earlier = tuple(r for r in (self.round, *self.earlier[1:]) if r)
             self.round = Round(round_id, self.version, drafts_t, verdict, self.state.staged_bytes(), hidden, parent,
-                               guess, logprobs=self._logprobs(logits, drafts_t, verdict))
+                               guess, logprobs=self._logprobs(logits, drafts_t, verdict),
+                               collective_s=self.state.collective_s - collective_s)
             return self.round
 
     def _await_parent(self, round_id: str, parent: str, guess: int | None) -> None:
@@ -287,11 +290,13 @@ class TargetSession:
             raise FailedPrecondition(f"rounds {parent!r} and {round_id!r} together stage more than {capacity} "
                                      "tokens", "draft_tokens")
         self.state.mark()
+        collective_s = self.state.collective_s
         logits, hidden = self.model(torch.tensor([guess, *drafts]), self.state)
         verdict = self._verdict(logits, drafts, draft_probs, len(self.tokens) + len(rnd.drafts) + 1)
         self.chained = Round(round_id, rnd.base_version + 1, drafts, verdict,
                              self.state.staged_bytes() - rnd.staged_bytes, hidden, parent, guess,
-                             logprobs=self._logprobs(logits, drafts, verdict))
+                             logprobs=self._logprobs(logits, drafts, verdict),
+                             collective_s=self.state.collective_s - collective_s)
         return self.chained
 
     def commit(self, round_id: str, accepted: int) -> int:
@@ -315,12 +320,14 @@ class TargetSession:
             next_token = rnd.verdict.next_token if accepted == rnd.verdict.accepted else rnd.drafts[accepted]
             child = self.chained
             keep_child = child is not None and accepted == len(rnd.drafts) and next_token == child.guess
+            collective_s = self.state.collective_s
             if keep_child:
                 commit_head(self.cursor, [self.tokens[-1], *rnd.drafts], self.state.commit_marked, rnd.hidden)
             else:
                 commit_head(self.cursor, [self.tokens[-1], *rnd.drafts[:accepted]], lambda: self.state.commit(accepted + 1),
                                   rnd.hidden[:accepted + 1])
                 self._drop_chained()
+            rnd.collective_s += self.state.collective_s - collective_s
             rnd.committed_tokens = [*rnd.drafts[:accepted], next_token]
             self.tokens.extend(rnd.committed_tokens)
             if rnd.logprobs is not None:

@@ -39,7 +39,8 @@ def relu_squared(h: Tensor) -> Tensor:
 
 
 def apply_experts(w_in: Tensor, down_proj: Tensor, x: Tensor, weights: Tensor, chosen: Tensor,
-                  grouped: bool | None = None, act: Callable[[Tensor], Tensor] = swiglu) -> tuple[Tensor, Tensor | int]:
+                  grouped: bool | None = None, act: Callable[[Tensor], Tensor] = swiglu,
+                  first: int | None = None) -> tuple[Tensor, Tensor | int]:
     """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for every token t, expert e being
     down_proj[e] act(w_in[e] x), each distinct expert applied once to all the tokens that chose it; the experts as HF
     keeps them: `w_in` its `gate_up_proj` (E, 2 I, H) (`swiglu`) or `up_proj` (E, I, H), `down_proj` (E, H, I).
@@ -52,10 +53,21 @@ def apply_experts(w_in: Tensor, down_proj: Tensor, x: Tensor, weights: Tensor, c
     experts, which reads the group sizes on the host. `grouped` None: the grouped form where it is one kernel
     (`grouped_gemm_fast`), inside a compiled graph, and on a CPU for passes with many (token, expert) pairs per
     expert (`CPU_GROUPED_PAIRS_PER_EXPERT`); the loop elsewhere. Grouped, what is returned for the count is where
-    each expert's group ends, counted only when asked (a count would be ops in every pass, and reading it a sync)."""
-    flat = chosen.flatten()
+    each expert's group ends, counted only when asked (a count would be ops in every pass, and reading it a sync).
+
+    `first`: expert parallelism (`deltaspec.shared.model.parallel`): `w_in` and `down_proj` hold the experts first..
+    only, and the pairs routed to any other expert add nothing here (a token none of whose experts are here gets 0).
+    Finding the pairs reads their count on the host."""
+    flat, pair_weights = chosen.flatten(), weights.flatten()
+    pair_tokens = None  # a pair's token: its index // k unless some pairs were left out
+    if first is not None:
+        flat = flat - first
+        mine = ((flat >= 0) & (flat < w_in.shape[0])).nonzero().squeeze(1)
+        if not mine.numel():
+            return torch.zeros_like(x), 0
+        flat, pair_weights, pair_tokens = flat[mine], pair_weights[mine], mine // chosen.shape[1]
     by_expert, order = flat.sort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order within a group
-    tokens = order // chosen.shape[1]
+    tokens = order // chosen.shape[1] if pair_tokens is None else pair_tokens[order]
     xs = x.index_select(0, tokens)
     if grouped is None:
         many = CPU_GROUPED_PAIRS_PER_EXPERT * flat.numel() >= len(down_proj)
@@ -72,7 +84,7 @@ def apply_experts(w_in: Tensor, down_proj: Tensor, x: Tensor, weights: Tensor, c
         outs = [F.linear(act(F.linear(group, w_in[e])), down_proj[e])
                 for e, group in zip(used.tolist(), xs.split(counts.tolist()))]
         y, touched = torch.cat(outs), len(outs)
-    y = (y * weights.flatten().index_select(0, order)[:, None]).to(x.dtype)
+    y = (y * pair_weights.index_select(0, order)[:, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, y), touched
 
 

@@ -12,6 +12,11 @@ A rank that dies or stops answering breaks the group: rank 0's next broadcast or
 sees a follower exit) and rank 0 exits, so callers see the target UNAVAILABLE and recover their sessions as after
 any restart (no round is half applied: rank 0, which answers callers, is gone); a follower whose leader is gone
 exits too. Rank 0 pings an idle group every `PING_S` so that a silent peer is noticed within the group's timeout.
+
+A prefix cache on rank 0 (`deltaspec.shared.state.prefix_cache`) journals each change to its entries and each hit
+it loads into a session (`Leader.journal`); the journal goes out with rank 0's next call, in order, ahead of it, and
+each follower replays it on its shard of every entry (`deltaspec.shared.model.shard_cache`). A pass that takes a
+prefill's block heads for the cache says where, so every rank takes its shard of them.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -36,6 +42,7 @@ from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.parallel import Rank, shard
+from deltaspec.shared.model.shard_cache import ShardCache
 from deltaspec.shared.state.rollback import ModelState
 from deltaspec.shared.state.spec import LOG_CAPACITY
 
@@ -72,6 +79,7 @@ class Leader:
         self._lock = threading.RLock()
         self._inside = threading.local()  # calls a mirrored call makes are the followers' own business
         self._freed: collections.deque[int] = collections.deque()  # states gone on rank 0: sent with the next call
+        self._journal: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()  # the prefix cache's
         self._ids = itertools.count()
         self._sid: weakref.WeakKeyDictionary[ModelState, int] = weakref.WeakKeyDictionary()
         self._forward, self._new_state = model.forward, model.new_state
@@ -108,6 +116,11 @@ class Leader:
             st.ensure_positions(st.length + st.staged + ids.numel())
         return self._announced("batch", items, lambda: forward_batch(self.model, items))
 
+    def journal(self, op: str, *args: Any) -> None:
+        """A prefix cache's change (its `journal`), sent ahead of the next call: what it reads from a session comes
+        before that session's next call, a hit's load before its first pass."""
+        self._journal.append((op, tuple(self._sid[a] if isinstance(a, ModelState) else a for a in args)))
+
     @property
     def nested(self) -> bool:
         """Whether this thread is inside a call already announced (its inner calls are the followers' own)."""
@@ -115,13 +128,19 @@ class Leader:
 
     def _announced(self, op: str, items: Sequence[tuple[Tensor, ModelState]], run: Callable[[], Any]) -> Any:
         with self._lock:
-            self._send(op, -1, [(self._sid[st], ids.cpu()) for ids, st in items])
+            started = self.at.clock.seconds
+            self._send(op, -1, [(self._sid[st], ids.cpu(), None if st.recurrent.block_heads is None
+                                 else st.recurrent.block_heads.ends) for ids, st in items])
             try:
                 with self._nested():
-                    return run()
+                    out = run()
             except Exception as error:  # noqa: BLE001 - the followers may have run it: the shards are no longer alike
                 self.on_broken(error)
                 raise Broken(f"a pass failed on rank 0 after it was sent: {error}") from error
+            spent = self.at.clock.seconds - started  # a batch's, whole, for each of its sessions: each waited on it
+            for _, st in items:
+                st.collective_s += spent
+            return out
 
     def stop(self) -> None:
         """Tell the followers to exit (the group is done)."""
@@ -146,7 +165,9 @@ class Leader:
         with self._lock:  # made first (no collective in it): one rank 0 refuses is never sent
             with self._nested():
                 result = method(state, *args)
+            started = self.at.clock.seconds
             self._send(name, sid, *args)
+            state.collective_s += self.at.clock.seconds - started
             return result
 
     @contextlib.contextmanager
@@ -158,12 +179,18 @@ class Leader:
             self._inside.depth -= 1
 
     def _send(self, op: str, sid: int, *args: Any) -> None:
-        freed = []
+        # the states gone first, the journal after: whatever the journal says of a state gone was journaled before it
+        # went, so it goes out with that state's end or ahead of it (a follower replays the journal before it frees)
+        journal, freed = [], []
         while self._freed:
             freed.append(self._freed.popleft())
+        while self._journal:
+            journal.append(self._journal.popleft())
+        started = time.perf_counter()
         try:
-            dist.broadcast_object_list([(op, sid, args, freed)], src=0, group=self.at.group,
+            dist.broadcast_object_list([(op, sid, args, journal, freed)], src=0, group=self.at.group,
                                        device=torch.device("cpu"))
+            self.at.clock.seconds += time.perf_counter() - started
         except Exception as error:  # noqa: BLE001 - a rank is gone or silent
             self.on_broken(error)
             raise Broken(f"a follower did not take {op}: {error}") from error
@@ -175,37 +202,44 @@ class Leader:
                     self._send("ping", -1)
 
 
-def follow(model: HybridLM, at: Rank) -> None:
-    """A follower's loop: make every call rank 0 sends, on this rank's shard, until it says stop. Raises when the
-    leader is gone or silent past the group's timeout."""
+def follow(model: HybridLM, at: Rank) -> ShardCache:
+    """A follower's loop: make every call rank 0 sends, on this rank's shard, until it says stop; returns its shard
+    of rank 0's prefix cache as it was then. Raises when the leader is gone or silent past the group's timeout."""
     states: dict[int, ModelState] = {}
+    cache = ShardCache()
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=at.group, device=torch.device("cpu"))
-        op, sid, args, freed = box[0]
+        op, sid, args, journal, freed = box[0]
+        for change, change_args in journal:
+            cache.replay(change, change_args, states)
         for gone in freed:
             states.pop(gone, None)
+            cache.forget(gone)
         if op == "stop":
-            return
+            return cache
         if op == "new":
             capacity, log_capacity = args
             states[sid] = ModelState(model.config.state_spec, device=model.device, dtype=model.dtype,
                                      capacity=capacity, log_capacity=log_capacity)
         elif op in ("pass", "batch"):
-            items = [(ids.to(model.device), states[i]) for i, ids in args[0]]
+            for i, _, heads in args[0]:
+                cache.before_pass(i, states[i], heads)
+            items = [(ids.to(model.device), states[i]) for i, ids, _ in args[0]]
             if op == "pass":
                 model(*items[0])
             else:
                 forward_batch(model, items)
+            for i, _, _ in args[0]:
+                cache.after_pass(i, states[i])
         elif op != "ping":  # a change rank 0 made: one that fails here breaks the group (this rank exits)
             getattr(states[sid], op)(*args)
 
 
-
-
-def follower_main(rank: int, world: int, rendezvous: str, model_dir: str, device: str, threads: int) -> None:
+def follower_main(rank: int, world: int, rendezvous: str, model_dir: str, device: str, threads: int,
+                  expert_parallel: bool = False) -> None:
     """A follower process of `serve-target --tensor-parallel`: load, shard, join the group, follow rank 0."""
     torch.set_num_threads(threads)
     model = load_model(model_dir, device=f"cuda:{rank}" if device == "cuda" else device)
     at = join(rank, world, rendezvous)
-    follow(shard(model, at), at)
+    follow(shard(model, at, expert_parallel), at)

@@ -108,6 +108,8 @@ class SparseMoE(nn.Module):
         self.shared_expert = MLP(hidden, shared_intermediate) if shared_intermediate else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_gate and shared_intermediate else None
         self.touched: Tensor | int = 0  # what says how many distinct experts the last eager pass read (`experts_read`)
+        # expert parallelism (`parallel.shard`): `experts` holds experts first_expert.. only (the router all of them)
+        self.first_expert: int | None = None
 
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Routing weights (N, k) and expert indices (N, k) from the router logits (N, E)."""
@@ -115,7 +117,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weights, chosen = self.route(self.gate(x))
-        out, self.touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, x, weights, chosen)
+        out, self.touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, x, weights, chosen,
+                                          first=self.first_expert)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -137,7 +140,8 @@ class SparseMoE(nn.Module):
         tokens at once."""
         logits, *shared_in = F.linear(h, f.w_in).split(f.splits, dim=-1)
         weights, chosen = self.route(logits)
-        routed, touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, h, weights, chosen)
+        routed, touched = apply_experts(self.experts.gate_up_proj, self.experts.down_proj, h, weights, chosen,
+                                        first=self.first_expert)
         if not torch.compiler.is_compiling():  # a graph's count would be one of its own buffers
             self.touched = touched
         if f.shared_down_t is not None:

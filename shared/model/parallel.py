@@ -8,9 +8,12 @@ Each of N ranks holds a model of the same family whose config has 1/N of the hea
 - Gated DeltaNet: key and value heads column-parallel with their conv channels, `A_log`, `dt_bias`, z, b and a;
   out_proj row-parallel; each session's recurrent state, conv window and logs are the rank's heads' only;
 - MLPs (and the shared expert): gate/up column-parallel, down row-parallel;
-- routed experts: every expert's columns split the same way (not experts spread over ranks), so each rank holds
-  every expert, routes every token with the same replicated router on the same hidden state, and the block ends
-  in the one all-reduce as a dense MLP does: no all-to-all, and a rank's load does not depend on the routing;
+- routed experts: every expert's columns split the same way, so each rank holds every expert, routes every token
+  with the same replicated router on the same hidden state, and the block ends in the one all-reduce as a dense MLP
+  does: no all-to-all, and a rank's load does not depend on the routing. Or, with `expert_parallel`, the experts
+  spread over the ranks whole (rank r keeps experts r E/N..(r+1) E/N - 1): every rank still routes every token with
+  the replicated router, applies only its own experts (a token routed to none of them gets 0 here) and the block
+  ends in the same all-reduce; the shared expert stays column/row-split;
 - the embedding, the norms, the routers and the LM head replicated: logits need no gather, and the hidden state
   every rank routes and decides on is the same tensor.
 
@@ -22,8 +25,9 @@ biases of row-parallel projections are kept by rank 0 only, for the same reason.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,6 +39,7 @@ from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.mixers.attention import Attention
 from deltaspec.shared.model.mixers.gdn import GatedDeltaNet
 from deltaspec.shared.model.mlp import MLP, SparseMoE
+from deltaspec.shared.model.moe import Experts
 
 # the config fields cut by N (0: the model has no such part)
 SHARDED_FIELDS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
@@ -49,6 +54,14 @@ COLUMN: Split = (0, None, None)  # a Linear's output rows
 ROW: Split = (-1, None, None)  # a Linear's input columns
 
 
+@dataclass
+class Clock:
+    """Seconds a rank spent in the group's collectives (its all-reduces; rank 0's broadcasts too): what its passes
+    waited on the other ranks and the wire. Two clock reads a collective, nothing without a group."""
+
+    seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class Rank:
     """Where a shard sits: its rank among `world` ranks and the process group they all-reduce in (None: the
@@ -57,16 +70,24 @@ class Rank:
     rank: int
     world: int
     group: dist.ProcessGroup | None = None
+    clock: Clock = field(default_factory=Clock, compare=False)
 
 
-def sharded_config(cfg: ModelConfig, world: int) -> ModelConfig:
+def sharded_config(cfg: ModelConfig, world: int, expert_parallel: bool = False) -> ModelConfig:
     """`cfg` with the heads and MLP columns of one of `world` ranks; a ConfigError names a dimension N does not
     divide. K/V heads fewer than the ranks are replicated, as vLLM does (Qwen3-Next-80B has 2 for 16 query heads):
-    each rank keeps the one its query heads read, so N must then be a multiple of them."""
+    each rank keeps the one its query heads read, so N must then be a multiple of them. `expert_parallel`: the
+    routed experts' columns stay whole (N must divide `num_experts` instead, which stays the router's count)."""
     if world < 1:
         raise ConfigError(f"tensor parallel size must be at least 1, got {world}")
+    if expert_parallel and not cfg.num_experts:
+        raise ConfigError(f"expert parallelism needs routed experts, and {cfg.family} has none (num_experts is 0)")
+    if expert_parallel and cfg.num_experts % world:
+        raise ConfigError(f"expert parallel size {world} does not divide num_experts ({cfg.num_experts})")
     cut = {}
     for name in SHARDED_FIELDS:
+        if expert_parallel and name == "moe_intermediate_size":
+            continue
         size = getattr(cfg, name)
         if name == "num_key_value_heads" and size and world % size == 0:
             cut[name] = max(1, size // world)
@@ -85,7 +106,7 @@ def _mlp(m: MLP, prefix: str = "") -> dict[str, Split | str]:
     return splits
 
 
-def _splits(m: nn.Module) -> dict[str, Split | str] | None:
+def _splits(m: nn.Module, expert_parallel: bool) -> dict[str, Split | str] | None:
     """How each of a mixer's or MLP's parameters splits (those not named are replicated); None where it is not
     sharded yet."""
     if type(m) is GatedDeltaNet:
@@ -102,6 +123,8 @@ def _splits(m: nn.Module) -> dict[str, Split | str] | None:
     if type(m) is SparseMoE:
         inter = m.experts.down_proj.shape[-1]
         shared = {} if m.shared_expert is None else _mlp(m.shared_expert, "shared_expert.")
+        if expert_parallel:  # whole experts, E/N a rank
+            return {"experts.gate_up_proj": COLUMN, "experts.down_proj": COLUMN, **shared}
         return {"experts.gate_up_proj": (1, (inter, inter), None), "experts.down_proj": ROW, **shared}
     return None
 
@@ -117,14 +140,14 @@ def _take(t: Tensor, split: Split | str, at: Rank) -> Tensor:
     return torch.cat([p.chunk(pieces, dim)[piece] for p in parts], dim).clone()
 
 
-def shard_tensors(model: HybridLM, at: Rank) -> dict[str, Tensor]:
+def shard_tensors(model: HybridLM, at: Rank, expert_parallel: bool = False) -> dict[str, Tensor]:
     """Rank `at`'s part of every tensor of `model`'s state_dict (HF's names)."""
     splits: dict[str, Split | str] = {}
     for i, layer in enumerate(model.model.layers):
         for name, part in ((layer.mixer_name, layer.mixer), ("mlp", layer.mlp)):
             if part is None:
                 continue
-            plan = _splits(part)
+            plan = _splits(part, expert_parallel)
             if plan is None:
                 raise ConfigError(f"tensor parallel: layer {i}'s {type(part).__name__} ({model.config.family}) is "
                                   "not sharded yet")
@@ -132,15 +155,23 @@ def shard_tensors(model: HybridLM, at: Rank) -> dict[str, Tensor]:
     return {k: _take(v, splits[k], at) if k in splits else v.clone() for k, v in model.state_dict().items()}
 
 
-def shard(model: HybridLM, at: Rank) -> HybridLM:
+def shard(model: HybridLM, at: Rank, expert_parallel: bool = False) -> HybridLM:
     """Rank `at`'s shard of `model`, fused; its layer path (`fuse(False)`) is all-reduced too. The MTP head's
     tensors are carried whole (`full_config` their shape): the MTP drafter runs on rank 0 alone, from the full
-    hidden states every rank has after the all-reduce, with no collective of its own."""
+    hidden states every rank has after the all-reduce, with no collective of its own. `expert_parallel`: routed
+    experts spread over the ranks whole instead of cut by columns."""
     if at.world == 1:
         return model.fuse()
-    tensors = shard_tensors(model, at)
+    cfg = sharded_config(model.config, at.world, expert_parallel)
+    tensors = shard_tensors(model, at, expert_parallel)
     with torch.device("meta"):
-        part = HybridLM(sharded_config(model.config, at.world))
+        part = HybridLM(cfg)
+        if expert_parallel:
+            held = cfg.num_experts // at.world
+            for layer in part.model.layers:
+                if type(layer.mlp) is SparseMoE:
+                    layer.mlp.experts = Experts(held, cfg.hidden_size, cfg.moe_intermediate_size)
+                    layer.mlp.first_expert = at.rank * held
     part.load_state_dict(tensors, strict=True, assign=True)
     if part.config.tie_word_embeddings:
         part.lm_head.weight = part.model.embed_tokens.weight
@@ -157,7 +188,9 @@ def shard(model: HybridLM, at: Rank) -> HybridLM:
 
 
 def _all_reduce(out: Tensor, at: Rank) -> Tensor:
+    started = time.perf_counter()
     dist.all_reduce(out, group=at.group)
+    at.clock.seconds += time.perf_counter() - started
     return out
 
 

@@ -32,6 +32,11 @@ evicts entries before it is refused (`StatePool.reclaim`). Eviction takes leaves
 children is their only way in), lowest priority first, GreedyDual-Size-Frequency: priority = clock + hits x
 block tokens / bytes, with the clock rising to each evicted priority, so an entry stays for being used often,
 or lately, or for saving many tokens per byte.
+
+Mirrors: a cache whose sessions' states have copies elsewhere (a tensor-parallel group's followers, each holding its
+shard of every state) has a `journal`, called in order with every change to its entries and every read of a
+session's state they are made from, so the copies can keep their shard of each entry alike
+(`deltaspec.shared.model.shard_cache`).
 """
 from __future__ import annotations
 
@@ -48,6 +53,16 @@ import torch
 from torch import Tensor, nn
 
 from deltaspec.shared.state.rollback import BlockHeads, ModelState
+
+
+# journal(op, *args), in the order the cache made them (those of entries under its lock):
+# ("heads", state, ends): the heads after `ends` (positions) read from `state`'s logs, before its commit;
+# ("put", key, state, start, end, with a recurrent state): a new entry, its K/V `state`'s of
+# positions start..end-1 and its recurrent state (if any) the head after `end` read from the state;
+# ("keep", key, state, end): a cached entry given the head after `end` read from `state`; ("drop", key): an entry's
+# recurrent state dropped; ("evict", key); ("clear",); ("load", state, keys): a hit on the chain `keys` loaded into
+# `state` (fresh)
+Journal = Callable[..., None]
 
 
 class Budget(Protocol):
@@ -144,6 +159,7 @@ class PrefixCache:
         self.bytes = 0
         self.stats = CacheStats()
         self.lock = threading.RLock()
+        self.journal: Journal | None = None
 
     def on_grid(self, end: int) -> bool:
         """Whether the block ending at `end` keeps its recurrent state whatever its place in the tree."""
@@ -173,6 +189,16 @@ class PrefixCache:
             if not chain:
                 return Hit(chain, branch=branch)
             return Hit(chain, chain[-1].window, chain[-1].state, branch)
+
+    def resume(self, state: ModelState, ids: Sequence[int]) -> Hit:
+        """`lookup(ids)`, its hit (if any) loaded into the fresh `state`."""
+        with self.lock:
+            hit = self.lookup(ids)
+            if hit.chain and self.journal is not None:
+                self.journal("load", state, [e.key for e in hit.chain])
+        if hit.chain:
+            state.load_head(hit.chain[-1].end, hit.window, hit.state, torch.cat([e.kv for e in hit.chain], dim=3))
+        return hit
 
     def states(self) -> int:
         """Cached blocks holding a recurrent state."""
@@ -219,6 +245,8 @@ class PrefixCache:
             self.leaves.clear()
             self._order.clear()
             self.bytes = 0
+            if self.journal is not None:
+                self.journal("clear")
 
     def _touch(self, entry: Entry) -> None:
         entry.hits += 1
@@ -239,6 +267,8 @@ class PrefixCache:
         self.budget.give(entry.nbytes)
         self.bytes -= entry.nbytes
         self.stats.evictions += 1
+        if self.journal is not None:
+            self.journal("evict", entry.key)
         freed = entry.nbytes
         parent = entry.parent
         if parent is not None:
@@ -257,13 +287,15 @@ class PrefixCache:
             if entry.alive and entry.state is None and not entry.children:
                 self._remove(entry)
 
-    def _keep_state(self, entry: Entry, window: Tensor, state: Tensor) -> None:
-        """Give a block that has none its recurrent state, if the budget pays for it."""
+    def _keep_state(self, entry: Entry, window: Tensor, state: Tensor, source: ModelState) -> None:
+        """Give a block that has none its recurrent state (read from `source`), if the budget pays for it."""
         nbytes = _nbytes(window, state)
         if self.budget.take(nbytes):
             entry.window, entry.state = window, state
             entry.nbytes += nbytes
             self.bytes += nbytes
+            if self.journal is not None:
+                self.journal("keep", entry.key, source, entry.end)
 
     def _drop_state(self, entry: Entry) -> None:
         if entry.state is None:
@@ -273,12 +305,15 @@ class PrefixCache:
         entry.nbytes -= nbytes
         self.bytes -= nbytes
         self.budget.give(nbytes)
+        if self.journal is not None:
+            self.journal("drop", entry.key)
 
     def _add(self, parent: Entry | None, tokens: tuple[int, ...], window: Tensor | None, state: Tensor | None,
-             kv: Tensor, hidden: Tensor | None) -> Entry | None:
+             source: ModelState, hidden: Tensor | None) -> Entry | None:
         """A new entry under `parent` (alive, or None at position 0), paid from the budget (evicting others, never
-        `parent`), with the recurrent state given (None: K/V only); the entry already cached under that key instead, if
-        any, given the state when it holds none; None when nothing can pay for it."""
+        `parent`), its K/V `source`'s of its positions, with the recurrent state given (None: K/V only); the entry
+        already cached under that key instead, if any, given the state when it holds none; None when nothing can pay
+        for it."""
         key = block_key(parent.key if parent else b"", tokens)
         with self.lock:
             if parent is not None and not parent.alive:
@@ -288,14 +323,15 @@ class PrefixCache:
                 if known.tokens != tokens:
                     return None
                 if known.state is None and state is not None:
-                    self._keep_state(known, window, state)
+                    self._keep_state(known, window, state, source)
                 return known
+            start = parent.end if parent else 0
+            kv = source.kv(start, start + len(tokens))
             nbytes = _nbytes(kv, *(() if state is None else (window, state)), *(() if hidden is None else (hidden,)))
             while not self.budget.take(nbytes):
                 if not self.reclaim(nbytes, protect=parent):
                     return None
-            entry = Entry(key, parent, tokens, (parent.end if parent else 0) + len(tokens), window, state, kv,
-                          hidden, nbytes)
+            entry = Entry(key, parent, tokens, start + len(tokens), window, state, kv, hidden, nbytes)
             self._touch(entry)
             self.entries[key] = entry
             self.leaves.add(entry)
@@ -307,6 +343,8 @@ class PrefixCache:
                     self._drop_state(parent)  # neither a leaf nor a branch point any more
             self.bytes += nbytes
             self.stats.published += 1
+            if self.journal is not None:
+                self.journal("put", key, source, start, entry.end, state is not None)
         return entry
 
 
@@ -335,11 +373,10 @@ class Cursor:
         cache, state = self.cache, self.state
         hidden: list[Tensor] | None = []
         if not state.length:
-            hit = cache.lookup(ids)
+            hit = cache.resume(state, ids)
             chain, self.branch = hit.chain, hit.branch
             if chain:
                 tip = chain[-1]
-                state.load_head(tip.end, hit.window, hit.state, torch.cat([e.kv for e in chain], dim=3))
                 self.ids, self.tip, self.cached_tokens = list(ids[:tip.end]), tip, tip.end
                 if not cache.keep_hidden:
                     hidden = None
@@ -387,6 +424,8 @@ class Cursor:
             window, gdn_state = torch.empty_like(state.recurrent.conv), torch.empty_like(state.recurrent.state)
             state.recurrent.state_after(end - state.length, state.staged, window, gdn_state)
             heads.append((end, window, gdn_state))
+        if kept and self.cache.journal is not None:
+            self.cache.journal("heads", state, kept)
         commit()
         self._extend(ids, hidden)
         self._publish(heads)
@@ -432,9 +471,8 @@ class Cursor:
             if self.tail is not None:  # the hidden states an MTP drafter resuming here reads
                 rest = torch.cat(self.tail)
                 rows, self.tail = rest[:block].clone(), [rest[block:]]
-            kv = state.kv(start, end)
             entry = self.cache._add(self.tip, tuple(self.ids[start:end]), None if window is None else window.clone(),
-                                    None if gdn_state is None else gdn_state.clone(), kv, rows)
+                                    None if gdn_state is None else gdn_state.clone(), state, rows)
             if entry is None:
                 self.stop()
                 if self.tip is not None:
@@ -463,5 +501,8 @@ def attach(model: nn.Module, block: int, keep_hidden: bool = False, max_bytes: i
     cache = PrefixCache(block, pool if pool is not None else ByteBudget(max_bytes), keep_hidden, state_every)
     if pool is not None:
         pool.reclaim = cache.reclaim
+    leader = getattr(model, "leader", None)  # rank 0 of a tensor-parallel group: its followers replay the journal
+    if leader is not None:
+        cache.journal = leader.journal
     model.prefix_cache = cache
     return cache

@@ -450,6 +450,9 @@ class ModelState:
         self.length = 0  # tokens in the committed head
         self.staged = 0  # tokens staged on top of it
         self.marked = 0  # with `mark`: staged tokens the snapshot covers (a chained round stages after them)
+        # seconds rank 0 of a tensor-parallel group spent in collectives on this state's passes (a batch's whole) and
+        # changes (`deltaspec.shared.model.lockstep.Leader` adds them); 0 in one process
+        self.collective_s = 0.0
         if spec.recurrent is None:
             raise ValueError("ModelState holds a hybrid model's state: the spec declares no recurrent layers")
         self.spec = spec

@@ -23,6 +23,7 @@ DRAFT_LENGTH_K = "deltaspec.draft_length.k"  # the cost model's k for a round, w
 DRAFT_LENGTH_REASON = "deltaspec.draft_length.reason"
 DRAFT_LENGTH_ACCEPTANCE = "deltaspec.draft_length.acceptance"
 DRAFT_LENGTH_TOKENS_PER_S = "deltaspec.draft_length.expected_tokens_per_s"  # per k = 0, 1, ...
+TP_COLLECTIVE_S = "deltaspec.tp.collective_s"  # a round's time in a tensor-parallel group's collectives (rank 0)
 LOOP = "deltaspec.loop"  # where the loop ran: in_process | server | client
 
 # The prefix cache, on CreateSession and Generate spans: prompt positions served from it, and those prefilled.

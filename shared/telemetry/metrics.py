@@ -6,7 +6,9 @@ Speculative-decoding counters are named as vLLM's (`vllm:spec_decode_num_drafts`
 - `deltaspec_spec_decode_num_accepted_tokens_per_pos_total{position}`: rounds whose draft token at
   `position` (0-based) was kept
 Rounds: `deltaspec_round_{propose,verify,commit}_seconds` histograms, `deltaspec_commits_total`,
-`deltaspec_reverts_total`, `deltaspec_staged_bytes_total`. Pipelined rounds (staged on a pending round):
+`deltaspec_reverts_total`, `deltaspec_staged_bytes_total`; on rank 0 of a tensor-parallel group
+`deltaspec_tp_collective_seconds`, a round's time in the group's all-reduces and broadcasts (its verify and
+commit). Pipelined rounds (staged on a pending round):
 `deltaspec_pipelined_rounds_total{outcome}`, kept | dropped | reverted: kept over all is the pipeline's hit
 rate; `deltaspec_generate_speculations_total{outcome}`, kept | missed: per round of the server-side loop,
 whether the speculated next round was used (the client loop reports the same in its stats). The draft's
@@ -55,6 +57,9 @@ class Metrics:
                                         buckets=PHASE_BUCKETS, registry=r)
         self.commit_seconds = Histogram("deltaspec_round_commit_seconds", "Target commit time per round",
                                         buckets=PHASE_BUCKETS, registry=r)
+        self.collective_seconds = Histogram("deltaspec_tp_collective_seconds", "Rank 0's time in the tensor-parallel "
+                                            "group's all-reduces and broadcasts per round (its verify and commit)",
+                                            buckets=PHASE_BUCKETS, registry=r)
         self.commits = Counter("deltaspec_commits", "Rounds committed", registry=r)
         self.reverts = Counter("deltaspec_reverts", "Rounds reverted", registry=r)
         self.staged_bytes = Counter("deltaspec_staged_bytes", "Bytes staged for rollback", registry=r)
@@ -98,8 +103,9 @@ class Metrics:
         self.batch_pass.observe(pass_s)
 
     def round(self, drafted: int, accepted: int, staged_bytes: int, propose_s: float | None = None,
-              verify_s: float | None = None, commit_s: float | None = None) -> None:
-        """One committed round (the loop, or a Commit call: then verify and staging were counted before)."""
+              verify_s: float | None = None, commit_s: float | None = None, collective_s: float = 0.0) -> None:
+        """One committed round (the loop, or a Commit call: then verify and staging were counted before);
+        `collective_s`: its time in a tensor-parallel group's collectives (0: no group)."""
         if drafted:
             self.num_drafts.inc()
             self.num_draft_tokens.inc(drafted)
@@ -110,6 +116,8 @@ class Metrics:
         self.commits.inc()
         if staged_bytes:
             self.staged_bytes.inc(staged_bytes)
+        if collective_s:
+            self.collective_seconds.observe(collective_s)
         for histogram, seconds in ((self.propose_seconds, propose_s), (self.verify_seconds, verify_s),
                                    (self.commit_seconds, commit_s)):
             if seconds is not None:

@@ -19,5 +19,13 @@ def generation_span(tracer: Tracer, loop: str, model: str, max_new_tokens: int) 
         yield span
 
 
+def round_attributes(staged_bytes: int, collective_s: float) -> dict[str, int | float]:
+    """A round's cost attributes: the bytes it staged, and (on rank 0 of a tensor-parallel group only) the seconds its
+    verify and commit spent in the group's all-reduces and broadcasts."""
+    if collective_s:
+        return {attr.STAGED_BYTES: staged_bytes, attr.TP_COLLECTIVE_S: collective_s}
+    return {attr.STAGED_BYTES: staged_bytes}
+
+
 def record_usage(span: Span, prompt: list[int], generated: list[int]) -> None:
     span.set_attributes({attr.GEN_AI_USAGE_INPUT_TOKENS: len(prompt), attr.GEN_AI_USAGE_OUTPUT_TOKENS: len(generated)})
