@@ -3,8 +3,10 @@
 Per model_type, in one run on this machine: target-only greedy tokens/s against HF transformers' `generate()` on
 the same checkpoint, weights and threads (alternated, medians); one verify pass of 5 tokens over one decode step
 (each with its commit); the bytes a round of 4 drafts stages (the logs the commit reads); and the commit's share of
-a round (a partial commit of 3 of the 5, against the verify pass and that commit together). Checkpoints are written
-by HF's own `save_pretrained` from random weights and loaded as a user would (`load_model`).
+a round (a partial commit of 3 of the 5, against the verify pass and that commit together), beside the bytes of a
+sequence's recurrent state and conv windows over the weights' (what a commit reads and writes against what a pass
+reads: the share follows it). Checkpoints are written by HF's own `save_pretrained` from random weights and loaded
+as a user would (`load_model`).
 """
 from __future__ import annotations
 
@@ -133,8 +135,11 @@ def _round_costs(model, repeats: int) -> dict:
             decode.append(d)
             verify.append(forward + c)
             commit.append(c)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    head = sum(t.numel() * t.element_size() for t in (state.recurrent.conv, state.recurrent.state))
     return {"verify_over_decode": statistics.median(verify) / statistics.median(decode),
-            "staged_kib": staged / 1024, "commit_share": statistics.median(commit) / statistics.median(verify)}
+            "staged_kib": staged / 1024, "commit_share": statistics.median(commit) / statistics.median(verify),
+            "state_over_weights": head / weights}
 
 
 def families(quick: bool) -> list[dict]:
@@ -165,16 +170,17 @@ def families(quick: bool) -> list[dict]:
         rows.append({"model_type": model_type, "state_kind": ours.config.state_spec.recurrent.kind,
                      "ours_tok_s": ours_tps, "hf_tok_s": hf_tps, "over_hf": ours_tps / hf_tps,
                      "over_hf_range": (min(hf_s) / max(ours_s), max(hf_s) / min(ours_s)), "identical": same,
-                     **_round_costs(ours, repeats)})
+                     **_round_costs(ours, 4 * repeats)})
     return rows
 
 
 def print_rows(rows: list[dict]) -> None:
     print("\nFamilies: target-only greedy against HF generate() on the same random checkpoint (medians, alternated)")
     print(f"{'model_type':<16} {'kind':<9} {'ours tok/s':>10} {'HF tok/s':>9} {'x HF':>6} {'range':>11} "
-          f"{'verify5/decode':>14} {'staged KiB':>10} {'commit %':>8} same")
+          f"{'verify5/decode':>14} {'staged KiB':>10} {'commit %':>8} {'state/weights %':>15} same")
     for r in rows:
         low, high = r["over_hf_range"]
         print(f"{r['model_type']:<16} {r['state_kind']:<9} {r['ours_tok_s']:>10.1f} {r['hf_tok_s']:>9.1f} "
               f"{r['over_hf']:>6.2f} {low:>5.2f}-{high:<5.2f} {r['verify_over_decode']:>14.2f} "
-              f"{r['staged_kib']:>10.1f} {100 * r['commit_share']:>8.2f} {r['identical']}")
+              f"{r['staged_kib']:>10.1f} {100 * r['commit_share']:>8.2f} {100 * r['state_over_weights']:>15.1f} "
+              f"{r['identical']}")
