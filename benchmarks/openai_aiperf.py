@@ -29,8 +29,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models
 from tokenizers.pre_tokenizers import ByteLevel
 
-from benchmarks.loopback import PROMPTS, start_pair, stop_all
-from benchmarks.openai_front import KS, LEVELS, Front, row
+from benchmarks.loopback import PROMPTS
+from benchmarks.openai_front import KS, LEVELS, pair_behind_front, row
 
 FIELDS = ("client", "k", "concurrency", "requests", "tokens_per_s", "ttft_ms_p50", "tpot_ms_p50")
 
@@ -86,29 +86,21 @@ def aiperf_row(exe: str, address: str, tokenizer: Path, dataset: Path, out: Path
 def aiperf_rows(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
     exe = aiperf_executable()
     n, generations = (48, 2) if quick else (96, 4)
-    servers = start_pair(target_dir, draft_dir)
-    front = None
-    try:
-        front = Front(servers["target"].address)
-        rows = []
-        with tempfile.TemporaryDirectory() as tmp:
-            tokenizer = byte_tokenizer(Path(tmp) / "tokenizer")
-            dataset = Path(tmp) / "prompts.jsonl"
-            dataset.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))
-            for concurrency in LEVELS:
-                for k in KS:
-                    row("http", front.address, k, 1, 8, 1)  # warm
-                    ours = row("http", front.address, k, concurrency, n, generations)
-                    rows.append({"client": "bench", "k": k, "concurrency": concurrency,
-                                 "requests": concurrency * generations, **{f: ours[f] for f in FIELDS[4:]}})
-                    theirs = aiperf_row(exe, front.address, tokenizer, dataset, Path(tmp) / f"run-{concurrency}-{k}",
-                                        k, concurrency, n, concurrency * generations)
-                    rows.append({"client": "aiperf", "k": k, "concurrency": concurrency, **theirs})
-        return rows
-    finally:
-        if front is not None:
-            front.stop()
-        stop_all(servers)
+    rows = []
+    with pair_behind_front(target_dir, draft_dir) as (_, front), tempfile.TemporaryDirectory() as tmp:
+        tokenizer = byte_tokenizer(Path(tmp) / "tokenizer")
+        dataset = Path(tmp) / "prompts.jsonl"
+        dataset.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))
+        for concurrency in LEVELS:
+            for k in KS:
+                row("http", front.address, k, 1, 8, 1)  # warm
+                ours = row("http", front.address, k, concurrency, n, generations)
+                rows.append({"client": "bench", "k": k, "concurrency": concurrency,
+                             "requests": concurrency * generations, **{f: ours[f] for f in FIELDS[4:]}})
+                theirs = aiperf_row(exe, front.address, tokenizer, dataset, Path(tmp) / f"run-{concurrency}-{k}", k,
+                                    concurrency, n, concurrency * generations)
+                rows.append({"client": "aiperf", "k": k, "concurrency": concurrency, **theirs})
+    return rows
 
 
 def print_rows(rows: list[dict]) -> None:

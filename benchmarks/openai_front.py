@@ -13,6 +13,7 @@ from the target, so these say what the wall-clock ratios cost, without the noise
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.loopback import PROMPTS, cpu_seconds, percentile, start_pair, stop_all
@@ -156,24 +158,32 @@ def row(path: str, address: str, k: int, concurrency: int, n: int, generations: 
             "client_ms_tok": 1000 * client_cpu / tokens}
 
 
-def openai_front(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
+@contextlib.contextmanager
+def pair_behind_front(target_dir: Path, draft_dir: Path) -> Iterator[tuple[dict, Front]]:
+    """`serve-draft`, a `serve-target` speculating with it and `serve-openai` over the target, stopped on the way
+    out."""
     servers = start_pair(target_dir, draft_dir)
     front = None
     try:
         front = Front(servers["target"].address)
-        n, generations = (48, 2) if quick else (96, 4)
-        rows = []
+        yield servers, front
+    finally:
+        if front is not None:
+            front.stop()
+        stop_all(servers)
+
+
+def openai_front(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
+    n, generations = (48, 2) if quick else (96, 4)
+    rows = []
+    with pair_behind_front(target_dir, draft_dir) as (servers, front):
         for concurrency in LEVELS:
             for k in KS:
                 for path in PATHS:
                     address = servers["target"].address if path == "grpc" else front.address
                     row(path, address, k, 1, 8, 1)  # warm: connections, the prefix cache's first blocks
                     rows.append({"path": path, **row(path, address, k, concurrency, n, generations, front)})
-        return rows
-    finally:
-        if front is not None:
-            front.stop()
-        stop_all(servers)
+    return rows
 
 
 def print_rows(rows: list[dict]) -> None:
