@@ -14,12 +14,15 @@ the front reports (`--use-server-token-count`), not re-tokenised (the pair can w
 For each concurrency and k, the bench's raw-SSE client (`openai_front.row`, path `http`) and then AIPerf send the same
 number of requests to the same front; the rows give each one's output tokens/s, median time to first token and median
 time per output token (ours: per token, a chunk of m tokens counting m gaps of a m-th; AIPerf's inter-token latency:
-per request, (latency - TTFT) / (tokens - 1), then its median over requests).
+per request, (latency - TTFT) / (tokens - 1), then its median over requests), and the client's CPU milliseconds per
+output token (ours: its threads; AIPerf: its processes, start-up and warm-up included), which on a host with few
+cores is taken from the target.
 """
 from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -32,7 +35,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 from benchmarks.loopback import PROMPTS
 from benchmarks.openai_front import KS, LEVELS, pair_behind_front, row
 
-FIELDS = ("client", "k", "concurrency", "requests", "tokens_per_s", "ttft_ms_p50", "tpot_ms_p50")
+FIELDS = ("client", "k", "concurrency", "requests", "tokens_per_s", "ttft_ms_p50", "tpot_ms_p50", "client_ms_tok")
 
 
 def aiperf_executable() -> str:
@@ -75,12 +78,21 @@ def aiperf_row(exe: str, address: str, tokenizer: Path, dataset: Path, out: Path
             "--extra-inputs", f"max_tokens:{n}", "--extra-inputs", "ignore_eos:true", "--extra-inputs",
             "temperature:0", "--extra-inputs", f"num_draft_tokens:{k}", "--output-artifact-dir", str(out),
             "--random-seed", "1", "--ui-type", "none"]
+    before = _children_cpu_s()
     done = subprocess.run(args, capture_output=True, text=True, timeout=900)
     if done.returncode:
         raise RuntimeError(f"aiperf exited with {done.returncode}: {done.stderr[-2000:] or done.stdout[-2000:]}")
     got = json.loads((out / "profile_export_aiperf.json").read_text())
+    tokens = got["total_output_tokens"]["avg"]
     return {"requests": int(got["request_count"]["avg"]), "tokens_per_s": got["output_token_throughput"]["avg"],
-            "ttft_ms_p50": got["time_to_first_token"]["p50"], "tpot_ms_p50": got["inter_token_latency"]["p50"]}
+            "ttft_ms_p50": got["time_to_first_token"]["p50"], "tpot_ms_p50": got["inter_token_latency"]["p50"],
+            "client_ms_tok": 1000 * (_children_cpu_s() - before) / tokens}
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of the finished child processes (AIPerf and its workers, warm-up and start-up included)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def aiperf_rows(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
@@ -105,10 +117,11 @@ def aiperf_rows(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
 
 def print_rows(rows: list[dict]) -> None:
     print("\nAIPerf and the bench's raw-SSE client against the same OpenAI front (greedy, embedded pair, streamed; "
-          "TTFT and time per output token p50)")
+          "TTFT and time per output token p50; the client's CPU ms per output token)")
     print(" ".join(f"{f:>13}" for f in FIELDS))
     for r in rows:
-        print(" ".join(f"{r[f]:>13.2f}" if isinstance(r[f], float) else f"{r[f]:>13}" for f in FIELDS))
+        print(" ".join(f"{r[f]:>13.{3 if f.endswith('_tok') else 2}f}" if isinstance(r[f], float) else f"{r[f]:>13}"
+                       for f in FIELDS))
     by = {(r["client"], r["k"], r["concurrency"]): r for r in rows}
     print("\nAIPerf / bench: tokens/s, TTFT, time per output token; speculative over target-only, each client")
     for c in LEVELS:
