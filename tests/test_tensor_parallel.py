@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks import shapes
+from deltaspec.shared.cli import main as cli_main
 from deltaspec.shared.decoding.drafters import make_drafter
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
@@ -281,6 +282,63 @@ def test_serve_target_refuses_what_a_group_cannot_serve_at_start(extra, message,
     out = subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", "serve-target", "--model", str(tmp_path),
                           "--port", "0", *extra], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def serve_target_command(model: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "deltaspec.shared.cli", "serve-target", "--model", str(model), "--port", "0", *extra]
+
+
+def test_two_nodes_form_one_group_that_serves_the_single_process_tokens(tmp_path):
+    """Two `serve-target --nnodes 2` processes (node ranks 0 and 1, one rank each, meeting on loopback) form one
+    2-rank group: node 0 serves the single process's greedy tokens; node 1 serves nothing, and exits 70 once the
+    group breaks (node 0 killed)."""
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path / "target")
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    want = generate(load_model(tmp_path / "target").fuse(), prompt, 16).token_ids
+    nodes = ("--tensor-parallel", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
+    with open(tmp_path / "node1.log", "w") as log:
+        node1 = subprocess.Popen(serve_target_command(tmp_path / "target", *nodes, "--node-rank", "1"),
+                                 stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        with Served("serve-target", tmp_path / "target", *nodes, "--node-rank", "0") as node0:
+            node0.wait_serving()
+            assert generate_on_server(node0.address, prompt, "", 16, 0)[0].token_ids == want
+            node0.proc.kill()
+        assert node1.wait(timeout=60) == 70
+    finally:
+        node1.kill()
+    log = (tmp_path / "node1.log").read_text()
+    assert "follows rank 0 at 127.0.0.1" in log and "tensor parallel group broken" in log and "listening" not in log
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--nnodes", "2", "--node-rank", "2"), "--node-rank 2 is not one of the 2 nodes' (0 to 1)"),
+    (("--tensor-parallel", "3", "--nnodes", "2"), "--tensor-parallel 3 is not a multiple of --nnodes 2"),
+    (("--nnodes", "2", "--master-addr", ""), "the group meets at --master-addr:--master-port"),
+])
+def test_a_node_that_cannot_join_a_group_is_refused_before_it_loads(extra, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    argv = serve_target_command(tmp_path, "--tensor-parallel", "2", "--master-addr", "127.0.0.1", "--master-port",
+                                "29500", *extra)[3:]
+    assert cli_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_node_whose_master_is_unreachable_fails_within_its_rendezvous_timeout(tmp_path):
+    """Node 1 of 2, nobody listening at the master's address: refused naming the address, within twice the
+    timeout (torch's store tries to connect twice) and the load."""
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    port = free_port()
+    started = time.monotonic()
+    out = subprocess.run(serve_target_command(tmp_path, "--tensor-parallel", "2", "--nnodes", "2", "--node-rank", "1",
+                                              "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                              "--rendezvous-timeout", "1"),
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"tensor parallel rank 1 of 2 could not meet the others at 127.0.0.1:{port} within 1 s" in out.stderr
+    assert time.monotonic() - started < 30
 
 
 @pytest.mark.parametrize("shape", ["QWEN3_NEXT_80B_A3B", "QWEN35_35B_A3B"])
