@@ -104,8 +104,8 @@ def _joined(at: Placement, rank: int, model_dir: str, device: str, threads: int)
 
 def follow_node(at: Placement, model_dir: str, device: str, threads: int) -> int:
     """A node other than node 0: its ranks follow rank 0; no gRPC. Returns 0 once rank 0 stops the group; exits 70
-    when it breaks (a rank gone or silent), after this node's child ranks are gone too. A checkpoint that does not load or
-    a group that does not form raises, as at any start."""
+    when it breaks (a rank gone or silent), after this node's child ranks are gone too. A checkpoint that does not
+    load or a group that does not form raises, as at any start."""
     followers = start_followers(at, model_dir, device, threads)
     print(f"tensor parallel: node {at.node_rank} of {at.nnodes}, ranks {at.ranks.start}..{at.ranks.stop - 1} of "
           f"{at.world}, follows rank 0 at {at.master_addr}:{at.master_port}", file=sys.stderr, flush=True)

@@ -1,0 +1,40 @@
+"""`deltaspec` whose tensor-parallel follower ranks die on purpose, at a chosen point of a round: run as
+`python tests/tp_faults.py serve-target ... --tensor-parallel N` with `DELTASPEC_TEST_DIE_AT=OP:N`.
+
+Each follower rank exits at once (as a killed process does: no clean-up, its sockets closed by the kernel) right
+after it received rank 0's N-th call OP, before making it: `pass` (a pass or a batched pass) while rank 0 waits in
+that pass's all-reduce, `commit` once rank 0 has kept a round its followers have not. A spawned rank runs this
+file again as its main module, so the hook reaches every rank; rank 0, which sends the calls, never dies here.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch.distributed as dist
+
+OPS = {"pass": ("pass", "batch"), "commit": ("commit",)}
+
+
+def die_at(ops: tuple[str, ...], n: int) -> None:
+    """Receiving the n-th call of `ops` ends this follower."""
+    receive, seen = dist.broadcast_object_list, [0]
+
+    def broadcast_object_list(objects: list, src: int = 0, group=None, device=None) -> None:
+        receive(objects, src=src, group=group, device=device)
+        if dist.get_rank(group) != src and objects[0][0] in ops:
+            seen[0] += 1
+            if seen[0] == n:
+                os._exit(9)
+
+    dist.broadcast_object_list = broadcast_object_list
+
+
+if spec := os.environ.get("DELTASPEC_TEST_DIE_AT"):
+    op, count = spec.split(":")
+    die_at(OPS[op], int(count))
+
+if __name__ == "__main__":
+    from deltaspec.shared.cli import main
+
+    sys.exit(main())
