@@ -301,7 +301,7 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     from deltaspec.target_service.servicer import DraftPeer, service
 
     model_dir = Path(args.model or DEFAULT_TARGET)
-    placement = _placement(args, model_dir) if args.tensor_parallel != 1 or args.nnodes != 1 else None
+    placement = _placement(args, model_dir)
     if placement and placement.node_rank:
         from deltaspec.shared.model.nodes import follow_node
 
@@ -333,24 +333,31 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
 
 
 def _placement(args: argparse.Namespace, model_dir: Path) -> Any:
-    """`--tensor-parallel N` over `--nnodes` (docs/tensor-parallel.md), checked before anything starts: sizes that
-    cannot form a group or shard the checkpoint, and what a group does not mirror yet (--compile, --capture). One
-    node meets on a free loopback port unless --master-port is given. The prefix cache is turned off
-    (--prefix-cache-block becomes 0)."""
+    """Where this process's tensor-parallel ranks sit (None: one process, no group): `--tensor-parallel N` over
+    `--nnodes`, or torchrun's placement when it started this process (docs/tensor-parallel.md). Checked before
+    anything starts: sizes that cannot form a group or shard the checkpoint, and what a group does not mirror yet
+    (--compile, --capture). One node meets on a free loopback port unless --master-port is given. The prefix cache
+    is turned off (--prefix-cache-block becomes 0)."""
     import socket
 
     from deltaspec.shared.model.config import ModelConfig
     from deltaspec.shared.model.nodes import Placement
     from deltaspec.shared.model.parallel import sharded_config
 
-    if args.nnodes == 1:
-        args.master_addr = args.master_addr or "127.0.0.1"
-        if not args.master_port:
-            with socket.socket() as s:
-                s.bind((args.master_addr, 0))
-                args.master_port = s.getsockname()[1]
-    placement = Placement(args.tensor_parallel, args.master_addr or "", args.master_port or 0, args.nnodes,
-                          args.node_rank, args.rendezvous_timeout)
+    placement = Placement.from_torchrun(os.environ, args.tensor_parallel)
+    if placement and (args.nnodes != 1 or args.node_rank):
+        raise ValueError("under torchrun, its own --nnodes and --node-rank place the ranks, not serve-target's")
+    if placement is None:
+        if args.tensor_parallel == 1 and args.nnodes == 1:
+            return None
+        if args.nnodes == 1:
+            args.master_addr = args.master_addr or "127.0.0.1"
+            if not args.master_port:
+                with socket.socket() as s:
+                    s.bind((args.master_addr, 0))
+                    args.master_port = s.getsockname()[1]
+        placement = Placement(args.tensor_parallel, args.master_addr or "", args.master_port or 0, args.nnodes,
+                              args.node_rank, args.rendezvous_timeout)
     for flag, on in (("--compile", args.compile), ("--capture", args.capture)):
         if on:
             raise ValueError(f"{flag} is not built for --tensor-parallel yet")
@@ -376,8 +383,7 @@ def _lead(at: Any, args: argparse.Namespace, model_dir: Path) -> tuple[Callable[
         leaders.append(lockstep.Leader(shard(model, joined), joined))
         if followers:  # this node's; another node's rank that is gone breaks the group's next collective
             leaders[0].watch(followers)
-        print(f"tensor parallel: rank 0 of {at.world} ({at.nnodes} node{'s' if at.nnodes > 1 else ''}) leads "
-              "(prefix cache off)", file=sys.stderr, flush=True)
+        print(f"tensor parallel: rank 0 of {at.world} leads (prefix cache off)", file=sys.stderr, flush=True)
         return leaders[0].model
 
     def stop() -> None:
@@ -657,7 +663,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp = p.add_argument_group("tensor parallelism", "One model sharded over N ranks (torch.distributed: gloo on "
                               "CPUs, NCCL on GPUs), on one host or over several nodes, torchrun-style: each node "
                               "runs serve-target with the same N and --nnodes and its own --node-rank; global rank "
-                              "0 (node 0) serves gRPC, every other node only follows it (docs/tensor-parallel.md)")
+                              "0 (node 0) serves gRPC, every other node only follows it. Started by torchrun, "
+                              "each process is one rank, RANK of WORLD_SIZE on GPU LOCAL_RANK "
+                              "(docs/tensor-parallel.md)")
     tp.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                     help="ranks in all; each node runs N / --nnodes of them (a node's i-th on its GPU i). Turns the "
                          "prefix cache off")

@@ -323,7 +323,7 @@ def test_two_nodes_form_one_group_that_serves_the_single_process_tokens(tmp_path
     finally:
         node1.kill()
     log = (tmp_path / "node1.log").read_text()
-    assert "follows rank 0 at 127.0.0.1" in log and "tensor parallel group broken" in log and "listening" not in log
+    assert "follow rank 0 at 127.0.0.1" in log and "tensor parallel group broken" in log and "listening" not in log
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -338,6 +338,39 @@ def test_a_node_that_cannot_join_a_group_is_refused_before_it_loads(extra, messa
     argv = serve_target_command(tmp_path, "--tensor-parallel", "2", "--master-addr", "127.0.0.1", "--master-port",
                                 "29500", *extra)[3:]
     assert cli_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_torchrun_started_ranks_form_one_group_that_serves_the_single_process_tokens(tmp_path):
+    """`torchrun --nproc-per-node 2 -m deltaspec.shared.cli serve-target`: each process one rank (torchrun's RANK,
+    WORLD_SIZE, LOCAL_RANK, meeting at its agent's store); rank 0 serves the single process's greedy tokens, and a
+    rank killed ends the group (torchrun then fails the run, or restarts it with --max-restarts)."""
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    want = generate(load_model(tmp_path).fuse(), prompt, 16).token_ids
+    torchrun = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                "-m", "deltaspec.shared.cli")
+    with Served("serve-target", tmp_path, program=torchrun) as served:
+        served.wait_serving()
+        assert generate_on_server(served.address, prompt, "", 16, 0)[0].token_ids == want
+        assert any("tensor parallel: rank 0 of 2 leads" in line for line in served.log)
+        ranks = Path(f"/proc/{served.proc.pid}/task/{served.proc.pid}/children").read_text().split()
+        os.kill(next(int(r) for r in ranks if b"RANK=1\0" in Path(f"/proc/{r}/environ").read_bytes()),
+                signal.SIGKILL)
+        assert served.proc.wait(timeout=60) != 0
+    assert any("tensor parallel group broken" in line for line in served.log)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--tensor-parallel", "4"), "--tensor-parallel 4 is not torchrun's WORLD_SIZE 2"),
+    (("--nnodes", "2"), "under torchrun, its own --nnodes and --node-rank place the ranks"),
+])
+def test_serve_target_under_torchrun_takes_its_placement(extra, message, tmp_path, capsys, monkeypatch):
+    for name, value in {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    assert cli_main(serve_target_command(tmp_path, *extra)[3:]) == 2
     assert message in capsys.readouterr().err
 
 

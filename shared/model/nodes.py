@@ -7,11 +7,16 @@ others (a node's i-th rank on its GPU i). Global rank 0, node 0's process, hosts
 and serves nothing: it exits 70 when the group breaks (its supervisor restarts it with the group) and 0 when rank 0
 stops the group. A rank waits up to `wait_s` for all N to meet (nodes start minutes apart: image pulls, checkpoint
 loads); once met, a collective that waits `lockstep.TIMEOUT_S` breaks the group.
+
+Under torchrun (`Placement.from_torchrun`) every process torchrun starts is one rank, RANK of WORLD_SIZE on GPU
+LOCAL_RANK, meeting at the store its agent holds: no child processes; rank 0 serves, and torchrun, seeing a rank
+exit, stops the others and restarts the group (`--max-restarts`).
 """
 from __future__ import annotations
 
 import multiprocessing
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
@@ -37,6 +42,21 @@ class Placement:
     nnodes: int = 1
     node_rank: int = 0
     wait_s: float = RENDEZVOUS_S
+    first_device: int = 0  # the GPU index of this node's first rank
+    torchrun: bool = False  # launched by torchrun: its agent holds the rendezvous (env://)
+
+    @classmethod
+    def from_torchrun(cls, env: Mapping[str, str], tensor_parallel: int) -> Placement | None:
+        """This process's place when torchrun started it (TORCHELASTIC_RUN_ID set): one rank, RANK of WORLD_SIZE, on
+        GPU LOCAL_RANK; None otherwise. --tensor-parallel, when given, must be torchrun's WORLD_SIZE."""
+        if "TORCHELASTIC_RUN_ID" not in env:
+            return None
+        world = int(env["WORLD_SIZE"])
+        if tensor_parallel not in (1, world):
+            raise ValueError(f"--tensor-parallel {tensor_parallel} is not torchrun's WORLD_SIZE {world}: under "
+                             "torchrun every process is one rank")
+        return cls(world, env["MASTER_ADDR"], int(env["MASTER_PORT"]), nnodes=world, node_rank=int(env["RANK"]),
+                   first_device=int(env["LOCAL_RANK"]), torchrun=True)
 
     def __post_init__(self) -> None:
         if self.world < 1 or self.nnodes < 1:
@@ -61,11 +81,11 @@ class Placement:
 
     @property
     def rendezvous(self) -> str:
-        return f"tcp://{self.master_addr}:{self.master_port}"
+        return "env://" if self.torchrun else f"tcp://{self.master_addr}:{self.master_port}"
 
     def device(self, rank: int, device: str) -> str:
         """Where global `rank` lives on this node: `cuda` is the node's GPU of its local index."""
-        return f"cuda:{rank - self.ranks.start}" if device == "cuda" else device
+        return f"cuda:{self.first_device + rank - self.ranks.start}" if device == "cuda" else device
 
     def join(self, rank: int) -> lockstep.Rank:
         """Join the group as global `rank`; a ConnectionError names the rendezvous when the group does not form
@@ -107,8 +127,8 @@ def follow_node(at: Placement, model_dir: str, device: str, threads: int) -> int
     when it breaks (a rank gone or silent), after this node's child ranks are gone too. A checkpoint that does not
     load or a group that does not form raises, as at any start."""
     followers = start_followers(at, model_dir, device, threads)
-    print(f"tensor parallel: node {at.node_rank} of {at.nnodes}, ranks {at.ranks.start}..{at.ranks.stop - 1} of "
-          f"{at.world}, follows rank 0 at {at.master_addr}:{at.master_port}", file=sys.stderr, flush=True)
+    print(f"tensor parallel: ranks {at.ranks.start}..{at.ranks.stop - 1} of {at.world} follow rank 0 at "
+          f"{at.master_addr}:{at.master_port}", file=sys.stderr, flush=True)
     try:
         part, joined = _joined(at, at.ranks.start, model_dir, at.device(at.ranks.start, device), threads)
     except BaseException:
