@@ -9,10 +9,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deltaspec.shared import demo
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, EMBEDDED_MODEL_NAME
+
+if TYPE_CHECKING:
+    from deltaspec.shared.model.nodes import Placement
 
 FIXED_DRAFT_TOKENS = 4  # k for n-gram and MTP drafting, and the default a gRPC generation asks for
 
@@ -332,7 +335,7 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
         stop()
 
 
-def _placement(args: argparse.Namespace, model_dir: Path) -> Any:
+def _placement(args: argparse.Namespace, model_dir: Path) -> Placement | None:
     """Where this process's tensor-parallel ranks sit (None: one process, no group): `--tensor-parallel N` over
     `--nnodes`, or torchrun's placement when it started this process (docs/tensor-parallel.md). Checked before
     anything starts: sizes that cannot form a group or shard the checkpoint, and what a group does not mirror yet
@@ -366,7 +369,7 @@ def _placement(args: argparse.Namespace, model_dir: Path) -> Any:
     return placement
 
 
-def _lead(at: Any, args: argparse.Namespace, model_dir: Path) -> tuple[Callable[[], Any], Callable[[], None]]:
+def _lead(at: Placement, args: argparse.Namespace, model_dir: Path) -> tuple[Callable[[], Any], Callable[[], None]]:
     """Node 0: its other ranks started here as child processes, and (load, stop) for global rank 0's shard, which
     leads the group (`deltaspec.shared.model.lockstep`)."""
     from deltaspec.shared.model import lockstep
@@ -674,7 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="this node's place, 0 to --nnodes - 1 (0: rank 0, which serves)")
     tp.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
                     help="node 0's address, where the ranks meet (default: $MASTER_ADDR; one node: loopback)")
-    tp.add_argument("--master-port", type=_count(1), default=int(os.environ.get("MASTER_PORT") or 0) or None,
+    tp.add_argument("--master-port", type=_count(1), default=os.environ.get("MASTER_PORT"),
                     help="a free port on node 0 where the ranks meet (default: $MASTER_PORT; one node: a free one)")
     tp.add_argument("--rendezvous-timeout", type=_seconds, default=600.0, metavar="SECONDS",
                     help="how long a rank waits at start for all N to meet before it fails (nodes start apart)")

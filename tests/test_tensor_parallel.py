@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks import shapes
-from deltaspec.shared.cli import main as cli_main
+from deltaspec.shared.cli import build_parser, main as cli_main
 from deltaspec.shared.decoding.drafters import make_drafter
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
@@ -359,6 +359,15 @@ def test_torchrun_started_ranks_form_one_group_that_serves_the_single_process_to
                 signal.SIGKILL)
         assert served.proc.wait(timeout=60) != 0
     assert any("tensor parallel group broken" in line for line in served.log)
+
+
+def test_the_master_address_defaults_to_torchs_variables(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    args = build_parser().parse_args(["serve-target", "--port", "1"])
+    assert (args.master_addr, args.master_port) == ("10.0.0.1", 29511)
+    args = build_parser().parse_args(["serve-target", "--port", "1", "--master-addr", "a", "--master-port", "2"])
+    assert (args.master_addr, args.master_port) == ("a", 2)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -48,7 +48,8 @@ class Placement:
     @classmethod
     def from_torchrun(cls, env: Mapping[str, str], tensor_parallel: int) -> Placement | None:
         """This process's place when torchrun started it (TORCHELASTIC_RUN_ID set): one rank, RANK of WORLD_SIZE, on
-        GPU LOCAL_RANK; None otherwise. --tensor-parallel, when given, must be torchrun's WORLD_SIZE."""
+        GPU LOCAL_RANK; None otherwise. --tensor-parallel, when given, must be torchrun's WORLD_SIZE. Its agents
+        have met already: the ranks wait the group's timeout for each other."""
         if "TORCHELASTIC_RUN_ID" not in env:
             return None
         world = int(env["WORLD_SIZE"])
@@ -56,7 +57,7 @@ class Placement:
             raise ValueError(f"--tensor-parallel {tensor_parallel} is not torchrun's WORLD_SIZE {world}: under "
                              "torchrun every process is one rank")
         return cls(world, env["MASTER_ADDR"], int(env["MASTER_PORT"]), nnodes=world, node_rank=int(env["RANK"]),
-                   first_device=int(env["LOCAL_RANK"]), torchrun=True)
+                   wait_s=lockstep.TIMEOUT_S, first_device=int(env["LOCAL_RANK"]), torchrun=True)
 
     def __post_init__(self) -> None:
         if self.world < 1 or self.nnodes < 1:
@@ -123,9 +124,9 @@ def _joined(at: Placement, rank: int, model_dir: str, device: str, threads: int)
 
 
 def follow_node(at: Placement, model_dir: str, device: str, threads: int) -> int:
-    """A node other than node 0: its ranks follow rank 0; no gRPC. Returns 0 once rank 0 stops the group; exits 70
-    when it breaks (a rank gone or silent), after this node's child ranks are gone too. A checkpoint that does not
-    load or a group that does not form raises, as at any start."""
+    """A node other than node 0 (under torchrun: a rank other than 0): its ranks follow rank 0; no gRPC. Returns 0
+    once rank 0 stops the group; exits 70 when it breaks (a rank gone or silent), after this node's child ranks are
+    gone too. A checkpoint that does not load or a group that does not form raises, as at any start."""
     followers = start_followers(at, model_dir, device, threads)
     print(f"tensor parallel: ranks {at.ranks.start}..{at.ranks.stop - 1} of {at.world} follow rank 0 at "
           f"{at.master_addr}:{at.master_port}", file=sys.stderr, flush=True)
