@@ -542,9 +542,11 @@ def test_multi_node_overlay_runs_one_group_per_leader_worker_set():
             == range(index * gpus, (index + 1) * gpus)
         assert shared_memory(spec)["medium"] == "Memory"
         assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-        if index:  # a worker serves nothing: no probes, no ports, no drain
+        assert {m["name"] for m in spec["containers"][0]["volumeMounts"]} <= {v["name"] for v in spec["volumes"]}
+        if index:  # a worker serves nothing (no probes, ports or drain) and holds no TLS key nor callers' tokens
             assert not {"ports", "startupProbe", "readinessProbe", "livenessProbe", "lifecycle"} & set(
                 spec["containers"][0])
+            assert not [v for v in spec["volumes"] if "secret" in v]
     policy = find(docs, "NetworkPolicy", "deltaspec-target-group")["spec"]
     member = {"podSelector": {"matchLabels": {"leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"]}}}
     assert policy["podSelector"] == member["podSelector"] and policy["ingress"] == [{"from": [member]}]
