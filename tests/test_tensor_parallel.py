@@ -246,46 +246,61 @@ def kill_a_follower(served: Served) -> None:
 FAULTS = Path(__file__).with_name("tp_faults.py")
 
 
-# 10 kills start the group 11 times (about 85 s on 2 cores): with -m slow; 2 in the suite (about 25 s)
+# 10 kills start the group 11 times (about 100 s on 2 cores): with -m slow; 2 in the suite (about 25 s)
 @pytest.mark.parametrize("kills", [2, pytest.param(10, marks=pytest.mark.slow)])
 def test_sessions_whose_group_loses_a_rank_inside_rounds_end_as_undisturbed_ones(kills, tmp_path):
     """Three Generate streams at once while a follower rank dies `kills` times, each death inside a round on
     purpose (tests/tp_faults.py): right after rank 0 announced a pass (rank 0 waits in its all-reduce), or right
-    after rank 0 kept a commit the follower has not. Each time the group exits 70 and its supervisor (here the
-    test) starts it again on the same port; the streams, recovering as after any target restart, end with the
-    undisturbed tokens, each streamed once: none lost, no round applied twice."""
+    after rank 0 kept a commit the follower has not. The group is laid out in turn on one host (the follower a
+    child process rank 0 watches) and over two nodes (`--nnodes 2`: two processes, rank 0 learning of the death
+    from its collectives alone). Each time rank 0 exits 70 and its supervisor (here the test) starts the group again
+    on the same port; the streams, recovering as after any target restart, end with the undisturbed tokens, each
+    streamed once: none lost, no round applied twice."""
     save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
     single = load_model(tmp_path).fuse()
-    prompts, n = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 1, 9], [42, 17, 3]], 8 + 5 * kills
+    prompts, n = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 1, 9], [42, 17, 3]], 8 + 8 * kills
     want = [generate(single, p, n).token_ids for p in prompts]
     port = free_port()
-    deaths = [f"{'pass' if i % 2 == 0 else 'commit'}:{6 + 3 * i % 5}" for i in range(kills)]  # the N-th such call
+    deaths = [f"{'pass' if i % 2 == 0 else 'commit'}:{4 + 3 * i % 5}" for i in range(kills)]  # the N-th such call
 
-    def group(death: str | None) -> Served:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"} | ({"DELTASPEC_TEST_DIE_AT": death} if death else {})
-        return Served("serve-target", tmp_path, "--tensor-parallel", "2", "--draft", "ngram", port=port, env=env,
-                      program=(str(FAULTS),))
+    def group(i: int) -> tuple[Served, subprocess.Popen | None]:
+        """The i-th group (rank 0, and node 1's process when over two nodes); its follower dies at deaths[i]."""
+        env = {**os.environ, "OMP_NUM_THREADS": "1"} | ({"DELTASPEC_TEST_DIE_AT": deaths[i]} if i < kills else {})
+        layout: tuple[str, ...] = ("--tensor-parallel", "2")
+        node1 = None
+        if i % 2:
+            layout += ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
+            node1 = subprocess.Popen([sys.executable, str(FAULTS), "serve-target", "--model", str(tmp_path), "--port",
+                                      "0", *layout, "--node-rank", "1"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, env=env)
+        return Served("serve-target", tmp_path, *layout, "--draft", "ngram", port=port, env=env,
+                      program=(str(FAULTS),)), node1
 
-    served = [group(deaths[0])]
+    groups = [group(0)]
     seen: list[list[int]] = [[] for _ in prompts]
 
     def stream(i: int) -> list[int]:
-        return generate_on_server(served[0].address, prompts[i], "", n, 3, recovery_window_s=120,
+        return generate_on_server(groups[0][0].address, prompts[i], "", n, 3, recovery_window_s=120,
                                   on_tokens=lambda tokens, _text: seen[i].extend(tokens))[0].token_ids
 
     try:
         with ThreadPoolExecutor(len(prompts)) as pool:
             out = [pool.submit(stream, i) for i in range(len(prompts))]
-            for death in [*deaths[1:], None]:
-                assert served[-1].proc.wait(timeout=120) == 70
-                assert not any(f.done() for f in out)  # every stream still in flight at each death
-                assert any("tensor parallel group broken" in line for line in served[-1].log)
-                served.append(group(death))  # the supervisor: a new group on the same address
+            for i in range(1, kills + 1):
+                leader, node1 = groups[-1]
+                assert leader.proc.wait(timeout=120) == 70
+                assert node1 is None or node1.wait(timeout=60) == 9  # node 1's rank died where it was told to
+                # every stream still in flight at each death (n is well above the tokens a group lives for)
+                assert not any(f.done() for f in out), [len(tokens) for tokens in seen]
+                assert any("tensor parallel group broken" in line for line in leader.log)
+                groups.append(group(i))  # the supervisor: a new group on the same address
             got = [f.result(timeout=300) for f in out]
     finally:
-        for s in served:
-            s.__exit__()
-    assert len(served) == kills + 1
+        for leader, node1 in groups:
+            leader.__exit__()
+            if node1:
+                node1.kill()
+    assert len(groups) == kills + 1
     assert got == want and seen == want
 
 
@@ -307,7 +322,7 @@ def serve_target_command(model: Path, *extra: str) -> list[str]:
 def test_two_nodes_form_one_group_that_serves_the_single_process_tokens(tmp_path):
     """Two `serve-target --nnodes 2` processes (node ranks 0 and 1, one rank each, meeting on loopback) form one
     2-rank group: node 0 serves the single process's greedy tokens; node 1 serves nothing, and exits 70 once the
-    group breaks (node 0 killed)."""
+    group breaks (node 0 killed). Node 1 dying inside rounds: the fault test below."""
     save_checkpoint(random_model(hf_config(), seed=3), tmp_path / "target")
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     want = generate(load_model(tmp_path / "target").fuse(), prompt, 16).token_ids
