@@ -679,8 +679,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="node 0's address, where the ranks meet (default: $MASTER_ADDR; one node: loopback)")
     tp.add_argument("--master-port", type=_count(1), default=os.environ.get("MASTER_PORT"),
                     help="a free port on node 0 where the ranks meet (default: $MASTER_PORT; one node: a free one)")
-    tp.add_argument("--rendezvous-timeout", type=_seconds, default=600.0, metavar="SECONDS",
-                    help="how long a rank waits at start for all N to meet before it fails (nodes start apart)")
+    tp.add_argument("--rendezvous-timeout", type=_seconds, metavar="SECONDS",
+                    help="how long a rank waits at start for all N to meet before it fails (default: 600 over "
+                         "several nodes, which start apart; 60 on one)")
     p.add_argument("--advertise-address", default=os.environ.get("DELTASPEC_ADVERTISE_ADDRESS", ""),
                    help="this replica's stable HOST:PORT, returned by CreateSession so clients send a session's "
                         "later calls to the replica that holds it (default: $DELTASPEC_ADVERTISE_ADDRESS; "

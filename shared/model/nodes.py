@@ -5,8 +5,9 @@ it holds the N/M global ranks r N/M .. (r+1) N/M - 1, its own process the first 
 others (a node's i-th rank on its GPU i). Global rank 0, node 0's process, hosts the rendezvous at
 `--master-addr:--master-port`, leads (`lockstep.Leader`) and serves gRPC. Every other node's process is a follower
 and serves nothing: it exits 70 when the group breaks (its supervisor restarts it with the group) and 0 when rank 0
-stops the group. A rank waits up to `wait_s` for all N to meet (nodes start minutes apart: image pulls, checkpoint
-loads); once met, a collective that waits `lockstep.TIMEOUT_S` breaks the group.
+stops the group. A rank waits up to `wait_s` for all N to meet: `RENDEZVOUS_S` over several nodes (they start
+minutes apart: image pulls, checkpoint loads), the group's `lockstep.TIMEOUT_S` on one host (its ranks load side by
+side); once met, a collective that waits `lockstep.TIMEOUT_S` breaks the group.
 
 Under torchrun (`Placement.from_torchrun`) every process torchrun starts is one rank, RANK of WORLD_SIZE on GPU
 LOCAL_RANK, meeting at the store its agent holds: no child processes; rank 0 serves, and torchrun, seeing a rank
@@ -41,7 +42,7 @@ class Placement:
     master_port: int
     nnodes: int = 1
     node_rank: int = 0
-    wait_s: float = RENDEZVOUS_S
+    wait_s: float | None = None  # how long a rank waits for all to meet (None: as the layout calls for)
     first_device: int = 0  # the GPU index of this node's first rank
     torchrun: bool = False  # launched by torchrun: its agent holds the rendezvous (env://)
 
@@ -57,7 +58,7 @@ class Placement:
             raise ValueError(f"--tensor-parallel {tensor_parallel} is not torchrun's WORLD_SIZE {world}: under "
                              "torchrun every process is one rank")
         return cls(world, env["MASTER_ADDR"], int(env["MASTER_PORT"]), nnodes=world, node_rank=int(env["RANK"]),
-                   wait_s=lockstep.TIMEOUT_S, first_device=int(env["LOCAL_RANK"]), torchrun=True)
+                   first_device=int(env["LOCAL_RANK"]), torchrun=True)
 
     def __post_init__(self) -> None:
         if self.world < 1 or self.nnodes < 1:
@@ -71,8 +72,16 @@ class Placement:
         if not self.master_addr or not 0 < self.master_port < 65536:
             raise ValueError(f"the group meets at --master-addr:--master-port (or $MASTER_ADDR:$MASTER_PORT), node "
                              f"0's address and a free port there; got {self.master_addr!r}:{self.master_port}")
-        if not self.wait_s > 0:
+        if self.wait_s is not None and not self.wait_s > 0:
             raise ValueError(f"--rendezvous-timeout must be more than 0 seconds, got {self.wait_s}")
+
+    @property
+    def meet_s(self) -> float:
+        """How long a rank waits for all to meet: `wait_s` if given, else `RENDEZVOUS_S` over several nodes and the
+        group's timeout on one host or under torchrun (whose agents have met already)."""
+        if self.wait_s is not None:
+            return self.wait_s
+        return RENDEZVOUS_S if self.nnodes > 1 and not self.torchrun else lockstep.TIMEOUT_S
 
     @property
     def ranks(self) -> range:
@@ -90,12 +99,12 @@ class Placement:
 
     def join(self, rank: int) -> lockstep.Rank:
         """Join the group as global `rank`; a ConnectionError names the rendezvous when the group does not form
-        within `wait_s`."""
+        within `meet_s`."""
         try:
-            return lockstep.join(rank, self.world, self.rendezvous, wait_s=self.wait_s)
+            return lockstep.join(rank, self.world, self.rendezvous, wait_s=self.meet_s)
         except RuntimeError as error:  # torch's DistNetworkError / DistStoreError, a timeout either way
             raise ConnectionError(f"tensor parallel rank {rank} of {self.world} could not meet the others at "
-                                  f"{self.master_addr}:{self.master_port} within {self.wait_s:g} s: "
+                                  f"{self.master_addr}:{self.master_port} within {self.meet_s:g} s: "
                                   f"{str(error).splitlines()[0]}") from None
 
 
