@@ -32,6 +32,7 @@ from deltaspec.shared.model.fields import ConfigError
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.lockstep import Leader, follow, join
+from deltaspec.shared.model.nodes import Placement
 from deltaspec.shared.model.parallel import Rank, shard, sharded_config
 from deltaspec.shared.rpc.generation import generate_on_server
 
@@ -375,6 +376,18 @@ def test_torchrun_started_ranks_form_one_group_that_serves_the_single_process_to
                 signal.SIGKILL)
         assert served.proc.wait(timeout=60) != 0
     assert any("tensor parallel group broken" in line for line in served.log)
+
+
+def test_a_node_holds_its_share_of_the_ranks_one_a_gpu():
+    node = Placement(8, "10.0.0.1", 29500, nnodes=2, node_rank=1)
+    assert node.ranks == range(4, 8) and node.device(5, "cuda") == "cuda:1" and node.device(5, "cpu") == "cpu"
+    assert (node.rendezvous, node.meet_s) == ("tcp://10.0.0.1:29500", 600.0)  # nodes start minutes apart
+    assert Placement(2, "127.0.0.1", 1).meet_s == 60.0 and Placement(8, "h", 1, 2, 1, wait_s=5).meet_s == 5
+    torchrun = Placement.from_torchrun({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "16", "RANK": "11",
+                                        "LOCAL_RANK": "3", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, 1)
+    assert torchrun.ranks == range(11, 12) and torchrun.device(11, "cuda") == "cuda:3"
+    assert (torchrun.rendezvous, torchrun.meet_s) == ("env://", 60.0)  # its agents have met already
+    assert Placement.from_torchrun({}, 2) is None
 
 
 def test_the_master_address_defaults_to_torchs_variables(monkeypatch):
