@@ -5,7 +5,9 @@ A rank exits at once (as a killed process does: no clean-up, its sockets closed 
 call OP: each follower right after it received the call, before making it (`pass`, a pass or a batched pass:
 while rank 0 waits in that pass's all-reduce; `commit`: once rank 0 has kept a round its followers have not); with
 `leader-`, rank 0 right after it sent the call (`leader-pass`: the followers wait in an all-reduce rank 0 never
-joins). A spawned rank runs this file again as its main module, so the hook reaches every rank.
+joins). `reduce:N`: each follower at its N-th all-reduce, inside a pass between two layers (rank 0 waits in that
+all-reduce, its shard's earlier layers done). A spawned rank runs this file again as its main module, so the hook
+reaches every rank.
 """
 from __future__ import annotations
 
@@ -31,9 +33,26 @@ def die_at(ops: tuple[str, ...], n: int, sender: bool) -> None:
     dist.broadcast_object_list = broadcast_object_list
 
 
+def die_in_all_reduce(n: int) -> None:
+    """A follower's n-th all-reduce ends it, before it adds its part."""
+    all_reduce, seen = dist.all_reduce, [0]
+
+    def counted(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if dist.get_rank(group) != 0:
+            seen[0] += 1
+            if seen[0] == n:
+                os._exit(9)
+        return all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = counted
+
+
 if spec := os.environ.get("DELTASPEC_TEST_DIE_AT"):
     op, count = spec.split(":")
-    die_at(OPS[op.removeprefix("leader-")], int(count), op.startswith("leader-"))
+    if op == "reduce":
+        die_in_all_reduce(int(count))
+    else:
+        die_at(OPS[op.removeprefix("leader-")], int(count), op.startswith("leader-"))
 
 if __name__ == "__main__":
     from deltaspec.shared.cli import main
