@@ -519,7 +519,7 @@ def test_multi_node_overlay_runs_one_group_per_leader_worker_set():
     that exits restarts the group; the group's ranks reach each other. Its pod templates are validated as
     PodTemplates above (the validator has no schema for the CRD); its own fields are checked here."""
     docs = [d for d in yaml.safe_load_all(render("gpu-multinode")) if d]
-    assert not [d for d in docs if d["kind"] == "StatefulSet"]
+    assert not [d for d in docs if d["kind"] == "StatefulSet" or d["metadata"]["name"] == "deltaspec-target-headless"]
     lws = group(docs)
     assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
     assert set(lws["spec"]) == {"replicas", "startupPolicy", "rolloutStrategy", "leaderWorkerTemplate"}
