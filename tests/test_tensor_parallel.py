@@ -418,20 +418,21 @@ def test_serve_target_under_torchrun_takes_its_placement(extra, message, tmp_pat
     assert message in capsys.readouterr().err
 
 
-def test_a_node_whose_master_is_unreachable_fails_within_its_rendezvous_timeout(tmp_path, capsys):
-    """Node 1 of 2, nobody listening at the master's address: refused naming the address, within twice the
-    timeout (torch's store tries to connect twice) and the load."""
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_node_whose_group_does_not_meet_fails_within_its_rendezvous_timeout(node, tmp_path, capsys):
+    """Node 1 of 2 with nobody listening at the master's address, or node 0 whose node 1 never comes: refused
+    naming the address, within twice the timeout (torch's store tries to connect twice) and the load."""
     save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
     port, threads = free_port(), torch.get_num_threads()
     started = time.monotonic()
     try:
-        assert cli_main(serve_target_command(tmp_path, "--tensor-parallel", "2", "--nnodes", "2", "--node-rank", "1",
-                                             "--master-addr", "127.0.0.1", "--master-port", str(port),
+        assert cli_main(serve_target_command(tmp_path, "--tensor-parallel", "2", "--nnodes", "2", "--node-rank",
+                                             str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
                                              "--rendezvous-timeout", "1")[3:]) == 2
     finally:
         torch.set_num_threads(threads)  # the rank set its own
     assert time.monotonic() - started < 10
-    assert f"tensor parallel rank 1 of 2 could not meet the others at 127.0.0.1:{port} within 1 s" in \
+    assert f"tensor parallel rank {node} of 2 could not meet the others at 127.0.0.1:{port} within 1 s" in \
         capsys.readouterr().err
 
 
