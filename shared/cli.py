@@ -9,10 +9,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deltaspec.shared import demo
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, EMBEDDED_MODEL_NAME
+
+if TYPE_CHECKING:
+    from deltaspec.shared.model.nodes import Placement
 
 FIXED_DRAFT_TOKENS = 4  # k for n-gram and MTP drafting, and the default a gRPC generation asks for
 
@@ -301,6 +304,11 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     from deltaspec.target_service.servicer import DraftPeer, service
 
     model_dir = Path(args.model or DEFAULT_TARGET)
+    placement = _placement(args, model_dir)
+    if placement and placement.node_rank:
+        from deltaspec.shared.model.nodes import follow_node
+
+        return follow_node(placement, str(model_dir), args.device, args.torch_threads, args.expert_parallel)
     listen = _listen(args)
     _torch_threads(args)
     draft = DraftPeer(args.draft_addr, args.draft_timeout, _client_security(args, "draft_")) if args.draft_addr \
@@ -313,10 +321,8 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     if args.pipeline_depth not in (0, 1):
         raise ValueError(f"--pipeline-depth is 0 or 1, not {args.pipeline_depth}")
     _check_capture(args)
-    if args.expert_parallel and args.tensor_parallel < 2:
-        raise ValueError("--expert-parallel spreads the experts over the ranks of --tensor-parallel N: give N >= 2")
-    if args.tensor_parallel != 1:
-        load, stop = _tensor_parallel(args, model_dir)
+    if placement:
+        load, stop = _lead(placement, args, model_dir)
     else:
         load, stop = lambda: load_model(model_dir, device=args.device).compile(args.compile, warm_up=True) \
             .capture(args.capture), lambda: None
@@ -329,42 +335,61 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
         stop()
 
 
-def _tensor_parallel(args: argparse.Namespace, model_dir: Path) -> tuple[Callable[[], Any], Callable[[], None]]:
-    """`--tensor-parallel N`: N-1 follower processes started here, and (load, stop) for rank 0's shard, which leads
-    them (`deltaspec.shared.model.lockstep`). What the group does not mirror yet is refused."""
-    import multiprocessing
+def _placement(args: argparse.Namespace, model_dir: Path) -> Placement | None:
+    """Where this process's tensor-parallel ranks sit (None: one process, no group): `--tensor-parallel N` over
+    `--nnodes`, or torchrun's placement when it started this process (docs/tensor-parallel.md). Checked before
+    anything starts: sizes that cannot form a group or shard the checkpoint, and what a group does not mirror yet
+    (--compile, --capture). One node meets on a free loopback port unless --master-port is given. The prefix cache
+    is turned off (--prefix-cache-block becomes 0)."""
     import socket
 
-    from deltaspec.shared.model import lockstep
     from deltaspec.shared.model.config import ModelConfig
-    from deltaspec.shared.model.loader import load_model
-    from deltaspec.shared.model.parallel import shard, sharded_config
+    from deltaspec.shared.model.nodes import Placement
+    from deltaspec.shared.model.parallel import sharded_config
 
-    world = args.tensor_parallel
-    if world < 1:
-        raise ValueError(f"--tensor-parallel must be at least 1, got {world}")
+    placement = Placement.from_torchrun(os.environ, args.tensor_parallel)
+    if placement and (args.nnodes != 1 or args.node_rank):
+        raise ValueError("under torchrun, its own --nnodes and --node-rank place the ranks, not serve-target's")
+    if placement is None:
+        if args.tensor_parallel == 1 and args.nnodes == 1:
+            if args.expert_parallel:
+                raise ValueError("--expert-parallel spreads the experts over the ranks of --tensor-parallel N: give "
+                                 "N >= 2")
+            return None
+        if args.nnodes == 1:
+            args.master_addr = args.master_addr or "127.0.0.1"
+            if not args.master_port:
+                with socket.socket() as s:
+                    s.bind((args.master_addr, 0))
+                    args.master_port = s.getsockname()[1]
+        placement = Placement(args.tensor_parallel, args.master_addr or "", args.master_port or 0, args.nnodes,
+                              args.node_rank, args.rendezvous_timeout)
     for flag, on in (("--compile", args.compile), ("--capture", args.capture)):
         if on:
             raise ValueError(f"{flag} is not built for --tensor-parallel yet")
-    ep = args.expert_parallel
-    sharded_config(ModelConfig.from_file(model_dir / "config.json"), world, ep)  # a size that does not divide: now
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        rendezvous = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    spawn = multiprocessing.get_context("spawn")
-    followers = [spawn.Process(target=lockstep.follower_main, daemon=True, name=f"deltaspec-tp-rank{rank}",
-                               args=(rank, world, rendezvous, str(model_dir), args.device, args.torch_threads, ep))
-                 for rank in range(1, world)]
-    for p in followers:
-        p.start()
+    sharded_config(ModelConfig.from_file(model_dir / "config.json"), placement.world,
+                   args.expert_parallel)  # does not divide: now
+    return placement
+
+
+def _lead(at: Placement, args: argparse.Namespace, model_dir: Path) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """Node 0: its other ranks started here as child processes, and (load, stop) for global rank 0's shard, which
+    leads the group (`deltaspec.shared.model.lockstep`)."""
+    from deltaspec.shared.model import lockstep
+    from deltaspec.shared.model.loader import load_model
+    from deltaspec.shared.model.nodes import start_followers
+    from deltaspec.shared.model.parallel import shard
+
+    followers = start_followers(at, str(model_dir), args.device, args.torch_threads, args.expert_parallel)
     leaders: list[Any] = []
 
     def load() -> Any:
-        model = load_model(model_dir, device="cuda:0" if args.device == "cuda" else args.device)
-        at = lockstep.join(0, world, rendezvous)
-        leaders.append(lockstep.Leader(shard(model, at, ep), at))
-        leaders[0].watch(followers)
-        print(f"tensor parallel: rank 0 of {world} leads", file=sys.stderr, flush=True)
+        model = load_model(model_dir, device=at.device(0, args.device))
+        joined = at.join(0)
+        leaders.append(lockstep.Leader(shard(model, joined, args.expert_parallel), joined))
+        if followers:  # this node's; another node's rank that is gone breaks the group's next collective
+            leaders[0].watch(followers)
+        print(f"tensor parallel: rank 0 of {at.world} leads", file=sys.stderr, flush=True)
         return leaders[0].model
 
     def stop() -> None:
@@ -641,14 +666,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "'fixed': num_draft_tokens every round")
     p.add_argument("--draft-timeout", type=float, default=1.0,
                    help="seconds one draft proposal may take before the round goes on without it")
-    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="shard the target over N ranks on this host (torch.distributed: gloo on CPUs, NCCL on GPUs); "
-                        "rank 0 serves, the others follow it, each caching its shard of the prefix cache "
-                        "(docs/tensor-parallel.md)")
-    p.add_argument("--expert-parallel", action="store_true",
-                   help="with --tensor-parallel N: spread a mixture-of-experts target's routed experts over the ranks "
-                        "whole (E/N each) instead of cutting every expert's columns N ways; N must divide the "
-                        "experts (docs/tensor-parallel.md)")
+    tp = p.add_argument_group("tensor parallelism", "One model sharded over N ranks (torch.distributed: gloo on "
+                              "CPUs, NCCL on GPUs), on one host or over several nodes, torchrun-style: each node "
+                              "runs serve-target with the same N and --nnodes and its own --node-rank; global rank "
+                              "0 (node 0) serves gRPC, every other node only follows it. Started by torchrun, "
+                              "each process is one rank, RANK of WORLD_SIZE on GPU LOCAL_RANK "
+                              "(docs/tensor-parallel.md)")
+    tp.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                    help="ranks in all; each node runs N / --nnodes of them (a node's i-th on its GPU i); each caches "
+                         "its shard of the prefix cache")
+    tp.add_argument("--expert-parallel", action="store_true",
+                    help="spread a mixture-of-experts target's routed experts over the ranks whole (E/N each) instead "
+                         "of cutting every expert's columns N ways; N must divide the experts")
+    tp.add_argument("--nnodes", type=_count(1), default=1, help="nodes the N ranks run on (default 1: this host)")
+    tp.add_argument("--node-rank", type=_count(0), default=0,
+                    help="this node's place, 0 to --nnodes - 1 (0: rank 0, which serves)")
+    tp.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
+                    help="node 0's address, where the ranks meet (default: $MASTER_ADDR; one node: loopback)")
+    tp.add_argument("--master-port", type=_count(1), default=os.environ.get("MASTER_PORT"),
+                    help="a free port on node 0 where the ranks meet (default: $MASTER_PORT; one node: a free one)")
+    tp.add_argument("--rendezvous-timeout", type=_seconds, metavar="SECONDS",
+                    help="how long a rank waits at start for all N to meet before it fails (default: 600 over "
+                         "several nodes, which start apart; 60 on one)")
     p.add_argument("--advertise-address", default=os.environ.get("DELTASPEC_ADVERTISE_ADDRESS", ""),
                    help="this replica's stable HOST:PORT, returned by CreateSession so clients send a session's "
                         "later calls to the replica that holds it (default: $DELTASPEC_ADVERTISE_ADDRESS; "
@@ -767,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (DeltaspecError, CheckpointError, ValueError) as e:
+    except (DeltaspecError, CheckpointError, ValueError, ConnectionError) as e:
         print(f"deltaspec: error: {e}", file=sys.stderr)
         return 2
 

@@ -42,11 +42,12 @@ class Served:
 
     Its stderr is read on a thread (a chatty server never blocks on a full pipe) and its announcements kept:
     `address` is known as soon as it listens (so a target can be started while its draft still loads),
-    `announced["metrics"]` once it says where /metrics is; `wait_serving()` waits for its models to load."""
+    `announced["metrics"]` once it says where /metrics is; `wait_serving()` waits for its models to load.
+    `program`: what Python runs (the CLI's module; a script that wraps it, as tests/tp_faults.py does)."""
 
     def __init__(self, command: str, model: Path, *extra: str, port: int | str = 0, env: dict | None = None,
-                 start_timeout_s: float = 300.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "deltaspec.shared.cli", command, "--model", str(model),
+                 start_timeout_s: float = 300.0, program: tuple[str, ...] = ("-m", "deltaspec.shared.cli")) -> None:
+        self.proc = subprocess.Popen([sys.executable, *program, command, "--model", str(model),
                                       "--port", str(port), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, cwd=ROOT,
                                      env=env if env is not None else {**os.environ, "OMP_NUM_THREADS": "1"})

@@ -24,6 +24,7 @@ import yaml
 
 from deltaspec.draft_service.servicer import NAME as DRAFT_NAME
 from deltaspec.shared.cli import build_parser
+from deltaspec.shared.model.nodes import Placement
 from deltaspec.shared.rpc.routing import HEADER
 from deltaspec.shared.rpc.security import Grants, TokenStore, check_token
 from deltaspec.target_service.servicer import NAME as TARGET_NAME
@@ -63,8 +64,30 @@ def find(docs: list[dict], kind: str, name: str) -> dict:
     return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
 
 
+def group(docs: list[dict]) -> dict | None:
+    """The target's LeaderWorkerSet, in a multi-node overlay (None elsewhere)."""
+    return next((d for d in docs if d["kind"] == "LeaderWorkerSet"), None)
+
+
+def template(docs: list[dict], kind: str, name: str) -> dict:
+    """The pod template of workload `kind` `name`; the target's (StatefulSet deltaspec-target) is, in a multi-node
+    overlay, its LeaderWorkerSet's leader's: the pod that serves."""
+    if (kind, name) == ("StatefulSet", "deltaspec-target") and (lws := group(docs)):
+        return lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    return find(docs, kind, name)["spec"]["template"]
+
+
+def templates(docs: list[dict]) -> list[tuple[str, dict]]:
+    """Every workload's pod templates, named; a LeaderWorkerSet's leader's and worker's both."""
+    out = [(d["metadata"]["name"], d["spec"]["template"]) for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    for lws in filter(None, [group(docs)]):
+        out += [(f"{lws['metadata']['name']}/{role}", lws["spec"]["leaderWorkerTemplate"][f"{role}Template"])
+                for role in ("leader", "worker")]
+    return out
+
+
 def pod_spec(docs: list[dict], kind: str, name: str) -> dict:
-    return find(docs, kind, name)["spec"]["template"]["spec"]
+    return template(docs, kind, name)["spec"]
 
 
 def settings(docs: list[dict]) -> dict[str, str]:
@@ -73,13 +96,32 @@ def settings(docs: list[dict]) -> dict[str, str]:
 
 
 def test_both_overlays_exist():
-    assert {"cpu-dev", "gpu"} <= set(OVERLAYS)
+    assert {"cpu-dev", "gpu", "gpu-tp", "gpu-multinode"} <= set(OVERLAYS)
+
+
+def validatable(docs: list[dict]) -> list[dict]:
+    """`docs` with each LeaderWorkerSet (a CRD: the validator carries no schema for it) standing as what the
+    schemas can check, its leader's and worker's pod templates, each a core v1 PodTemplate (metadata and PodSpec
+    checked strictly); its own fields are checked in test_multi_node_overlay_runs_one_group_per_leader_worker_set."""
+    out = []
+    for doc in docs:
+        if doc["kind"] != "LeaderWorkerSet":
+            out.append(doc)
+            continue
+        for role in ("leader", "worker"):
+            out.append({"apiVersion": "v1", "kind": "PodTemplate",
+                        "metadata": {"name": f"{doc['metadata']['name']}-{role}",
+                                     "namespace": doc["metadata"]["namespace"]},
+                        "template": doc["spec"]["leaderWorkerTemplate"][f"{role}Template"]})
+    return out
 
 
 @pytest.mark.parametrize("version", ["1.30.0", None], ids=["k8s-1.30", "k8s-newest"])
-def test_overlay_validates_strictly(rendered, version):
+def test_overlay_validates_strictly(rendered, version, tmp_path):
     overlay, path, docs = rendered
-    result = validate(path, version)
+    checked = tmp_path / path.name
+    checked.write_text(yaml.safe_dump_all(validatable(docs)))
+    result = validate(checked, version)
     assert result.returncode == 0, result.stdout + result.stderr
     assert len(docs) >= 20
 
@@ -126,11 +168,9 @@ def test_termination_grace_covers_pause_and_drain(rendered):
 
 def test_pods_are_locked_down(rendered):
     _, _, docs = rendered
-    for doc in docs:
-        if doc["kind"] not in ("Deployment", "StatefulSet"):
-            continue
-        spec = doc["spec"]["template"]["spec"]
-        assert spec["securityContext"]["runAsNonRoot"] is True, doc["metadata"]["name"]
+    for name, pod in templates(docs):
+        spec = pod["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
         assert spec["automountServiceAccountToken"] is False
         for c in spec["containers"]:
             assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -141,15 +181,23 @@ def test_pods_are_locked_down(rendered):
 
 def test_target_pods_advertise_their_headless_dns_name(rendered):
     _, _, docs = rendered
-    sts = find(docs, "StatefulSet", "deltaspec-target")
-    headless = find(docs, "Service", sts["spec"]["serviceName"])
-    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is False
-    assert headless["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
-    assert find(docs, "Service", "deltaspec-target")["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
-    env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    pods = template(docs, "StatefulSet", "deltaspec-target")
+    selected = find(docs, "Service", "deltaspec-target")["spec"]["selector"]
+    assert selected.items() <= pods["metadata"]["labels"].items()
+    if lws := group(docs):  # the controller's headless Service, named as the set, publishes not ready pods too
+        subdomain = lws["metadata"]["name"]
+        worker = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+        assert not selected.items() <= worker["metadata"]["labels"].items()  # callers reach leaders only
+    else:
+        sts = find(docs, "StatefulSet", "deltaspec-target")
+        headless = find(docs, "Service", sts["spec"]["serviceName"])
+        assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is False
+        assert headless["spec"]["selector"] == selected == sts["spec"]["selector"]["matchLabels"]
+        subdomain = headless["metadata"]["name"]
+    env = {e["name"]: e for e in pods["spec"]["containers"][0]["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["DELTASPEC_ADVERTISE_ADDRESS"]["value"] == (
-        f"$(POD_NAME).{headless['metadata']['name']}.$(POD_NAMESPACE).svc.$(DELTASPEC_CLUSTER_DOMAIN):50051")
+        f"$(POD_NAME).{subdomain}.$(POD_NAMESPACE).svc.$(DELTASPEC_CLUSTER_DOMAIN):50051")
     names = list(env)  # Kubernetes expands $(VAR) only from variables defined earlier in the list
     assert names.index("POD_NAME") < names.index("DELTASPEC_ADVERTISE_ADDRESS")
     assert names.index("POD_NAMESPACE") < names.index("DELTASPEC_ADVERTISE_ADDRESS")
@@ -169,8 +217,8 @@ def test_every_workload_has_a_disruption_budget_and_the_draft_scales(rendered):
                if d["kind"] == "PodDisruptionBudget"}
     assert budgets["deltaspec-openai"] == find(docs, "Deployment", "deltaspec-openai")["spec"]["selector"][
         "matchLabels"]
-    assert budgets["deltaspec-target"] == find(docs, "StatefulSet", "deltaspec-target")["spec"]["selector"][
-        "matchLabels"]
+    assert budgets["deltaspec-target"].items() <= template(docs, "StatefulSet", "deltaspec-target")["metadata"][
+        "labels"].items()
     assert budgets["deltaspec-draft"] == find(docs, "Deployment", "deltaspec-draft")["spec"]["selector"]["matchLabels"]
     hpa = find(docs, "HorizontalPodAutoscaler", "deltaspec-draft")["spec"]
     assert hpa["scaleTargetRef"]["name"] == "deltaspec-draft" and hpa["metrics"][0]["resource"]["name"] == "cpu"
@@ -194,11 +242,11 @@ def test_pods_ask_prometheus_to_scrape_the_port_they_serve_metrics_on(rendered):
     _, _, docs = rendered
     port = settings(docs)["DELTASPEC_METRICS_PORT"]
     for kind, name in (("StatefulSet", "deltaspec-target"), ("Deployment", "deltaspec-draft")):
-        template = find(docs, kind, name)["spec"]["template"]
-        annotations = template["metadata"]["annotations"]
+        pods = template(docs, kind, name)
+        annotations = pods["metadata"]["annotations"]
         assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": port,
                                "prometheus.io/path": "/metrics"}
-        container = template["spec"]["containers"][0]
+        container = pods["spec"]["containers"][0]
         assert "--metrics-port=$(DELTASPEC_METRICS_PORT)" in container["args"]
         assert {"name": "metrics", "containerPort": int(port)} in container["ports"]
 
@@ -220,12 +268,30 @@ def test_settings_in_a_configmap_secrets_in_secrets_and_an_otel_collector(render
     assert collector["volumes"][0]["configMap"]["name"] == config["metadata"]["name"]
 
 
-def parsed_args(docs: list[dict], kind: str, name: str):
-    """The container's arguments as the CLI parses them, $(VAR) filled from the settings ConfigMap."""
-    container = pod_spec(docs, kind, name)["containers"][0]
-    values = settings(docs)
+def lws_env(docs: list[dict], index: int) -> dict[str, str]:
+    """What the LeaderWorkerSet controller sets in pod `index` of a group (0: its leader); nothing elsewhere."""
+    lws = group(docs)
+    if lws is None:
+        return {}
+    name, namespace = lws["metadata"]["name"], lws["metadata"]["namespace"]
+    return {"LWS_GROUP_SIZE": str(lws["spec"]["leaderWorkerTemplate"]["size"]), "LWS_WORKER_INDEX": str(index),
+            "LWS_LEADER_ADDRESS": f"{name}-0.{name}.{namespace}"}
+
+
+def parse(container: dict, values: dict[str, str]):
+    """`container`'s arguments as the CLI parses them, $(VAR) filled from `values`. --device=cuda is parsed as cpu
+    and set after: the parser checks that the GPU exists, and this machine has none."""
     args = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a) for a in container["args"]]
-    return build_parser().parse_args(args)
+    parsed = build_parser().parse_args(["--device=cpu" if a == "--device=cuda" else a for a in args])
+    if "--device=cuda" in args:
+        parsed.device = "cuda"
+    return parsed
+
+
+def parsed_args(docs: list[dict], kind: str, name: str):
+    """The container's arguments as the CLI parses them, $(VAR) filled from the settings ConfigMap (and, for a
+    LeaderWorkerSet's leader, from what its controller sets)."""
+    return parse(pod_spec(docs, kind, name)["containers"][0], settings(docs) | lws_env(docs, 0))
 
 
 def mounted(docs: list[dict], kind: str, name: str, path: str) -> dict:
@@ -310,9 +376,8 @@ def test_cert_manager_component_issues_the_secret_the_pods_mount(rendered, tmp_p
     assert {target.tls_cert, target.tls_key, target.draft_tls_ca} == {
         f"/etc/deltaspec/tls/{key}" for key in ("tls.crt", "tls.key", "ca.crt")}  # the names cert-manager writes
     domain = settings(docs)["DELTASPEC_CLUSTER_DOMAIN"]
-    sts = find(docs, "StatefulSet", "deltaspec-target")
-    advertised = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}[
-        "DELTASPEC_ADVERTISE_ADDRESS"]
+    advertised = {e["name"]: e.get("value") for e in pod_spec(docs, "StatefulSet", "deltaspec-target")["containers"][
+        0]["env"]}["DELTASPEC_ADVERTISE_ADDRESS"]
     advertised = advertised.replace("$(POD_NAME)", "deltaspec-target-0").replace("$(POD_NAMESPACE)", namespace)
     advertised = advertised.replace("$(DELTASPEC_CLUSTER_DOMAIN)", domain)
     hosts = ["deltaspec-target", f"deltaspec-target.{namespace}.svc.{domain}", advertised.rpartition(":")[0],
@@ -336,17 +401,17 @@ def test_prometheus_operator_component_scrapes_each_pod_where_it_serves_metrics(
     monitors = [d for d in docs if d["kind"] == "PodMonitor"]
     assert [d for d in docs if d["kind"] != "PodMonitor"] == plain and len(monitors) == 2
     for kind, name in (("StatefulSet", "deltaspec-target"), ("Deployment", "deltaspec-draft")):
-        template = find(docs, kind, name)["spec"]["template"]
+        pods = template(docs, kind, name)
         monitor = find(docs, "PodMonitor", name)
-        assert monitor["metadata"]["namespace"] == find(docs, kind, name)["metadata"]["namespace"]
+        assert monitor["metadata"]["namespace"] == find(docs, "Namespace", "deltaspec")["metadata"]["name"]
         selector = monitor["spec"]["selector"]["matchLabels"]
-        assert selector.items() <= template["metadata"]["labels"].items()
-        others = [d for d in docs if d["kind"] in ("StatefulSet", "Deployment") and d["metadata"]["name"] != name]
-        assert all(not selector.items() <= d["spec"]["template"]["metadata"]["labels"].items() for d in others)
+        assert selector.items() <= pods["metadata"]["labels"].items()
+        others = [t for _, t in templates(docs) if t is not pods]
+        assert all(not selector.items() <= t["metadata"]["labels"].items() for t in others)
         [endpoint] = monitor["spec"]["podMetricsEndpoints"]
-        port = next(p for p in template["spec"]["containers"][0]["ports"] if p["name"] == endpoint["port"])
-        assert str(port["containerPort"]) == template["metadata"]["annotations"]["prometheus.io/port"]
-        assert endpoint["path"] == template["metadata"]["annotations"]["prometheus.io/path"]
+        port = next(p for p in pods["spec"]["containers"][0]["ports"] if p["name"] == endpoint["port"])
+        assert str(port["containerPort"]) == pods["metadata"]["annotations"]["prometheus.io/port"]
+        assert endpoint["path"] == pods["metadata"]["annotations"]["prometheus.io/path"]
         policy = find(docs, "NetworkPolicy", name)
         assert any(rule["from"] == [{"namespaceSelector": {"matchLabels": {"deltaspec.io/metrics-scraper": "true"}}}]
                    and {"protocol": "TCP", "port": port["containerPort"]} in rule["ports"]
@@ -419,6 +484,73 @@ def test_gpu_overlay_puts_the_target_on_a_gpu_node():
     assert "nvidia.com/gpu" not in draft["containers"][0]["resources"]["limits"] and "nodeSelector" not in draft
     cpu = [d for d in yaml.safe_load_all(render("cpu-dev")) if d]
     assert pod_spec(cpu, "StatefulSet", "deltaspec-target")["containers"][0]["image"] == "deltaspec:cpu"
+
+
+def shared_memory(spec: dict) -> dict:
+    """The volume mounted at /dev/shm (NCCL's transport between one pod's GPUs)."""
+    mount = next(m for m in spec["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    return next(v for v in spec["volumes"] if v["name"] == mount["name"])["emptyDir"]
+
+
+def gib(quantity: str) -> float:
+    return float(quantity.removesuffix("Gi"))
+
+
+@needs_kubectl
+def test_tensor_parallel_overlay_runs_one_rank_on_each_gpu_of_the_pod():
+    """gpu-tp: the target pod's GPUs are the ranks it starts (--tensor-parallel, --device=cuda), with a
+    memory-backed /dev/shm inside its memory limit; the rest is the gpu overlay's."""
+    docs = [d for d in yaml.safe_load_all(render("gpu-tp")) if d]
+    spec = pod_spec(docs, "StatefulSet", "deltaspec-target")
+    limits = spec["containers"][0]["resources"]["limits"]
+    args = parsed_args(docs, "StatefulSet", "deltaspec-target")
+    assert args.tensor_parallel == limits["nvidia.com/gpu"] == 4 and args.device == "cuda" and args.nnodes == 1
+    shm = shared_memory(spec)
+    assert shm["medium"] == "Memory" and gib(shm["sizeLimit"]) < gib(limits["memory"])
+    gpu = [d for d in yaml.safe_load_all(render("gpu")) if d]
+    assert pod_spec(gpu, "StatefulSet", "deltaspec-target")["nodeSelector"] == spec["nodeSelector"]
+
+
+@needs_kubectl
+def test_multi_node_overlay_runs_one_group_per_leader_worker_set():
+    """gpu-multinode: a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) whose groups are one tensor-parallel group
+    each: the leader is the served target pod with node rank 0, the workers node ranks 1..size-1 from the
+    controller's variables, all meeting at the leader's address; each pod holds N / size ranks on its GPUs; a pod
+    that exits restarts the group; the group's ranks reach each other. Its pod templates are validated as
+    PodTemplates above (the validator has no schema for the CRD); its own fields are checked here."""
+    docs = [d for d in yaml.safe_load_all(render("gpu-multinode")) if d]
+    assert not [d for d in docs if d["kind"] == "StatefulSet" or d["metadata"]["name"] == "deltaspec-target-headless"]
+    lws = group(docs)
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    assert set(lws["spec"]) == {"replicas", "startupPolicy", "rolloutStrategy", "leaderWorkerTemplate"}
+    # workers start once the leader exists, not once it is ready: it is ready only after the group has met
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated"
+    group_spec = lws["spec"]["leaderWorkerTemplate"]
+    assert set(group_spec) == {"size", "restartPolicy", "leaderTemplate", "workerTemplate"}
+    assert group_spec["restartPolicy"] == "RecreateGroupOnPodRestart"  # the supervisor a broken group needs
+    size = group_spec["size"]
+    values = settings(docs)
+    for index in range(size):
+        pod = group_spec["leaderTemplate" if index == 0 else "workerTemplate"]
+        spec = pod["spec"]
+        args = parse(spec["containers"][0], values | lws_env(docs, index))
+        gpus = spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+        assert (args.nnodes, args.node_rank, args.tensor_parallel) == (size, index, size * gpus)
+        assert args.master_addr == lws_env(docs, 0)["LWS_LEADER_ADDRESS"] and args.master_port == 29500
+        assert args.device == "cuda" and args.model == "/models/target"
+        assert Placement(args.tensor_parallel, args.master_addr, args.master_port, args.nnodes, args.node_rank).ranks \
+            == range(index * gpus, (index + 1) * gpus)
+        assert shared_memory(spec)["medium"] == "Memory"
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert {m["name"] for m in spec["containers"][0]["volumeMounts"]} <= {v["name"] for v in spec["volumes"]}
+        if index:  # a worker serves nothing (no probes, ports or drain) and holds no TLS key nor callers' tokens
+            assert not {"ports", "startupProbe", "readinessProbe", "livenessProbe", "lifecycle"} & set(
+                spec["containers"][0])
+            assert not [v for v in spec["volumes"] if "secret" in v]
+    policy = find(docs, "NetworkPolicy", "deltaspec-target-group")["spec"]
+    member = {"podSelector": {"matchLabels": {"leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"]}}}
+    assert policy["podSelector"] == member["podSelector"] and policy["ingress"] == [{"from": [member]}]
+    assert {"to": [member]} in policy["egress"]
 
 
 def test_dockerfile_lints_clean():

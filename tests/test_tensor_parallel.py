@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -24,6 +25,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from benchmarks import shapes
+from deltaspec.shared.cli import build_parser, main as cli_main
 from deltaspec.shared.decoding.drafters import make_drafter
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
@@ -38,6 +40,7 @@ from deltaspec.shared.model.fields import ConfigError
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.lockstep import Leader, follow, join
+from deltaspec.shared.model.nodes import Placement
 from deltaspec.shared.model.parallel import Rank, shard, shard_tensors, sharded_config
 from deltaspec.shared.rpc.generation import generate_on_server
 from deltaspec.shared.state import prefix_cache
@@ -379,35 +382,71 @@ def kill_a_follower(served: Served) -> None:
             signal.SIGKILL)
 
 
-def test_a_generation_whose_group_loses_a_rank_midway_ends_as_an_undisturbed_one(tmp_path):
-    """A follower killed while a Generate stream is in flight (twice): the group exits, its supervisor (here the
-    test) starts it again on the same port, and the stream, recovering as after any target restart, ends with the
-    undisturbed tokens: none lost, no round applied twice."""
+FAULTS = Path(__file__).with_name("tp_faults.py")
+
+
+# 10 kills start the group 11 times (about 70 s on 2 cores): with -m slow; 2 in the suite (about 25 s)
+@pytest.mark.parametrize("kills", [2, pytest.param(10, marks=pytest.mark.slow)])
+def test_sessions_whose_group_loses_a_rank_inside_rounds_end_as_undisturbed_ones(kills, tmp_path):
+    """Three Generate streams at once while a rank dies `kills` times, each death inside a round on purpose
+    (tests/tp_faults.py), in turn: a follower right after rank 0 announced a pass (rank 0 waits in its all-reduce),
+    a follower right after rank 0 kept a commit the follower has not, rank 0 itself right after it announced a pass
+    (the followers wait in an all-reduce it never joins), a follower between two layers of a pass. The group is laid
+    out in turn on one host (the follower a child process rank 0 watches) and over two nodes (`--nnodes 2`: two
+    processes, each learning of the other's death from its collectives alone). Each time the group exits (rank 0
+    with 70 where a follower died) and its supervisor (here the test) starts it again on the same port; the
+    streams, recovering as after any target restart, end with the undisturbed tokens, each streamed once: none
+    lost, no round applied twice."""
     save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
-    prompt, n = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], 48
-    want = generate(load_model(tmp_path).fuse(), prompt, n).token_ids
+    single = load_model(tmp_path).fuse()
+    prompts, n = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13], [42, 17, 3]], 8 + 8 * kills
+    want = [generate(single, p, n).token_ids for p in prompts]
+    assert all(len(tokens) == n for tokens in want)  # none ends early: every stream is in flight at every death
     port = free_port()
-    # k from the cost model: its start-up passes (batches of 1 to 8 scratch sessions) run on the group too
-    group = ["serve-target", tmp_path, "--tensor-parallel", "2", "--draft", "ngram"]
-    served = [Served(*group, port=port).wait_serving()]
-    kills = [4, 20]  # after this many tokens streamed
+    # the N-th such call, or all-reduce (8 a pass of the test's 4 layers: the 7 N-th is inside a pass, past its first)
+    deaths = [f"{('pass', 'commit', 'leader-pass', 'reduce')[i % 4]}:{(4 + 3 * i % 5) * (7 if i % 4 == 3 else 1)}"
+              for i in range(kills)]
 
-    def on_tokens(tokens: list[int], _text: str) -> None:
-        seen.extend(tokens)
-        if kills and len(seen) >= kills[0]:
-            kills.pop(0)
-            kill_a_follower(served[-1])
-            assert served[-1].proc.wait(timeout=60) == 70
-            served.append(Served(*group, port=port))  # the supervisor: a new group on the same address
+    def group(i: int) -> tuple[Served, subprocess.Popen | None]:
+        """The i-th group (rank 0, and node 1's process when over two nodes); its follower dies at deaths[i]."""
+        env = {**os.environ, "OMP_NUM_THREADS": "1"} | ({"DELTASPEC_TEST_DIE_AT": deaths[i]} if i < kills else {})
+        layout: tuple[str, ...] = ("--tensor-parallel", "2")
+        node1 = None
+        if i % 2:
+            layout += ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
+            node1 = subprocess.Popen([sys.executable, str(FAULTS), "serve-target", "--model", str(tmp_path), "--port",
+                                      "0", *layout, "--node-rank", "1"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, env=env)
+        return Served("serve-target", tmp_path, *layout, "--draft", "ngram", port=port, env=env,
+                      program=(str(FAULTS),)), node1
 
-    seen: list[int] = []
+    groups = [group(0)]
+    seen: list[list[int]] = [[] for _ in prompts]
+
+    def stream(i: int) -> list[int]:
+        return generate_on_server(groups[0][0].address, prompts[i], "", n, 3, recovery_window_s=120,
+                                  on_tokens=lambda tokens, _text: seen[i].extend(tokens))[0].token_ids
+
     try:
-        got = generate_on_server(served[0].address, prompt, "", n, 3, on_tokens=on_tokens, recovery_window_s=120)[0]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            out = [pool.submit(stream, i) for i in range(len(prompts))]
+            for i in range(1, kills + 1):
+                leader, node1 = groups[-1]
+                follower_died = not deaths[i - 1].startswith("leader-")
+                assert leader.proc.wait(timeout=120) == (70 if follower_died else 9)
+                assert node1 is None or node1.wait(timeout=60) == (9 if follower_died else 70)
+                # every stream still in flight at each death (n is well above the tokens a group lives for)
+                assert not any(f.done() for f in out), [len(tokens) for tokens in seen]
+                assert any("tensor parallel group broken" in line for line in leader.log) == follower_died
+                groups.append(group(i))  # the supervisor: a new group on the same address
+            got = [f.result(timeout=300) for f in out]
     finally:
-        for s in served:
-            s.__exit__()
-    assert not kills and len(served) == 3
-    assert got.token_ids == want and seen == want
+        for leader, node1 in groups:
+            leader.__exit__()
+            if node1:
+                node1.kill()
+    assert len(groups) == kills + 1
+    assert got == want and seen == want
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -420,6 +459,120 @@ def test_serve_target_refuses_what_a_group_cannot_serve_at_start(extra, message,
     out = subprocess.run([sys.executable, "-m", "deltaspec.shared.cli", "serve-target", "--model", str(tmp_path),
                           "--port", "0", *extra], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def serve_target_command(model: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "deltaspec.shared.cli", "serve-target", "--model", str(model), "--port", "0", *extra]
+
+
+def test_two_nodes_form_one_group_that_serves_the_single_process_tokens(tmp_path):
+    """Two `serve-target --nnodes 2` processes (node ranks 0 and 1, one rank each, meeting on loopback) form one
+    2-rank group: node 0 serves the single process's greedy tokens; node 1 serves nothing, and exits 70 once the
+    group breaks (node 0 killed). Node 1 dying inside rounds: the fault test below."""
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path / "target")
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    want = generate(load_model(tmp_path / "target").fuse(), prompt, 16).token_ids
+    nodes = ("--tensor-parallel", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
+    with open(tmp_path / "node1.log", "w") as log:
+        node1 = subprocess.Popen(serve_target_command(tmp_path / "target", *nodes, "--node-rank", "1"),
+                                 stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        with Served("serve-target", tmp_path / "target", *nodes, "--node-rank", "0") as node0:
+            node0.wait_serving()
+            assert generate_on_server(node0.address, prompt, "", 16, 0)[0].token_ids == want
+            node0.proc.kill()
+        assert node1.wait(timeout=60) == 70
+    finally:
+        node1.kill()
+    log = (tmp_path / "node1.log").read_text()
+    assert "follow rank 0 at 127.0.0.1" in log and "tensor parallel group broken" in log and "listening" not in log
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--nnodes", "2", "--node-rank", "2"), "--node-rank 2 is not one of the 2 nodes' (0 to 1)"),
+    (("--tensor-parallel", "3", "--nnodes", "2"), "--tensor-parallel 3 is not a multiple of --nnodes 2"),
+    (("--nnodes", "2", "--master-addr", ""), "the group meets at --master-addr:--master-port"),
+])
+def test_a_node_that_cannot_join_a_group_is_refused_before_it_loads(extra, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    argv = serve_target_command(tmp_path, "--tensor-parallel", "2", "--master-addr", "127.0.0.1", "--master-port",
+                                "29500", *extra)[3:]
+    assert cli_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_torchrun_started_ranks_form_one_group_that_serves_the_single_process_tokens(tmp_path):
+    """`torchrun --nproc-per-node 2 -m deltaspec.shared.cli serve-target`: each process one rank (torchrun's RANK,
+    WORLD_SIZE, LOCAL_RANK, meeting at its agent's store); rank 0 serves the single process's greedy tokens, and a
+    rank killed ends the group (torchrun then fails the run, or restarts it with --max-restarts)."""
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    want = generate(load_model(tmp_path).fuse(), prompt, 16).token_ids
+    torchrun = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                "-m", "deltaspec.shared.cli")
+    with Served("serve-target", tmp_path, program=torchrun) as served:
+        served.wait_serving()
+        assert generate_on_server(served.address, prompt, "", 16, 0)[0].token_ids == want
+        assert any("tensor parallel: rank 0 of 2 leads" in line for line in served.log)
+        ranks = Path(f"/proc/{served.proc.pid}/task/{served.proc.pid}/children").read_text().split()
+        os.kill(next(int(r) for r in ranks if b"RANK=1\0" in Path(f"/proc/{r}/environ").read_bytes()),
+                signal.SIGKILL)
+        assert served.proc.wait(timeout=60) != 0
+    assert any("tensor parallel group broken" in line for line in served.log)
+
+
+def test_a_node_holds_its_share_of_the_ranks_one_a_gpu():
+    node = Placement(8, "10.0.0.1", 29500, nnodes=2, node_rank=1)
+    assert node.ranks == range(4, 8) and node.device(5, "cuda") == "cuda:1" and node.device(5, "cpu") == "cpu"
+    assert (node.rendezvous, node.meet_s) == ("tcp://10.0.0.1:29500", 600.0)  # nodes start minutes apart
+    assert Placement(2, "127.0.0.1", 1).meet_s == 60.0 and Placement(8, "h", 1, 2, 1, wait_s=5).meet_s == 5
+    torchrun = Placement.from_torchrun({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "16", "RANK": "11",
+                                        "LOCAL_RANK": "3", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, 1)
+    assert torchrun.ranks == range(11, 12) and torchrun.device(11, "cuda") == "cuda:3"
+    assert (torchrun.rendezvous, torchrun.meet_s) == ("env://", 60.0)  # its agents have met already
+    assert Placement.from_torchrun({}, 2) is None
+
+
+def test_the_master_address_defaults_to_torchs_variables(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    args = build_parser().parse_args(["serve-target", "--port", "1"])
+    assert (args.master_addr, args.master_port) == ("10.0.0.1", 29511)
+    args = build_parser().parse_args(["serve-target", "--port", "1", "--master-addr", "a", "--master-port", "2"])
+    assert (args.master_addr, args.master_port) == ("a", 2)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--tensor-parallel", "4"), "--tensor-parallel 4 is not torchrun's WORLD_SIZE 2"),
+    (("--nnodes", "2"), "under torchrun, its own --nnodes and --node-rank place the ranks"),
+])
+def test_serve_target_under_torchrun_takes_its_placement(extra, message, tmp_path, capsys, monkeypatch):
+    for name, value in {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    assert cli_main(serve_target_command(tmp_path, *extra)[3:]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_node_whose_group_does_not_meet_fails_within_its_rendezvous_timeout(node, tmp_path, capsys):
+    """Node 1 of 2 with nobody listening at the master's address, or node 0 whose node 1 never comes: refused
+    naming the address, within twice the timeout (torch's store tries to connect twice) and the load."""
+    save_checkpoint(random_model(hf_config(), seed=3), tmp_path)
+    port, threads = free_port(), torch.get_num_threads()
+    started = time.monotonic()
+    try:
+        assert cli_main(serve_target_command(tmp_path, "--tensor-parallel", "2", "--nnodes", "2", "--node-rank",
+                                             str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                             "--rendezvous-timeout", "1")[3:]) == 2
+    finally:
+        torch.set_num_threads(threads)  # the rank set its own
+    assert time.monotonic() - started < 10
+    assert f"tensor parallel rank {node} of 2 could not meet the others at 127.0.0.1:{port} within 1 s" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("shape", ["QWEN3_NEXT_80B_A3B", "QWEN35_35B_A3B"])

@@ -40,8 +40,7 @@ from torch import Tensor
 
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.model.loader import load_model
-from deltaspec.shared.model.parallel import Rank, shard
+from deltaspec.shared.model.parallel import Rank
 from deltaspec.shared.model.shard_cache import ShardCache
 from deltaspec.shared.state.rollback import ModelState
 from deltaspec.shared.state.spec import LOG_CAPACITY
@@ -51,12 +50,19 @@ PING_S = 10.0
 TIMEOUT_S = 60.0  # a collective (a pass's all-reduce, a call's broadcast) that waits longer breaks the group
 
 
-def join(rank: int, world: int, rendezvous: str, timeout_s: float = TIMEOUT_S) -> Rank:
+def join(rank: int, world: int, rendezvous: str, timeout_s: float = TIMEOUT_S, wait_s: float | None = None) -> Rank:
     """Join the group of `world` ranks meeting at `rendezvous` (`tcp://HOST:PORT`, rank 0 listening; or
-    `file://PATH`); gloo on CPUs, NCCL for CUDA tensors. Raises if the group is not complete within `timeout_s`."""
+    `file://PATH`); gloo on CPUs, NCCL for CUDA tensors. Raises if the group is not complete within `wait_s` (at a
+    tcp:// rendezvous; `timeout_s` otherwise); once formed, a collective that waits `timeout_s` fails."""
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if rendezvous.startswith("tcp://") and wait_s is not None:
+        host, port = rendezvous.removeprefix("tcp://").rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=timedelta(seconds=wait_s),
+                              wait_for_workers=True)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world, timeout=timeout)
     return Rank(rank, world)
 
 
@@ -234,12 +240,3 @@ def follow(model: HybridLM, at: Rank) -> ShardCache:
                 cache.after_pass(i, states[i])
         elif op != "ping":  # a change rank 0 made: one that fails here breaks the group (this rank exits)
             getattr(states[sid], op)(*args)
-
-
-def follower_main(rank: int, world: int, rendezvous: str, model_dir: str, device: str, threads: int,
-                  expert_parallel: bool = False) -> None:
-    """A follower process of `serve-target --tensor-parallel`: load, shard, join the group, follow rank 0."""
-    torch.set_num_threads(threads)
-    model = load_model(model_dir, device=f"cuda:{rank}" if device == "cuda" else device)
-    at = join(rank, world, rendezvous)
-    follow(shard(model, at, expert_parallel), at)
