@@ -1,9 +1,10 @@
 """Tensor parallelism over gloo: a model sharded on 2 ranks (and 4) gives the single-process logits (to 1e-5
 relative: the all-reduce adds in another order) for a prefill, a verify, a partial commit, a revert and a decode, on
 the fused and the layer path, and the same greedy tokens target-only and speculative (a draft model; MTP), with MoE
-experts cut by columns or spread whole over the ranks (expert parallelism); a prefix cache whose every entry each
-rank holds its shard of; each round's collective time on its span; served, the same tokens over both gRPC loops,
-and a lost rank takes the group down."""
+experts cut by columns or spread whole over the ranks (expert parallelism); the MTP head sharded like the trunk (its
+draft logits through a leader and a follower); a prefix cache whose every entry each rank holds its shard of; each
+round's collective time on its span; served, the same tokens over both gRPC loops, and a lost rank takes the group
+down."""
 from __future__ import annotations
 
 import os
