@@ -83,8 +83,7 @@ def reference_next(target, tokens: list[int]) -> torch.Tensor:
     head = MTPHead(target)
     _, hidden = target(torch.tensor(tokens[:-1]), target.new_state())
     with torch.inference_mode():
-        y = head(target.model.embed_tokens(torch.tensor(tokens[1:])), target.model.norm(hidden),
-                 head.new_cache(), 0)
+        y = head(torch.tensor(tokens[1:]), target.model.norm(hidden), head.new_cache(), 0)
         return target.lm_head(y[-1]).float().softmax(-1)
 
 

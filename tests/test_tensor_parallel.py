@@ -1,9 +1,10 @@
 """Tensor parallelism over gloo: a model sharded on 2 ranks (and 4) gives the single-process logits (to 1e-5
 relative: the all-reduce adds in another order) for a prefill, a verify, a partial commit, a revert and a decode, on
 the fused and the layer path, and the same greedy tokens target-only and speculative (a draft model; MTP), with MoE
-experts cut by columns or spread whole over the ranks (expert parallelism); a prefix cache whose every entry each
-rank holds its shard of; each round's collective time on its span; served, the same tokens over both gRPC loops,
-and a lost rank takes the group down."""
+experts cut by columns or spread whole over the ranks (expert parallelism); the MTP head sharded like the trunk (its
+draft logits through a leader and a follower); a prefix cache whose every entry each rank holds its shard of; each
+round's collective time on its span; served, the same tokens over both gRPC loops, and a lost rank takes the group
+down."""
 from __future__ import annotations
 
 import os
@@ -28,7 +29,7 @@ from benchmarks import shapes
 from deltaspec.shared.cli import build_parser, main as cli_main
 from deltaspec.shared.decoding.drafters import make_drafter
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
-from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
+from deltaspec.shared.decoding.drafters.mtp import MTPDrafter, random_mtp_weights
 from deltaspec.shared.decoding.drafters import attach
 from deltaspec.shared.decoding.speculative import Stats, decode, generate
 from deltaspec.shared.decoding.target import TargetSession
@@ -40,6 +41,7 @@ from deltaspec.shared.model.fields import ConfigError
 from deltaspec.shared.model.hybrid import HybridLM
 from deltaspec.shared.model.loader import load_model
 from deltaspec.shared.model.lockstep import Leader, follow, join
+from deltaspec.shared.model.mtp_head import MTPCache
 from deltaspec.shared.model.nodes import Placement
 from deltaspec.shared.model.parallel import Rank, shard, shard_tensors, sharded_config
 from deltaspec.shared.rpc.generation import generate_on_server
@@ -50,6 +52,7 @@ from deltaspec.shared.telemetry.metrics import Metrics
 
 from support import Served, both_loops
 from test_batching import run_threads
+from test_drafters_mtp import Steered
 
 CASES = {
     "qwen3_5": lambda: hf_config(mtp_num_hidden_layers=1),  # with an MTP head
@@ -60,6 +63,7 @@ CASES = {
                                           num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4,
                                           linear_num_value_heads=8, shared_expert_intermediate_size=64),
 }
+MTP_MOE = {**CASES["qwen3_5_moe"](), "mtp_num_hidden_layers": 1}  # its MTP layer: attention, routed, shared experts
 RANKS = {"qwen3_next-4": 4}  # 2 unless named (4: its 2 K/V heads replicated, as Qwen3-Next-80B's are at TP 4)
 PROMPT = [5, 17, 42, 9, 100, 3, 77]
 N_NEW = 12
@@ -229,57 +233,114 @@ def traced_rounds(model: HybridLM, draft: HybridLM) -> tuple[list[float | None],
 
 
 def lead_or_follow(rank: int, world: int, out: str) -> None:
-    """Rank 0 generates through a `Leader` (target-only, then speculative, then a partial commit by hand and a
-    batched pass of two sessions); rank 1 follows what it sends."""
+    """Rank 0 generates through a `Leader` (with its shard of the MTP head; target-only and speculative with a draft
+    model; a partial commit by hand and a batched pass of two sessions), then again with the experts spread whole
+    (the MTP head's rounds only); rank 1 follows what it sends, making each head cache and pass on its shard."""
     torch.set_num_threads(1)
     at = join(rank, world, rendezvous(out))
     try:
-        cfg = CASES["qwen3_5_moe"]()
-        part = shard(random_model(cfg, seed=3), at)
-        if rank:
-            follow(part, at)
-            dist.barrier()  # the leader's single-process reference runs after the group's last pass
-            return
-        errors: list[BaseException] = []
-        leader = Leader(part, at, on_broken=errors.append)
-        draft = near_copy(random_model(cfg, seed=3), seed=4).fuse()
-        got = {"greedy": generate(part, PROMPT, N_NEW).token_ids,
-               "speculative": generate(part, PROMPT, N_NEW, ModelDrafter(draft), 3).token_ids}
-        st = part.new_state()
-        part(torch.tensor(PROMPT), st)
-        st.commit(3)
-        with pytest.raises(ValueError):
-            st.commit(99)
-        other = part.new_state()
-        got["batched"] = [logits for logits, _ in forward_batch(part, [(torch.tensor([1, 2]), st),
-                                                                       (torch.tensor(PROMPT[:4]), other)])]
-        got["traced"] = traced_rounds(part, draft)
-        leader.stop()
-        got["want"] = passes(random_model(cfg, seed=3).fuse(), draft)
-        ref = random_model(cfg, seed=3).fuse()
-        st = ref.new_state()
-        ref(torch.tensor(PROMPT), st)
-        st.commit(3)
-        got["want_batched"] = [ref(torch.tensor([1, 2]), st)[0], ref(torch.tensor(PROMPT[:4]), ref.new_state())[0]]
-        got["errors"] = errors
-        got["traced_alone"] = traced_rounds(ref, draft)
-        torch.save(got, Path(out) / "leader.pt")
-        dist.barrier()
+        got: dict[object, object] = {"errors": []}
+        draft = near_copy(random_model(MTP_MOE, seed=3), seed=4).fuse()
+        for ep in (False, True):
+            part = shard(target(MTP_MOE), at, expert_parallel=ep)
+            if rank:
+                held = follow(part, at)
+                got[ep] = shapes_of(held.mtp_head, [s for s in held.states.values() if isinstance(s, MTPCache)])
+                continue
+            leader = Leader(part, at, on_broken=got["errors"].append)
+            got[ep], drafter = mtp_rounds(part)
+            got[ep] |= shapes_of(drafter.head, [drafter.cache])
+            if not ep:
+                got |= lead(part, draft)
+            leader.stop()
+        if rank == 0:
+            ref = target(MTP_MOE).fuse()
+            got["want"] = passes(ref, draft) | mtp_rounds(ref)[0]
+            st = ref.new_state()
+            ref(torch.tensor(PROMPT), st)
+            st.commit(3)
+            got["want_batched"] = [ref(torch.tensor([1, 2]), st)[0],
+                                   ref(torch.tensor(PROMPT[:4]), ref.new_state())[0]]
+            got["traced_alone"] = traced_rounds(ref, draft)
+            got["whole"] = shapes_of(MTPDrafter(ref).head, [])
+        torch.save(got, Path(out) / f"{rank}.pt")
+        dist.barrier()  # no rank tears the group down while another still runs
     finally:
         dist.destroy_process_group()
 
 
+def lead(part: HybridLM, draft: HybridLM) -> dict[str, object]:
+    """Rank 0's calls beside the MTP head's: target-only and speculative generations, a commit rank 0 refuses, a
+    batched pass of two sessions, a traced generation."""
+    got = {"greedy": generate(part, PROMPT, N_NEW).token_ids,
+           "speculative": generate(part, PROMPT, N_NEW, ModelDrafter(draft), 3).token_ids}
+    st = part.new_state()
+    part(torch.tensor(PROMPT), st)
+    st.commit(3)
+    with pytest.raises(ValueError):
+        st.commit(99)
+    other = part.new_state()
+    got["batched"] = [logits for logits, _ in forward_batch(part, [(torch.tensor([1, 2]), st),
+                                                                   (torch.tensor(PROMPT[:4]), other)])]
+    got["traced"] = traced_rounds(part, draft)
+    return got
+
+
+def mtp_rounds(model: HybridLM) -> tuple[dict[str, object], MTPDrafter]:
+    """Greedy tokens with the MTP head steered to keep 0..3 of 3 drafts round by round (each draft's logits
+    recorded) and drafting alone; and the steered drafter, whose head cache is still live."""
+    want = generate(model, PROMPT, N_NEW).token_ids
+    drafter, logits = MTPDrafter(model), []
+
+    def record(_head: object, _args: object, y: torch.Tensor) -> None:
+        with torch.inference_mode():
+            logits.append(model.logits(y))
+
+    drafter.head.register_forward_hook(record)
+    steered = Steered(drafter, want)
+    got = {"steered": generate(model, PROMPT, N_NEW, steered, 3).token_ids, "accepts": steered.accept_counts,
+           "mtp_logits": logits, "mtp": generate(model, PROMPT, N_NEW, make_drafter("mtp", model), 3).token_ids}
+    return got, drafter
+
+
+def shapes_of(head: torch.nn.Module, caches: list[MTPCache]) -> dict[str, object]:
+    return {"weights": {k: tuple(v.shape) for k, v in head.state_dict().items()},
+            "kv": [tuple(layer.k.shape) for c in caches for layer in c.layers if layer is not None]}
+
+
 def test_followers_make_every_call_rank_0_makes(tmp_path):
+    """Tokens and logits of the single process through a leader and a follower. The MTP head's layer is split as a
+    trunk layer (its fusion projection replicated): each draft's logits within 1e-5 of the single process's over
+    rounds keeping 0..3 drafts, its greedy tokens the single process's; the follower holds the same shard of the head
+    and of the live head cache as rank 0, half the K/V heads."""
     mp.spawn(lead_or_follow, args=(2, str(tmp_path)), nprocs=2)
-    got = torch.load(tmp_path / "leader.pt")
+    got, follower = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
+    want, whole = got["want"], got["whole"]["weights"]
     assert not got["errors"]
-    assert got["greedy"] == got["want"]["greedy"] and got["speculative"] == got["want"]["speculative"]
+    assert got["greedy"] == want["greedy"] and got["speculative"] == want["speculative"]
     assert all(rel(a, b) < 1e-5 for a, b in zip(got["batched"], got["want_batched"], strict=True))
     # each round's time in the group's collectives, on its span and in the histogram; none in one process
     spans, counted = got["traced"]
     assert spans and all(s is not None and 0 < s < 10 for s in spans) and counted == len(spans)
     spans, counted = got["traced_alone"]
     assert spans and all(s is None for s in spans) and counted == 0
+    # the MTP head's shard: its drafts' logits, tokens and shapes, experts cut by columns or spread whole
+    assert set(want["accepts"]) == {0, 1, 2, 3} and want["steered"] == want["mtp"] == want["greedy"]
+    cfg = ModelConfig.from_dict(MTP_MOE)
+    for ep in (False, True):
+        assert {k: got[ep][k] for k in ("steered", "accepts", "mtp")} == {k: want[k] for k in ("steered", "accepts",
+                                                                                                "mtp")}
+        assert len(got[ep]["mtp_logits"]) == len(want["mtp_logits"]) > 5
+        assert all(rel(a, b) < 1e-5 for a, b in zip(got[ep]["mtp_logits"], want["mtp_logits"], strict=True))
+        weights = got[ep]["weights"]
+        assert follower[ep]["weights"] == weights and follower[ep]["kv"] == got[ep]["kv"] == \
+            [(cfg.num_key_value_heads // 2, 256, cfg.head_dim)]
+        assert weights["fc.weight"] == whole["fc.weight"]  # replicated
+        for name, dim in (("self_attn.q_proj.weight", 0), ("self_attn.o_proj.weight", 1),
+                          ("mlp.shared_expert.up_proj.weight", 0), ("mlp.experts.gate_up_proj", 0 if ep else 1)):
+            cut = list(whole[f"layers.0.{name}"])
+            cut[dim] //= 2
+            assert weights[f"layers.0.{name}"] == tuple(cut), (ep, name)
 
 
 def cached_prompts() -> list[list[int]]:
@@ -299,7 +360,7 @@ def lead_with_a_prefix_cache(rank: int, world: int, out: str) -> None:
         cfg = CASES["qwen3_next"]()
         part = shard(random_model(cfg, seed=3), at)
         if rank:
-            mirror = follow(part, at)
+            mirror = follow(part, at).prefix_cache
             torch.save({k: (e.end, e.state is not None) for k, e in mirror.entries.items()}, Path(out) / "mirror.pt")
             dist.barrier()
             return
@@ -374,6 +435,20 @@ def test_a_served_two_rank_target_gives_the_single_process_tokens_and_fails_whol
         with pytest.raises(grpc.RpcError) as gone:
             generate_on_server(served.address, prompt, "", 4, 0, recovery_window_s=0)
         assert gone.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.slow  # one more served group (about 8 s on 2 cores): the head's sharding runs in the suite in process
+def test_a_served_two_rank_target_drafts_with_its_sharded_mtp_head(tmp_path):
+    """`serve-target --tensor-parallel 2 --draft mtp`: each rank drafts with its shard of the MTP head; greedy tokens
+    of the single-process target, for two Generate streams at once."""
+    model = target(CASES["qwen3_5"]())
+    save_checkpoint(model, tmp_path)
+    single = load_model(tmp_path).fuse()
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], PROMPT]
+    with Served("serve-target", tmp_path, "--tensor-parallel", "2", "--draft", "mtp") as served:
+        out = run_threads(lambda i: generate_on_server(served.address, prompts[i], "", 16, 3)[0], [0, 1])
+    assert [r.token_ids for r in out] == [generate(single, ids, 16).token_ids for ids in prompts]
+    assert all(r.stats.drafted > 0 for r in out)
 
 
 def kill_a_follower(served: Served) -> None:

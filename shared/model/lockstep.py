@@ -17,6 +17,11 @@ A prefix cache on rank 0 (`deltaspec.shared.state.prefix_cache`) journals each c
 it loads into a session (`Leader.journal`); the journal goes out with rank 0's next call, in order, ahead of it, and
 each follower replays it on its shard of every entry (`deltaspec.shared.model.shard_cache`). A pass that takes a
 prefill's block heads for the cache says where, so every rank takes its shard of them.
+
+The MTP head (`deltaspec.shared.model.mtp_head`) is sharded as the trunk is: each new cache of it and each pass of
+it on rank 0 goes out the same way (the pass's token ids, trunk hidden states and start position; a follower embeds
+the ids itself), so every rank holds its shard of each sequence's head K/V and the head's all-reduces pair up. A
+pass is the head cache's only change (its rows roll back by position), so the order of the calls keeps it alike.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
@@ -40,6 +46,7 @@ from torch import Tensor
 
 from deltaspec.shared.model.batched import forward_batch
 from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.mtp_head import MTPCache, MTPHead
 from deltaspec.shared.model.parallel import Rank
 from deltaspec.shared.model.shard_cache import ShardCache
 from deltaspec.shared.state.rollback import ModelState
@@ -87,7 +94,7 @@ class Leader:
         self._freed: collections.deque[int] = collections.deque()  # states gone on rank 0: sent with the next call
         self._journal: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()  # the prefix cache's
         self._ids = itertools.count()
-        self._sid: weakref.WeakKeyDictionary[ModelState, int] = weakref.WeakKeyDictionary()
+        self._sid: weakref.WeakKeyDictionary[ModelState | MTPCache, int] = weakref.WeakKeyDictionary()
         self._forward, self._new_state = model.forward, model.new_state
         model.forward, model.new_state = self.forward, self.new_state  # what the engine's calls reach
         model.leader = self  # and `batched.forward_batch`'s
@@ -97,14 +104,23 @@ class Leader:
     def new_state(self, capacity: int = 256, log_capacity: int = LOG_CAPACITY) -> ModelState:
         with self._lock:
             state = self._new_state(capacity, log_capacity)
-            sid = next(self._ids)
-            self._send("new", sid, capacity, state.recurrent.log_capacity)
-        self._sid[state] = sid
-        weakref.finalize(state, self._freed.append, sid).atexit = False
+            sid = self._register(state, "new", capacity, state.recurrent.log_capacity)
         ref = weakref.ref(state)  # the state's own methods, not a cycle through it
         for name in MIRRORED:
             setattr(state, name, functools.partial(self._mirrored, sid, ref, name))
         return state
+
+    def new_mtp_cache(self, cache: MTPCache, capacity: int) -> None:
+        """An MTP head's new cache (`MTPHead.new_cache`): each follower makes its shard of it."""
+        with self._lock:
+            self._register(cache, "mtp_new", capacity)
+
+    def mtp_pass(self, head: MTPHead, ids: Tensor, hidden: Tensor, cache: MTPCache, start: int) -> Tensor:
+        """The MTP head's pass (`MTPHead.forward`), on every rank."""
+        if self.nested:
+            return head.run(ids, hidden, cache, start)
+        return self._announced("mtp", self._sid[cache], (ids.cpu(), hidden.cpu(), start),
+                               lambda: head.run(ids, hidden, cache, start), [])
 
     def forward(self, ids: Tensor, state: ModelState) -> tuple[Tensor, Tensor]:
         """The pass, on every rank. Input the followers would refuse alike is refused here before it is sent."""
@@ -113,14 +129,15 @@ class Leader:
             raise ValueError(f"forward takes a non-empty 1-D tensor of token ids in [0, {vocab})")
         if self.nested:  # a batch of one, already announced
             return self._forward(ids, state)
-        return self._announced("pass", [(ids, state)], lambda: self._forward(ids, state))
+        return self._announced("pass", -1, self._items([(ids, state)]), lambda: self._forward(ids, state), [state])
 
     def forward_batch(self, items: Sequence[tuple[Tensor, ModelState]]) -> list[tuple[Tensor, Tensor]]:
         """`batched.forward_batch` on every rank. Positions are reserved first: a K/V budget refuses here, before
         anything is sent (the followers' states are outside any budget)."""
         for ids, st in items:
             st.ensure_positions(st.length + st.staged + ids.numel())
-        return self._announced("batch", items, lambda: forward_batch(self.model, items))
+        return self._announced("batch", -1, self._items(items), lambda: forward_batch(self.model, items),
+                               [st for _, st in items])
 
     def journal(self, op: str, *args: Any) -> None:
         """A prefix cache's change (its `journal`), sent ahead of the next call: what it reads from a session comes
@@ -132,11 +149,25 @@ class Leader:
         """Whether this thread is inside a call already announced (its inner calls are the followers' own)."""
         return getattr(self._inside, "depth", 0) > 0
 
-    def _announced(self, op: str, items: Sequence[tuple[Tensor, ModelState]], run: Callable[[], Any]) -> Any:
+    def _items(self, items: Sequence[tuple[Tensor, ModelState]]) -> tuple[Any, ...]:
+        """A trunk pass's arguments as sent: each session's id, its token ids, where the pass takes block heads."""
+        return ([(self._sid[st], ids.cpu(), None if st.recurrent.block_heads is None
+                  else st.recurrent.block_heads.ends) for ids, st in items],)
+
+    def _register(self, made: ModelState | MTPCache, op: str, *args: Any) -> int:
+        """Announce a state (or MTP cache) rank 0 made, under the lock; it is dropped on the followers once gone."""
+        sid = next(self._ids)
+        self._send(op, sid, *args)
+        self._sid[made] = sid
+        weakref.finalize(made, self._freed.append, sid).atexit = False
+        return sid
+
+    def _announced(self, op: str, sid: int, args: tuple[Any, ...], run: Callable[[], Any],
+                   states: Sequence[ModelState]) -> Any:
+        """Send the pass, then run it; its collective time goes to `states` (a batch's whole to each)."""
         with self._lock:
             started = self.at.clock.seconds
-            self._send(op, -1, [(self._sid[st], ids.cpu(), None if st.recurrent.block_heads is None
-                                 else st.recurrent.block_heads.ends) for ids, st in items])
+            self._send(op, sid, *args)
             try:
                 with self._nested():
                     out = run()
@@ -144,7 +175,7 @@ class Leader:
                 self.on_broken(error)
                 raise Broken(f"a pass failed on rank 0 after it was sent: {error}") from error
             spent = self.at.clock.seconds - started  # a batch's, whole, for each of its sessions: each waited on it
-            for _, st in items:
+            for st in states:
                 st.collective_s += spent
             return out
 
@@ -208,11 +239,21 @@ class Leader:
                     self._send("ping", -1)
 
 
-def follow(model: HybridLM, at: Rank) -> ShardCache:
-    """A follower's loop: make every call rank 0 sends, on this rank's shard, until it says stop; returns its shard
-    of rank 0's prefix cache as it was then. Raises when the leader is gone or silent past the group's timeout."""
-    states: dict[int, ModelState] = {}
-    cache = ShardCache()
+@dataclass
+class Followed:
+    """What a follower holds: its shard of each live session's state and MTP cache (by rank 0's ids), of rank 0's
+    prefix cache, and of the MTP head (once rank 0 drafted with it)."""
+
+    states: dict[int, ModelState | MTPCache] = field(default_factory=dict)
+    prefix_cache: ShardCache = field(default_factory=ShardCache)
+    mtp_head: MTPHead | None = None
+
+
+def follow(model: HybridLM, at: Rank) -> Followed:
+    """A follower's loop: make every call rank 0 sends, on this rank's shard, until it says stop; returns what it
+    held then. Raises when the leader is gone or silent past the group's timeout."""
+    held = Followed()
+    states, cache = held.states, held.prefix_cache
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=at.group, device=torch.device("cpu"))
@@ -223,7 +264,7 @@ def follow(model: HybridLM, at: Rank) -> ShardCache:
             states.pop(gone, None)
             cache.forget(gone)
         if op == "stop":
-            return cache
+            return held
         if op == "new":
             capacity, log_capacity = args
             states[sid] = ModelState(model.config.state_spec, device=model.device, dtype=model.dtype,
@@ -238,5 +279,11 @@ def follow(model: HybridLM, at: Rank) -> ShardCache:
                 forward_batch(model, items)
             for i, _, _ in args[0]:
                 cache.after_pass(i, states[i])
+        elif op == "mtp_new":
+            held.mtp_head = held.mtp_head or MTPHead(model)
+            states[sid] = held.mtp_head.new_cache(*args)
+        elif op == "mtp":
+            ids, hidden, start = args
+            held.mtp_head.run(ids.to(model.device), hidden.to(model.device), states[sid], start)
         elif op != "ping":  # a change rank 0 made: one that fails here breaks the group (this rank exits)
             getattr(states[sid], op)(*args)

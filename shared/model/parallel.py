@@ -15,7 +15,10 @@ Each of N ranks holds a model of the same family whose config has 1/N of the hea
   the replicated router, applies only its own experts (a token routed to none of them gets 0 here) and the block
   ends in the same all-reduce; the shared expert stays column/row-split;
 - the embedding, the norms, the routers and the LM head replicated: logits need no gather, and the hidden state
-  every rank routes and decides on is the same tensor.
+  every rank routes and decides on is the same tensor;
+- the MTP head (`mtp.*`): its decoder layer(s) split as a trunk layer is, by the same plans and all-reduces; its
+  fusion projection `fc` and its norms replicated (`fc`'s output is the head's residual stream, which every rank
+  needs whole: split, it would cost a collective of its own per draft step).
 
 Where a row-parallel projection ends (a mixer's output, an MLP's) the rank's partial sums are added by one
 all-reduce. The fused pass adds each part's output to the residual inside the part (`addmm`), so rank 0 hands it
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,10 +39,12 @@ from torch import Tensor, nn
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.fields import ConfigError
 from deltaspec.shared.model.hybrid import HybridLM
+from deltaspec.shared.model.layers import DecoderLayer
 from deltaspec.shared.model.mixers.attention import Attention
 from deltaspec.shared.model.mixers.gdn import GatedDeltaNet
 from deltaspec.shared.model.mlp import MLP, SparseMoE
 from deltaspec.shared.model.moe import Experts
+from deltaspec.shared.model.mtp_head import head_layers, layer_count
 
 # the config fields cut by N (0: the model has no such part)
 SHARDED_FIELDS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
@@ -71,6 +76,36 @@ class Rank:
     world: int
     group: dist.ProcessGroup | None = None
     clock: Clock = field(default_factory=Clock, compare=False)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a shard was cut, kept on it (`HybridLM.sharding`) for the parts built from it later (the MTP head's
+    layers, from the shard's config and its cut `mtp.*` tensors)."""
+
+    at: Rank
+    expert_parallel: bool = False
+
+    def place(self, layers: Sequence[DecoderLayer]) -> None:
+        """With `expert_parallel`, give each MoE block of `layers` (built from the shard's config) room for this
+        rank's experts only, numbered from its first."""
+        if not self.expert_parallel:
+            return
+        for layer in layers:
+            if type(layer.mlp) is SparseMoE:
+                whole = layer.mlp.experts
+                held = whole.gate_up_proj.shape[0] // self.at.world
+                layer.mlp.experts = Experts(held, whole.down_proj.shape[1], whole.down_proj.shape[2])
+                layer.mlp.first_expert = self.at.rank * held
+
+    def reduce(self, layers: Sequence[DecoderLayer], zero: Tensor) -> None:
+        """All-reduce each mixer's and MLP's output of `layers`, on the layer path (a forward hook) and the fused one
+        (the `fused` it hands the fused pass, added to the residual on rank 0 alone); `zero` in the weights' dtype."""
+        for layer in layers:
+            for module in (layer.mixer, layer.mlp):
+                if module is not None:
+                    module.register_forward_hook(lambda _m, _args, out: _all_reduce(out, self.at))
+                    module.fused = _reduced(module.fused, self.at, zero)
 
 
 def sharded_config(cfg: ModelConfig, world: int, expert_parallel: bool = False) -> ModelConfig:
@@ -140,49 +175,61 @@ def _take(t: Tensor, split: Split | str, at: Rank) -> Tensor:
     return torch.cat([p.chunk(pieces, dim)[piece] for p in parts], dim).clone()
 
 
-def shard_tensors(model: HybridLM, at: Rank, expert_parallel: bool = False) -> dict[str, Tensor]:
-    """Rank `at`'s part of every tensor of `model`'s state_dict (HF's names)."""
+def _layer_splits(layers: Sequence[DecoderLayer], prefix: str, what: str, family: str,
+                  expert_parallel: bool) -> dict[str, Split | str]:
+    """How each parameter of `layers` (named `prefix`i.) splits; a ConfigError names a part not sharded yet."""
     splits: dict[str, Split | str] = {}
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(layers):
         for name, part in ((layer.mixer_name, layer.mixer), ("mlp", layer.mlp)):
             if part is None:
                 continue
             plan = _splits(part, expert_parallel)
             if plan is None:
-                raise ConfigError(f"tensor parallel: layer {i}'s {type(part).__name__} ({model.config.family}) is "
-                                  "not sharded yet")
-            splits |= {f"model.layers.{i}.{name}.{p}": s for p, s in plan.items()}
-    return {k: _take(v, splits[k], at) if k in splits else v.clone() for k, v in model.state_dict().items()}
+                raise ConfigError(f"tensor parallel: {what} {i}'s {type(part).__name__} ({family}) is not sharded "
+                                  "yet")
+            splits |= {f"{prefix}{i}.{name}.{p}": s for p, s in plan.items()}
+    return splits
+
+
+def shard_tensors(model: HybridLM, at: Rank, expert_parallel: bool = False) -> dict[str, Tensor]:
+    """Rank `at`'s part of every tensor of `model`'s state_dict (HF's names)."""
+    splits = _layer_splits(model.model.layers, "model.layers.", "layer", model.config.family, expert_parallel)
+    return _cut(model.state_dict(), splits, at)
+
+
+def shard_mtp_tensors(model: HybridLM, at: Rank, expert_parallel: bool = False) -> dict[str, Tensor]:
+    """Rank `at`'s part of `model`'s `mtp.*` tensors (in their checkpoint dtypes): the head's layers split as the
+    trunk's, the rest (fusion projection, norms) replicated."""
+    if not model.mtp:
+        return {}
+    with torch.device("meta"):
+        layers = head_layers(model.config, layer_count(model.mtp))
+    return _cut(model.mtp, _layer_splits(layers, "mtp.layers.", "MTP layer", model.config.family, expert_parallel), at)
+
+
+def _cut(tensors: dict[str, Tensor], splits: dict[str, Split | str], at: Rank) -> dict[str, Tensor]:
+    """Rank `at`'s part of each of `tensors`: those `splits` names cut, the others replicated."""
+    return {k: _take(v, splits[k], at) if k in splits else v.clone() for k, v in tensors.items()}
 
 
 def shard(model: HybridLM, at: Rank, expert_parallel: bool = False) -> HybridLM:
-    """Rank `at`'s shard of `model`, fused; its layer path (`fuse(False)`) is all-reduced too. The MTP head's
-    tensors are carried whole (`full_config` their shape): the MTP drafter runs on rank 0 alone, from the full
-    hidden states every rank has after the all-reduce, with no collective of its own. `expert_parallel`: routed
-    experts spread over the ranks whole instead of cut by columns."""
+    """Rank `at`'s shard of `model`, fused; its layer path (`fuse(False)`) is all-reduced too. Its `mtp` holds the
+    rank's part of the MTP head's tensors, from which `MTPHead` builds the rank's shard of the head (`sharding`).
+    `expert_parallel`: routed experts spread over the ranks whole instead of cut by columns."""
     if at.world == 1:
         return model.fuse()
     cfg = sharded_config(model.config, at.world, expert_parallel)
     tensors = shard_tensors(model, at, expert_parallel)
+    sharding = Sharding(at, expert_parallel)
     with torch.device("meta"):
         part = HybridLM(cfg)
-        if expert_parallel:
-            held = cfg.num_experts // at.world
-            for layer in part.model.layers:
-                if type(layer.mlp) is SparseMoE:
-                    layer.mlp.experts = Experts(held, cfg.hidden_size, cfg.moe_intermediate_size)
-                    layer.mlp.first_expert = at.rank * held
+        sharding.place(part.model.layers)
     part.load_state_dict(tensors, strict=True, assign=True)
     if part.config.tie_word_embeddings:
         part.lm_head.weight = part.model.embed_tokens.weight
-    part.mtp, part.full_config = model.mtp, model.config
+    part.mtp, part.sharding = shard_mtp_tensors(model, at, expert_parallel), sharding
     part.eval()
-    zero = part.lm_head.weight.new_zeros(())
-    for layer in part.model.layers:
-        for module in (layer.mixer, layer.mlp):
-            if module is not None:
-                module.register_forward_hook(lambda _m, _args, out: _all_reduce(out, at))
-                module.fused = _reduced(module.fused, at, zero)  # what `fuse()` hands the fused pass
+    sharding.reduce(part.model.layers, part.lm_head.weight.new_zeros(()))
     part.fuse()
     return part
 

@@ -32,88 +32,20 @@ Trunk hidden states come from the target's verify pass (`Round.hidden`, and the 
 `TargetSession.prefill_hidden`): the drafter is handed the session through the optional
 `attach_session` hook (see `deltaspec.shared.decoding.drafters.attach`), so the decoding loop stays the same
 for every drafter. The head runs where the target runs: it needs the trunk's hidden states.
+
+The head module is `deltaspec.shared.model.mtp_head.MTPHead`; on a tensor-parallel target it is rank 0's shard of
+the head, and each of its passes runs on every rank (the followers are sent its ids and hidden states).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from deltaspec.shared.decoding.drafters import Proposal
 from deltaspec.shared.decoding.sampling import SamplingParams, draw, probabilities
 from deltaspec.shared.model.config import ModelConfig
 from deltaspec.shared.model.hybrid import HybridLM
-from deltaspec.shared.model.layers import DecoderLayer
-from deltaspec.shared.model.loader import float32_names
-from deltaspec.shared.model.norms import RMSNorm
-from deltaspec.shared.model.rotary import rotary_cos_sin
-from deltaspec.shared.state.rollback import AttnLayerState
-from deltaspec.shared.state.spec import ATTENTION, RECURRENT
-
-
-def layer_kinds(cfg: ModelConfig, n_layers: int) -> tuple[str, ...]:
-    """The head's layer kinds: the family's (`mtp_layer_types`), else Qwen's, `n_layers` full-attention layers."""
-    return cfg.mtp_layer_types or ("full_attention",) * n_layers
-
-
-def head_layers(cfg: ModelConfig, n_layers: int) -> list[DecoderLayer]:
-    """The family's layers of those kinds, with the config's `mtp_overrides`; a MoE model's are sparse (their own
-    MoE block and shared expert, in every published layout)."""
-    layer_cfg = dataclasses.replace(cfg, **dict(cfg.mtp_overrides))
-    return [DecoderLayer(layer_cfg, kind, cfg.num_experts > 0) for kind in layer_kinds(cfg, n_layers)]
-
-
-class MTPHead(nn.Module):
-    """The `mtp.*` module; its state_dict keys are the checkpoint's keys (after the family's `convert`) without
-    `mtp.`."""
-
-    def __init__(self, target: HybridLM) -> None:
-        super().__init__()
-        cfg = target.full_config  # on a tensor-parallel target, rank 0 holds the head whole (it drafts alone)
-        weights = {k[len("mtp."):]: v for k, v in target.mtp.items()}
-        n_layers = len({k.split(".")[1] for k in weights if k.startswith("layers.")})
-        if not weights or not n_layers:
-            raise ValueError("the target checkpoint has no MTP head (no mtp.layers.* tensors)")
-        D, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
-        self.cfg = cfg
-        self.fc = nn.Linear(2 * D, D, bias=False)
-        self.pre_fc_norm_embedding = RMSNorm(D, eps, offset)
-        self.pre_fc_norm_hidden = RMSNorm(D, eps, offset)
-        self.layers = nn.ModuleList(head_layers(cfg, n_layers))
-        if any(layer.state == RECURRENT for layer in self.layers):
-            raise ValueError("an MTP head with recurrent layers is not supported: its cache rolls back by position")
-        self.norm = RMSNorm(D, eps, offset)
-        missing, unexpected = self.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"mtp.* tensors do not match the MTP layout: missing {sorted(missing)[:3]}, "
-                             f"unexpected {sorted(unexpected)[:3]}")
-        float32 = float32_names(self)  # a router kept in float32, as the trunk's is
-        for name, t in self.to(device=target.device).state_dict(keep_vars=True).items():
-            t.data = t.data.to(torch.float32 if name in float32 else target.dtype)
-        self.eval()
-
-    def new_cache(self, capacity: int = 256) -> list[AttnLayerState | None]:
-        """K/V for each attention layer of the head, shaped as the trunk's (a latent attention's latent as one
-        head); None for its MLPs."""
-        spec = self.cfg.state_spec
-        shape = (spec.kv_heads, capacity, spec.head_dim)
-        p = self.fc.weight
-        return [AttnLayerState(p.new_zeros(shape), p.new_zeros(shape)) if layer.state == ATTENTION else None
-                for layer in self.layers]
-
-    @torch.inference_mode()
-    def forward(self, emb: Tensor, hidden: Tensor, cache: list[AttnLayerState], start: int) -> Tensor:
-        """emb `(T, D)` embeddings of x_{i+1}, hidden `(T, D)` post-norm h_i; rows at positions start..start+T-1.
-
-        Returns the post-`mtp.norm` states `(T, D)`; writes K/V at those positions.
-        """
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        positions = torch.arange(start, start + x.shape[0], device=x.device)
-        rope = rotary_cos_sin(self.cfg.rotary_dim, self.cfg.rope_theta, positions, x.dtype)
-        for layer, st in zip(self.layers, cache):
-            x = layer(x, st, start, rope)
-        return self.norm(x)
+from deltaspec.shared.model.mtp_head import MTPHead, head_layers
 
 
 class MTPDrafter:
@@ -149,12 +81,12 @@ class MTPDrafter:
             raise RuntimeError("MTPDrafter needs the target session: call attach(drafter, session) after start")
         if k == 0 or (self.last is None and not self.rows_x):
             return Proposal([])
-        embed, logits = self.target.model.embed, self.target.logits
+        logits = self.target.logits
         if self.rows_x:  # the trunk's rows: committed in the head's cache
             hidden = self.target.model.norm(torch.cat(self.rows_h))
             ids = torch.tensor(self.rows_x, device=hidden.device)
             with torch.inference_mode():
-                out = self.head(embed(ids), hidden, self.cache, self.length)
+                out = self.head(ids, hidden, self.cache, self.length)
             self.length += len(self.rows_x)
             self.rows_h, self.rows_x, self.last = [], [], out[-1]
         y, tokens, dists = self.last, [], []
@@ -166,8 +98,7 @@ class MTPDrafter:
                 tokens.append(token)
                 dists.append(q)
                 if j + 1 < k:  # chain on the head's own output; staged past `length`, never committed
-                    y = self.head(embed(torch.tensor([token], device=y.device)), y[None], self.cache,
-                                  self.length + j)[0]
+                    y = self.head(torch.tensor([token], device=y.device), y[None], self.cache, self.length + j)[0]
         return Proposal(tokens, None if self.sampling.greedy else torch.stack(dists))
 
     def advance(self, accepted: int, next_token: int) -> None:
