@@ -8,14 +8,16 @@ the PATH:
     DELTASPEC_AIPERF=~/aiperf/bin/aiperf deltaspec bench --only aiperf
 
 It runs offline: the embedded pair is byte-level, so its tokenizer is written as a `tokenizer.json` whose ids are the
-UTF-8 bytes (what `ByteTokenizer` does), and the requests are the bench's own prompts as a `single_turn` dataset,
-greedy, `max_tokens` n with `ignore_eos`, `num_draft_tokens` k in the body; output tokens are counted from the usage
-the front reports (`--use-server-token-count`), not re-tokenised (the pair can write bytes that are not UTF-8).
-For each concurrency and k, the bench's raw-SSE client (`openai_front.row`, path `http`) and then AIPerf send the same
-number of requests to the same front; the rows give each one's output tokens/s, median time to first token and median
+UTF-8 bytes (what `ByteTokenizer` does), and the requests are the prompts the bench's own client just sent (the same
+ones, as many times: a speculative row's speed depends on the prompts' acceptance) as a `single_turn` dataset read in
+order, no warm-up of AIPerf's own (the bench's client warmed the front), greedy, `max_tokens` n with `ignore_eos`,
+`num_draft_tokens` k in the body; output tokens are counted from the usage the front reports
+(`--use-server-token-count`), not re-tokenised (the pair can write bytes that are not UTF-8). For each concurrency and
+k, the bench's raw-SSE client (`openai_front.row`, path `http`) and then AIPerf send the same requests to the same
+front; the rows give each one's output tokens/s, median time to first token and median
 time per output token (ours: per token, a chunk of m tokens counting m gaps of a m-th; AIPerf's inter-token latency:
 per request, (latency - TTFT) / (tokens - 1), then its median over requests), and the client's CPU milliseconds per
-output token (ours: its threads; AIPerf: its processes, start-up and warm-up included), which on a host with few
+output token (ours: its threads; AIPerf: its processes, start-up included), which on a host with few
 cores is taken from the target.
 """
 from __future__ import annotations
@@ -68,13 +70,16 @@ def _served_model(address: str) -> str:
         return json.load(response)["data"][0]["id"]
 
 
-def aiperf_row(exe: str, address: str, tokenizer: Path, dataset: Path, out: Path, k: int, concurrency: int, n: int,
-               requests: int) -> dict:
-    """One AIPerf run of `requests` streamed completions at `concurrency`, after one warm-up request a client."""
+def aiperf_row(exe: str, address: str, tokenizer: Path, prompts: list[str], out: Path, k: int, concurrency: int,
+               n: int) -> dict:
+    """One AIPerf run at `concurrency` of one streamed completion per prompt, sent in order (the front is warm)."""
+    out.mkdir(parents=True)
+    dataset = out / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
     args = [exe, "profile", "--model", _served_model(address), "--url", f"http://{address}",
             "--endpoint-type", "completions", "--streaming", "--tokenizer", str(tokenizer), "--input-file",
-            str(dataset), "--custom-dataset-type", "single_turn", "--concurrency", str(concurrency),
-            "--request-count", str(requests), "--warmup-request-count", str(concurrency), "--use-server-token-count",
+            str(dataset), "--custom-dataset-type", "single_turn", "--dataset-sampling-strategy", "sequential",
+            "--concurrency", str(concurrency), "--request-count", str(len(prompts)), "--use-server-token-count",
             "--extra-inputs", f"max_tokens:{n}", "--extra-inputs", "ignore_eos:true", "--extra-inputs",
             "temperature:0", "--extra-inputs", f"num_draft_tokens:{k}", "--output-artifact-dir", str(out),
             "--random-seed", "1", "--ui-type", "none"]
@@ -101,16 +106,16 @@ def aiperf_rows(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
     rows = []
     with pair_behind_front(target_dir, draft_dir) as (_, front), tempfile.TemporaryDirectory() as tmp:
         tokenizer = byte_tokenizer(Path(tmp) / "tokenizer")
-        dataset = Path(tmp) / "prompts.jsonl"
-        dataset.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))
         for concurrency in LEVELS:
             for k in KS:
                 row("http", front.address, k, 1, 8, 1)  # warm
                 ours = row("http", front.address, k, concurrency, n, generations)
                 rows.append({"client": "bench", "k": k, "concurrency": concurrency,
                              "requests": concurrency * generations, **{f: ours[f] for f in FIELDS[4:]}})
-                theirs = aiperf_row(exe, front.address, tokenizer, dataset, Path(tmp) / f"run-{concurrency}-{k}", k,
-                                    concurrency, n, concurrency * generations)
+                # the prompts `row` sent (thread i's g-th generation), so acceptance is the same
+                prompts = [PROMPTS[(i + g) % len(PROMPTS)] for i in range(concurrency) for g in range(generations)]
+                theirs = aiperf_row(exe, front.address, tokenizer, prompts, Path(tmp) / f"run-{concurrency}-{k}", k,
+                                    concurrency, n)
                 rows.append({"client": "aiperf", "k": k, "concurrency": concurrency, **theirs})
     return rows
 
