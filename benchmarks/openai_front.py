@@ -174,32 +174,55 @@ def pair_behind_front(target_dir: Path, draft_dir: Path) -> Iterator[tuple[dict,
 
 
 def openai_front(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
-    n, generations = (48, 2) if quick else (96, 4)
+    """Per concurrency and k, the three paths in turn, `repeats` times (each repeat starting from the next path):
+    a row per path with the medians of its runs, and the runs themselves (`runs`, paired by repeat for the ratios)."""
+    n, generations, repeats = (48, 2, 1) if quick else (96, 4, 3)
     rows = []
     with pair_behind_front(target_dir, draft_dir) as (servers, front):
         for concurrency in LEVELS:
             for k in KS:
-                for path in PATHS:
-                    address = servers["target"].address if path == "grpc" else front.address
-                    row(path, address, k, 1, 8, 1)  # warm: connections, the prefix cache's first blocks
-                    rows.append({"path": path, **row(path, address, k, concurrency, n, generations, front)})
+                runs: dict[str, list[dict]] = {path: [] for path in PATHS}
+                for r in range(repeats):
+                    for path in PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]:
+                        address = servers["target"].address if path == "grpc" else front.address
+                        if not r:
+                            row(path, address, k, 1, 8, 1)  # warm: connections, the prefix cache's first blocks
+                        runs[path].append(row(path, address, k, concurrency, n, generations, front))
+                rows += [{"path": path, "k": k, "concurrency": concurrency, "tokens": mine[0]["tokens"],
+                          **{f: statistics.median(run[f] for run in mine) for f in FIELDS[4:]}, "runs": mine}
+                         for path, mine in runs.items()]
     return rows
 
 
+def _spread(values: list[float], fmt: str) -> str:
+    """The median of paired per-repeat values, with their range when there are several."""
+    median = format(statistics.median(values), fmt)
+    return median if len(values) == 1 else f"{median} [{format(min(values), fmt)} to {format(max(values), fmt)}]"
+
+
 def print_rows(rows: list[dict]) -> None:
-    print("\nOpenAI front vs gRPC Generate (greedy, embedded pair, streamed; ttft median, tpot per token p50; CPU ms "
-          "of the front per output token and per request, of the client per output token)")
+    print("\nOpenAI front vs gRPC Generate (greedy, embedded pair, streamed; medians of the alternated repeats; ttft "
+          "median, tpot per token p50; CPU ms of the front per output token and per request, of the client per output "
+          "token)")
     print(" ".join(f"{f:>13}" for f in FIELDS))
     for r in rows:
         print(" ".join(f"{r[f]:>13.{3 if f.endswith('_tok') else 1}f}" if isinstance(r[f], float) else f"{r[f]:>13}"
                        for f in FIELDS))
-    by = {(r["path"], r["k"], r["concurrency"]): r for r in rows}
-    print("\nfront / gRPC: tokens/s ratio, median TTFT difference (ms); speculative over target-only, each path")
+    runs = {(r["path"], r["k"], r["concurrency"]): r["runs"] for r in rows}
+
+    def paired(path: str, k: int, c: int, than: tuple[str, int], how) -> list[float]:
+        return [how(a, b) for a, b in zip(runs[(path, k, c)], runs[(than[0], than[1], c)])]
+
+    def ratio(a: dict, b: dict) -> float:
+        return a["tokens_per_s"] / b["tokens_per_s"]
+
+    print("\nfront / gRPC, each repeat's paths paired: tokens/s ratio, median TTFT difference (ms), median [range]; "
+          "speculative over target-only, each path")
     for c in LEVELS:
         for k in KS:
-            direct = by[("grpc", k, c)]
             print(f"  concurrency {c}, k {k}: " + "; ".join(
-                f"{p} tok/s {by[(p, k, c)]['tokens_per_s'] / direct['tokens_per_s']:.3f}, "
-                f"TTFT {by[(p, k, c)]['ttft_ms_p50'] - direct['ttft_ms_p50']:+.2f} ms" for p in PATHS[1:]))
-        speedup = {p: by[(p, 4, c)]["tokens_per_s"] / by[(p, 0, c)]["tokens_per_s"] for p in PATHS}
-        print(f"  concurrency {c}: speculative / target-only: " + ", ".join(f"{p} {speedup[p]:.2f}x" for p in PATHS))
+                f"{p} tok/s " + _spread(paired(p, k, c, ("grpc", k), ratio), ".3f") + ", TTFT "
+                + _spread(paired(p, k, c, ("grpc", k), lambda a, b: a["ttft_ms_p50"] - b["ttft_ms_p50"]), "+.2f")
+                + " ms" for p in PATHS[1:]))
+        print(f"  concurrency {c}: speculative / target-only: " + ", ".join(
+            f"{p} " + _spread(paired(p, 4, c, (p, 0), ratio), ".2f") + "x" for p in PATHS))
