@@ -19,7 +19,6 @@ from deltaspec.shared.state.rollback import ModelState
 from deltaspec.shared.state.spec import LOG_CAPACITY
 
 if TYPE_CHECKING:
-    from deltaspec.shared.model.parallel import Sharding
     from deltaspec.shared.state.pool import StatePool
     from deltaspec.shared.state.prefix_cache import PrefixCache
 
@@ -35,7 +34,9 @@ class HybridLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp: dict[str, Tensor] = {}  # the checkpoint's mtp.* tensors, kept for the MTP drafter
-        self.sharding: Sharding | None = None  # set by `parallel.shard`: how this tensor-parallel shard was cut
+        # set by `parallel.shard` (a `parallel.Sharding`: how this tensor-parallel shard was cut; parallel.py imports
+        # this module, so it is not named here)
+        self.sharding: Any = None
         self.fused: fused.FusedStack | None = None  # set by `fuse()`: forward takes the fused path
         self.rope_table: tuple[Tensor, Tensor, Tensor] | None = None  # cos, sin, signed sin by position (`rope`)
         self.compiled: CompiledPasses | None = None  # set by `compile()`: passes that fit the logs run compiled
