@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -138,6 +139,20 @@ def run_rank(rank: int, world: int, name: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+def spawn_ranks(fn: Callable[..., None], nprocs: int, *args: object) -> None:
+    """`fn(rank, *args)` in `nprocs` spawned processes, each leaving at once once `fn` returns (its group left): the
+    interpreter's own teardown of a gloo group can abort a rank ("terminate called without an active exception",
+    about one run in six of a 2-rank test here), as `lockstep.exit_group` knows."""
+    mp.spawn(_and_exit, args=(fn, args), nprocs=nprocs)
+
+
+def _and_exit(rank: int, fn: Callable[..., None], args: tuple) -> None:
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
@@ -148,7 +163,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
                                   for name in sorted(CASES)])
 def test_ranks_give_the_single_process_logits_and_tokens(name, tmp_path):
     world = RANKS.get(name, 2)
-    mp.spawn(run_rank, args=(world, name, str(tmp_path)), nprocs=world)
+    spawn_ranks(run_rank, world, world, name, str(tmp_path))
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     want = ranks[0]["want"]
     assert len(set(want["greedy"])) > 1
@@ -313,7 +328,7 @@ def test_followers_make_every_call_rank_0_makes(tmp_path):
     trunk layer (its fusion projection replicated): each draft's logits within 1e-5 of the single process's over
     rounds keeping 0..3 drafts, its greedy tokens the single process's; the follower holds the same shard of the head
     and of the live head cache as rank 0, half the K/V heads."""
-    mp.spawn(lead_or_follow, args=(2, str(tmp_path)), nprocs=2)
+    spawn_ranks(lead_or_follow, 2, 2, str(tmp_path))
     got, follower = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
     want, whole = got["want"], got["whole"]["weights"]
     assert not got["errors"]
@@ -396,7 +411,7 @@ def lead_with_a_prefix_cache(rank: int, world: int, out: str) -> None:
 def test_a_group_shares_prefixes_through_the_prefix_cache(tmp_path):
     """Each rank caches its shard of every entry: later prompts hit (a branch resumed from the grid, an extension
     from the leaf), and their tokens and logits are the single process's; eviction is mirrored too."""
-    mp.spawn(lead_with_a_prefix_cache, args=(2, str(tmp_path)), nprocs=2)
+    spawn_ranks(lead_with_a_prefix_cache, 2, 2, str(tmp_path))
     got = torch.load(tmp_path / "leader.pt", weights_only=False)
     assert not got["errors"]
     assert got["tokens"] == got["want"]
