@@ -339,8 +339,7 @@ def _placement(args: argparse.Namespace, model_dir: Path) -> Placement | None:
     """Where this process's tensor-parallel ranks sit (None: one process, no group): `--tensor-parallel N` over
     `--nnodes`, or torchrun's placement when it started this process (docs/tensor-parallel.md). Checked before
     anything starts: sizes that cannot form a group or shard the checkpoint, and what a group does not mirror yet
-    (--compile, --capture). One node meets on a free loopback port unless --master-port is given. The prefix cache
-    is turned off (--prefix-cache-block becomes 0)."""
+    (--compile, --capture). One node meets on a free loopback port unless --master-port is given."""
     import socket
 
     from deltaspec.shared.model.config import ModelConfig
