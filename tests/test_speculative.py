@@ -54,6 +54,26 @@ def test_model_drafter_any_acceptance(k):
 
 
 
+def test_zero_draft_rounds_run_no_draft_pass_and_the_backlog_drafts_as_a_fresh_start():
+    """A cost model at k = 0 must cost what plain decoding costs: the draft model stays idle through zero-draft
+    rounds (not one forward pass), and its next proposal equals a drafter started on the whole history."""
+    draft = random_model(hf_config(hidden_size=32, intermediate_size=64,
+                                   layer_types=["linear_attention", "full_attention"]), seed=5)
+    drafter, passes = ModelDrafter(draft), []
+    handle = draft.register_forward_hook(lambda *_: passes.append(1))
+    drafter.start(PROMPT)
+    history = list(PROMPT)
+    for token in WANT[:6]:  # six rounds without drafts, each emitting the target's token
+        assert drafter.propose(0).tokens == []
+        drafter.advance(0, token)
+        history.append(token)
+    assert passes == []
+    fresh = ModelDrafter(draft)
+    fresh.start(history)
+    handle.remove()
+    assert drafter.propose(4).tokens == fresh.propose(4).tokens
+
+
 class Recorder:
     """Wraps a drafter and keeps each proposal with the committed history it was made after."""
 

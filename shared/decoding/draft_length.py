@@ -276,6 +276,8 @@ class CostModelLength:
         self.probing = False  # the last k chosen was a probe
         self.k, self.reason = 0, "none"
         self.shadows: list[list] = []  # [drafts, matched so far, asked] of unverified proposals (`shadow`)
+        self.learned = 0  # rounds learnt from: with the batch size, what `rates` depends on
+        self.rated: tuple[tuple[int, int], list[float]] | None = None  # the last `rates`, and for what
 
     @property
     def acceptance(self) -> float:
@@ -328,10 +330,13 @@ class CostModelLength:
 
     def rates(self) -> list[float]:
         """Expected tokens per second at each k up to `k_max`, at this session's acceptance and the next batch's
-        pass costs."""
-        costs = self.costs.at(self.batch_size())
-        return rates(replace(costs, target_s=costs.target_s[:self.k_max + 1], batched=()), self.positions(),
-                     self.overlapped, self.continuation)
+        pass costs; kept until either changes (a round at k = 0 learns nothing, and asks twice)."""
+        key = (self.learned, self.batch_size())
+        if self.rated is None or self.rated[0] != key:
+            costs = self.costs.at(key[1])
+            self.rated = key, rates(replace(costs, target_s=costs.target_s[:self.k_max + 1], batched=()),
+                                    self.positions(), self.overlapped, self.continuation)
+        return self.rated[1]
 
     def expects_drafts(self) -> bool:
         """Whether a round would draft now, probes aside (a remote draft's session is then worth opening early)."""
@@ -390,7 +395,7 @@ class CostModelLength:
 
     def _learn(self, proposed: int, accepted: int, asked: int) -> None:
         """What a round of `proposed` drafts (of `asked`), `accepted` of them, teaches; the past weighed `keep`."""
-        keep = self.keep
+        keep, self.learned = self.keep, self.learned + 1
         self.accepted, self.rejected = keep * self.accepted + accepted, keep * self.rejected + (accepted < proposed)
         self.continued, self.stopped = keep * self.continued + proposed, keep * self.stopped + (proposed < asked)
         for i in range(self.k_max):  # draft i + 1 was reached if every draft before it was kept

@@ -4,7 +4,9 @@ The draft model rolls back exactly as the target does: proposing stages tokens o
 `ModelState`, and `advance` commits the accepted prefix. Inputs it has not yet consumed (the
 next token, and after a full accept also the last draft) wait in `pending` and open the next
 proposal's first forward pass; longer backlogs (the prompt, zero-draft rounds) are prefilled
-first, so a round's staging stays within the state's log capacity.
+first, so a round's staging stays within the state's log capacity. A zero-draft round runs no
+draft pass at all: a cost model at k = 0 costs what plain decoding costs, and the tokens it
+emitted are prefilled in one pass at the next round that drafts.
 
 `speculate(k)` proposes the next round before this one's outcome is known (pipelined rounds): it
 feeds the rest of this round, guesses the target's next token (the draft's most likely one), marks
@@ -107,6 +109,8 @@ class ModelDrafter:
         self.state.revert()
         self._drop_chain()
         self.proposed = []
+        if not k:  # a round without drafts runs no draft pass: its inputs wait for the next round that drafts
+            return Proposal([])
         if len(self.pending) > 2:  # a prompt, or inputs piled up by zero-draft rounds: prefill all but the last
             if self.cursor is not None:  # a prompt resumes from its longest cached prefix
                 self.cursor.prefill(self.model, self.pending[:-1])
