@@ -360,3 +360,29 @@ def test_traceparent_continues_into_one_trace_and_token_times_count_tokens(stack
         count(before, "deltaspec_openai_time_to_first_token_seconds_count") == 1
     assert count(after, "deltaspec_openai_time_per_output_token_seconds_count") - \
         count(before, "deltaspec_openai_time_per_output_token_seconds_count") == tokens - first
+
+
+def test_the_front_added_time_is_observed_once_a_request_and_is_under_its_time_to_first_token(stack):
+    """deltaspec_openai_front_added_seconds, streamed or not, chat or completion: one observation a request (its
+    sum then is the request's value), above zero and under the time to first token the client sees, of which the
+    target's part is not the front's."""
+    registry = stack.fronts["draft"].app.state.metrics.registry
+    client = sync_client(stack)
+
+    def added() -> tuple[float, float]:
+        return tuple(registry.get_sample_value(f"deltaspec_openai_front_added_seconds_{s}") for s in ("count", "sum"))
+
+    for chat in (False, True):
+        for stream in (False, True):
+            create = client.chat.completions.create if chat else client.completions.create
+            asked = {"messages": CONVERSATION} if chat else {"prompt": PROMPTS[1]}
+            (count, total), sent = added(), time.perf_counter()
+            answer = create(model="tiny-chat", max_tokens=N, temperature=0, stream=stream, **asked)
+            if stream:  # the first chunk with content
+                next(c for c in answer if c.choices and (c.choices[0].delta.content if chat else c.choices[0].text))
+            first_token = time.perf_counter() - sent
+            if stream:
+                list(answer)
+            after = added()
+            assert after[0] - count == 1, (chat, stream)
+            assert 0 < after[1] - total < first_token, (chat, stream)
