@@ -33,6 +33,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, use_span
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deltaspec.shared.rpc.generation import Resume, aio_server_stream
 from deltaspec.shared.rpc.recovery import TARGET_SERVICE
@@ -91,6 +92,7 @@ def make_app(settings: Settings) -> FastAPI:
             await channel.close()
 
     app = FastAPI(title="deltaspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Arrival)
     app.state.metrics = metrics
 
     async def authorized(http: HTTPRequest) -> None:
@@ -157,7 +159,7 @@ def make_app(settings: Settings) -> FastAPI:
     async def answer(http: HTTPRequest, body: ChatBody | CompletionBody, prompt_param: str) -> Response:
         """Open the target's Generate for the request; its first message (the prompt's ids) says the target took
         it, so a refusal still gets its HTTP status; then the whole response, or its stream."""
-        started = time.perf_counter()
+        started = http.scope[ARRIVED]
         name, info = await model_info(http)
         if body.model != name:
             raise _unknown_model(body.model)
@@ -172,6 +174,7 @@ def make_app(settings: Settings) -> FastAPI:
         reply, clock = Reply(request, name), TokenClock(metrics, started)
         try:
             with use_span(span, end_on_exit=False):
+                clock.call()
                 reply.add(await anext(messages))
         except grpc.RpcError as e:
             await messages.aclose()
@@ -198,7 +201,8 @@ def make_app(settings: Settings) -> FastAPI:
                         reply.add(msg)
                         clock.tokens(len(msg.token_ids))
                         if chunk := reply.chunk(msg):
-                            yield chunk
+                            yield chunk  # back here once it is written
+                            clock.out()
                     yield reply.last_chunks()
             except grpc.RpcError as e:  # the stream began: the error is an event, then [DONE]
                 yield sse(from_rpc_error(e, prompt_param).body()) + DONE
@@ -210,6 +214,21 @@ def make_app(settings: Settings) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
     return app
+
+
+ARRIVED = "deltaspec.arrived"  # the scope's key for a request's arrival at the app (time.perf_counter)
+
+
+class Arrival:
+    """Notes in the scope when a request reaches the app, before routing, the API key's check and the body's reading:
+    where its time to first token and the front's added time start (metrics.TokenClock)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[ARRIVED] = time.perf_counter()
+        await self.app(scope, receive, send)
 
 
 async def _body(http: HTTPRequest, model: type[ChatBody] | type[CompletionBody]) -> ChatBody | CompletionBody:
@@ -229,6 +248,8 @@ async def _collect(messages: AsyncIterator[pb.GenerateResponse], reply: Reply, c
     async for msg in messages:
         reply.add(msg)
         clock.tokens(len(msg.token_ids))
+        if msg.token_ids:
+            clock.out()
 
 
 async def _until_disconnect(http: HTTPRequest, work: Awaitable[None]) -> None:

@@ -9,8 +9,10 @@ in-process target-only decoding (`TargetSession` with `NoDrafter`, k = 0) on the
 from __future__ import annotations
 
 import asyncio
+import bisect
 import http.client
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -22,8 +24,10 @@ import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import generate_latest
 
+from benchmarks.openai_front import bucket_quantile, bucket_sum, scrape_added
 from deltaspec.openai_service.app import BackgroundFront, Settings
 from deltaspec.openai_service.errors import from_rpc_error
+from deltaspec.openai_service.metrics import ADDED_BUCKETS
 from deltaspec.shared.client import Client
 from deltaspec.shared.decoding.drafters import NoDrafter
 from deltaspec.shared.decoding.drafters.mtp import random_mtp_weights
@@ -360,3 +364,35 @@ def test_traceparent_continues_into_one_trace_and_token_times_count_tokens(stack
         count(before, "deltaspec_openai_time_to_first_token_seconds_count") == 1
     assert count(after, "deltaspec_openai_time_per_output_token_seconds_count") - \
         count(before, "deltaspec_openai_time_per_output_token_seconds_count") == tokens - first
+
+
+def test_the_front_added_time_is_observed_once_a_request_and_is_under_its_time_to_first_token(stack):
+    """deltaspec_openai_front_added_seconds, streamed or not, chat or completion: one observation a request (its
+    sum then is the request's value), above zero and under the time to first token the client sees, of which the
+    target's part is not the front's. The bench's scrape of the page gives their median to a 0.1 ms bucket."""
+    front = stack.fronts["draft"]
+    registry, client, values = front.app.state.metrics.registry, sync_client(stack), []
+    page = scrape_added(front.address)
+
+    def added() -> tuple[float, float]:
+        return tuple(registry.get_sample_value(f"deltaspec_openai_front_added_seconds_{s}") for s in ("count", "sum"))
+
+    for chat in (False, True):
+        for stream in (False, True):
+            create = client.chat.completions.create if chat else client.completions.create
+            asked = {"messages": CONVERSATION} if chat else {"prompt": PROMPTS[1]}
+            (count, total), sent = added(), time.perf_counter()
+            answer = create(model="tiny-chat", max_tokens=N, temperature=0, stream=stream, **asked)
+            if stream:  # the first chunk with content
+                next(c for c in answer if c.choices and (c.choices[0].delta.content if chat else c.choices[0].text))
+            first_token = time.perf_counter() - sent
+            if stream:
+                list(answer)
+            after = added()
+            assert after[0] - count == 1, (chat, stream)
+            assert 0 < after[1] - total < first_token, (chat, stream)
+            values.append(after[1] - total)
+    values.sort()
+    bounds = (0.0, *ADDED_BUCKETS, math.inf)  # the median lies between the buckets of the middle two values
+    low, high = bounds[bisect.bisect_left(bounds, values[1]) - 1], bounds[bisect.bisect_left(bounds, values[2])]
+    assert low <= bucket_quantile(bucket_sum([scrape_added(front.address)], minus=page), 0.5) <= high
