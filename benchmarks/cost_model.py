@@ -10,7 +10,9 @@ cost` (`deltaspec.shared.decoding.draft_length`), the same draft behind both:
   target repeats itself) and where it does not, in turn: at N = 1 one session after another alternates, and within
   a session the acceptance moves as the text starts or stops repeating; at N >= 4 one batch mixes both kinds.
 At 1, 4 and 8 concurrent `Generate` streams (the server loop, greedy, every output checked against in-process
-target-only decoding) it measures aggregate tokens/s: first every fixed k in `FIXED_KS` once, on the fixed server,
+target-only decoding) it measures aggregate tokens/s, each stream generating back to back for `WINDOW_S` (the tokens
+delivered within it: every stream busy throughout, as under steady load; a fixed number of generations a stream
+would end each run with the slowest sessions alone): first every fixed k in `FIXED_KS` once, on the fixed server,
 to find the best; then k = 0 (on the cost server, so the two runs it is compared with most share a process), that
 best fixed k and the cost model (up to `COST_K_MAX`), alternated in a rotating order, `REPEATS` times. The cost
 server first serves `WARM_GENERATIONS` generations, as a server that has run a while has (its sessions start from
@@ -40,6 +42,7 @@ COST_K_MAX = 8
 REPEATS, QUICK_REPEATS = 5, 2
 WARM_GENERATIONS = 8
 GOAL = 0.97
+WINDOW_S, QUICK_WINDOW_S = 2.0, 0.5  # each run: every stream generating back to back for this long (`load.measure`)
 # n-gram lookup matches well where the embedded target repeats itself (acceptance 0.9) and badly where it does not
 # (0.2-0.3); alternated, so that one batch of 4 or 8 mixes them
 NGRAM_PROMPTS = ["import os\nimport sys\n\n", "def area(r):\n    return 3.14 * r * r\n\n" * 3,
@@ -72,19 +75,19 @@ def servers_for(target_dir: Path, draft_dir: Path | None) -> dict[str, Server]:
 
 
 def served(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], levels: tuple[int, ...],
-           fixed_ks: tuple[int, ...], repeats: int, max_new_tokens: int) -> list[dict]:
+           fixed_ks: tuple[int, ...], repeats: int, max_new_tokens: int, window_s: float = WINDOW_S) -> list[dict]:
     """Per level: tokens/s at every fixed k (once), then k = 0, the best fixed k and the cost model, every repeat."""
     expected = target_only_outputs(load_model(target_dir), prompts, max_new_tokens)
     servers = servers_for(target_dir, draft_dir)
     try:
-        def rate(server: str, k: int, n: int, tokens: int = max_new_tokens) -> dict:
+        def rate(server: str, k: int, n: int, tokens: int = max_new_tokens, window: float | None = window_s) -> dict:
             used = {"target": servers[server], **({"draft": servers["draft"]} if "draft" in servers else {})}
-            return measure(used, prompts, [e[:tokens] for e in expected], "server", k, n, tokens, 1)
+            return measure(used, prompts, [e[:tokens] for e in expected], "server", k, n, tokens, 1, window)
 
         for server, k in (("cost", 0), ("cost", COST_K_MAX), *(("fixed", k) for k in fixed_ks)):
-            rate(server, k, 1, 8)  # first calls of every path, unrecorded
+            rate(server, k, 1, 8, None)  # first calls of every path, unrecorded
         for _ in range(WARM_GENERATIONS // 4):  # the cost-model server's first sessions
-            rate("cost", COST_K_MAX, 4)
+            rate("cost", COST_K_MAX, 4, window=None)
         return [level(rate, n, fixed_ks, repeats) for n in levels]
     finally:
         stop_all(servers)
@@ -123,10 +126,11 @@ def cost_model(quick: bool = False) -> dict:
                   "useless draft: MoE target, random draft": (moe_target, random_draft, prompts),
                   "changing draft: n-gram, prompts it matches and does not, in turn": (DEFAULT_TARGET, None,
                                                                                        ngram_prompts)}
-        pairs = {name: served(target, draft, p, levels, ks, repeats, tokens)
+        pairs = {name: served(target, draft, p, levels, ks, repeats, tokens, QUICK_WINDOW_S if quick else WINDOW_S)
                  for name, (target, draft, p) in drafts.items()}
     command = "deltaspec bench --only cost_model" + (" --quick" if quick else "")
     return {"header": report.header(command, started), "cost_k_max": COST_K_MAX, "max_new_tokens": tokens,
+            "window_s": QUICK_WINDOW_S if quick else WINDOW_S,
             "warm_generations": WARM_GENERATIONS, "repeats": repeats, "pairs": pairs}
 
 
@@ -138,7 +142,8 @@ def print_rows(result: dict) -> None:
     print(f"\n{result['header']}")
     print(f"k per round from the cost model (up to {result['cost_k_max']}), served (server loop, greedy, "
           f"{result['max_new_tokens']} tokens a generation, outputs equal to target-only; the cost-model server "
-          f"warmed by {result['warm_generations']} generations; aggregate tok/s, median [min-max] of "
+          f"warmed by {result['warm_generations']} generations; aggregate tok/s, every stream generating back to "
+          f"back for {result.get('window_s', 0):g} s a run, median [min-max] of "
           f"{result['repeats']} alternated runs; fixed k once each)")
     for pair, rows in result["pairs"].items():
         print(f"{pair}:")

@@ -23,6 +23,7 @@ servers' torch intra-op threads at 1 and at 2 (`--torch-threads`), each setting 
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import resource
@@ -45,8 +46,12 @@ FIELDS = ("loop", "k", "concurrency", "torch_threads", "generations", "tokens", 
 
 
 def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list[list[int]], loop: str, k: int,
-            concurrency: int, max_new_tokens: int, torch_threads: int) -> dict:
-    """One row (see the module docstring); raises the first error or wrong output of any session."""
+            concurrency: int, max_new_tokens: int, torch_threads: int, window_s: float | None = None) -> dict:
+    """One row (see the module docstring); raises the first error or wrong output of any session. `window_s`: each
+    thread instead runs generations back to back (its prompts in turn) for that long, and the row counts the tokens
+    delivered within it: all N streams stay busy the whole time, as on a server under steady load, where a fixed
+    share per thread ends with the slowest sessions running alone (a policy that finishes some sessions sooner
+    then looks slower for it)."""
     from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 
     target, draft = servers["target"].address, servers["draft"].address if "draft" in servers else None
@@ -54,18 +59,24 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list
     start = threading.Barrier(concurrency + 1)
     lock, errors = threading.Lock(), []
     tpot, ttft, tokens, rounds, drafts, drafted, accepted = [], [], 0, 0, 0, 0, 0
+    generations = 0
 
     def session(i: int) -> None:
-        nonlocal tokens, rounds, drafts, drafted, accepted
+        nonlocal tokens, rounds, drafts, drafted, accepted, generations
         start.wait()
-        for j in range(per_thread):
+        deadline = time.perf_counter() + window_s if window_s else math.inf
+        for j in itertools.count() if window_s else range(per_thread):
+            if time.perf_counter() >= deadline:
+                return
             p = (i * per_thread + j) % len(prompts)
-            began, last, gaps = time.perf_counter(), [0.0], []
+            began, last, gaps, within = time.perf_counter(), [0.0], [], [0]
 
             def on_tokens(ids: list[int], text: str) -> None:
                 if not ids:  # the stream's closing message carries only text
                     return
                 now = time.perf_counter()
+                if now <= deadline:
+                    within[0] += len(ids)
                 gaps.extend([(now - last[0]) / len(ids)] * len(ids) if last[0] else [now - began])
                 last[0] = now
 
@@ -86,7 +97,8 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list
             with lock:
                 ttft.append(gaps[0])
                 tpot.extend(gaps[1:])
-                tokens += len(result.token_ids)
+                tokens += within[0] if window_s else len(result.token_ids)
+                generations += 1
                 rounds, drafts, drafted, accepted = (rounds + s.rounds, drafts + s.drafts, drafted + s.drafted,
                                                      accepted + s.accepted)
 
@@ -100,7 +112,7 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list
     began = time.perf_counter()
     for t in threads:
         t.join()
-    seconds = time.perf_counter() - began
+    seconds = window_s or time.perf_counter() - began
     cpu_after = _cpu_s(servers)
     cpu = {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
     batches = {name: [a - b for a, b in zip(after, batches_before[name])] for name, after in _batches(servers).items()}
@@ -109,7 +121,7 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list
     tpot.sort()
     ttft.sort()
     return {"loop": loop, "k": k, "concurrency": concurrency, "torch_threads": torch_threads,
-            "generations": concurrency * per_thread, "tokens": tokens, "seconds": seconds,
+            "generations": generations, "tokens": tokens, "seconds": seconds,
             "tokens_per_s": tokens / seconds, "tpot_p50_ms": 1e3 * percentile(tpot, 0.5),
             "tpot_p99_ms": 1e3 * percentile(tpot, 0.99), "ttft_p50_ms": 1e3 * percentile(ttft, 0.5),
             "ttft_p99_ms": 1e3 * percentile(ttft, 0.99), "acceptance": accepted / drafted if drafted else 0.0,

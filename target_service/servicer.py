@@ -119,7 +119,7 @@ class TargetServicer(target_service_pb2_grpc.TargetServiceServicer):
         if self.pass_costs is None or not asked:
             return asked
         return CostModelLength(self.pass_costs, batch_size=getattr(self.model, "batch_size", lambda: 1), k_max=asked,
-                               tally=self.tally)
+                               tally=self.tally, drafting=getattr(self.model, "drafting_calls", lambda: 0))
 
     async def CreateSession(self, request: pb.CreateSessionRequest, context) -> pb.CreateSessionResponse:
         prompt, sampling = self._prompt(request), sampling_from_proto(request.sampling)

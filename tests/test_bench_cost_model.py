@@ -5,12 +5,12 @@ from benchmarks import cost_model
 
 def test_served_rows_compare_k0_the_best_fixed_k_and_the_cost_model(tmp_path, capsys):
     prompts = [[72, 101, 108, 108, 111], [100, 101, 102, 32, 102, 40]]
-    rows = cost_model.served(*cost_model.moe_pair(tmp_path), prompts, (1,), (1,), 1, 8)
+    rows = cost_model.served(*cost_model.moe_pair(tmp_path), prompts, (1,), (1,), 1, 8, window_s=0.3)
     (row,) = rows
     assert row["concurrency"] == 1 and set(row["fixed_once"]) == {1} and row["best_fixed_k"] == 1
     assert list(row["tokens_per_s"]) == ["k = 0", f"fixed k = {row['best_fixed_k']}", "cost model"]
     assert all(len(v) == 1 and v[0] > 0 for v in row["tokens_per_s"].values())
     assert row["cost_k"] == [0.0]  # the tally learnt in the warm-up that this draft never matches: no drafts
     cost_model.print_rows({"header": "test", "cost_k_max": 8, "max_new_tokens": 8, "warm_generations": 8,
-                           "repeats": 1, "pairs": {"useless draft": rows}})
+                           "window_s": 0.3, "repeats": 1, "pairs": {"useless draft": rows}})
     assert "cost / better" in capsys.readouterr().out

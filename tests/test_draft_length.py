@@ -223,6 +223,25 @@ def test_a_round_reads_the_costs_of_the_batch_it_joins():
     assert CostModelLength(costs, prior=0.9, k_max=0).choose() == 0
 
 
+
+def test_where_others_verify_a_round_pays_only_its_tokens():
+    """The step up from a decode pass to a verify is paid once a pass: where another session of the batch drafts,
+    this one's drafts cost their share of the verify line alone, so a draft too poor to pay for the step pays for
+    its own tokens. Its own drafts of the last round do not count as another's."""
+    row = (7.1, 9.3, 9.7, 10.1, 10.5, 10.9, 11.3, 11.7, 12.1)  # 8 sequences at T tokens each: a step, then a line
+    costs = PassCosts(row, 0.0, batched=((8, row),))
+    assert costs.at(8, verifying=True).target_s == pytest.approx([9.3 + 0.05 * k for k in range(9)])
+    assert costs.at(8).target_s[1] == pytest.approx(7.1 + 2.2 / 8)  # alone, the first drafter bears the step
+    others = [0]
+    length = CostModelLength(costs, prior=0.1, batch_size=lambda: 8, drafting=lambda: others[0])
+    assert length.choose() == 0 and not length.others_verify()
+    others[0] = 1  # another session drafted in the last pass
+    assert length.others_verify() and length.choose() > 0
+    assert not length.others_verify()  # the one drafting session of the last pass may be this one
+    others[0] = 2
+    assert length.others_verify()
+
+
 def test_drafting_cost_as_a_round_trip_plus_steps():
     assert draft_line({2: [0.012, 0.013, 0.012], 4: [0.014], 8: [0.018]}) == pytest.approx((0.010, 0.001))
     assert draft_line({4: [0.04]}) == pytest.approx((0.0, 0.01)) and draft_line({}) == (0.0, 0.0)

@@ -141,6 +141,7 @@ class BatchedModel:
         self._stepping = threading.Lock()  # one pass at a time: the batching thread's, or a lone caller's
         self._last_call: weakref.WeakKeyDictionary[ModelState, float] = weakref.WeakKeyDictionary()
         self._closed = False
+        self.drafting = 0  # calls in the last pass that carried more than one token (a verify's drafts, a prompt)
         self._thread = threading.Thread(target=self._run, name="deltaspec-batcher", daemon=True)
         self._thread.start()
 
@@ -178,6 +179,11 @@ class BatchedModel:
         cost model reads, `deltaspec.shared.decoding.draft_length`)."""
         with self._cv:
             return max(1, min(self.batching.max_batch, self._active()))
+
+    def drafting_calls(self) -> int:
+        """Calls of the last pass that carried more than one token: where others verify drafts, the pass runs as a
+        verify whatever one session adds (what a draft length cost model reads)."""
+        return self.drafting
 
     def close(self) -> None:
         with self._cv:
@@ -238,6 +244,7 @@ class BatchedModel:
                         _restore(c.state, c.staged)
                     c.error, c.fed = e, c.ids.numel()
                     results.append((torch.empty(0), torch.empty(0)))
+        self.drafting = sum(ids.numel() > 1 for ids, _ in pieces)
         self.stats.batches += 1
         self.stats.items += len(batch)
         self.stats.largest = max(self.stats.largest, len(batch))
