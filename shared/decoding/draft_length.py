@@ -38,7 +38,7 @@ NEAR_BEST = 0.97  # a k whose expected gain over decoding is within 3 % of the b
 PRIOR, PRIOR_ROUNDS = 0.9, 2.0  # a fresh session's acceptance, worth two rounds: a draft someone chose is likely
 # good, and starting low costs a good draft several short rounds while starting high costs a bad one one long round
 SHADOW_SHARE = 0.01  # at k = 0, unverified drafts are asked for where they cost at most this share of a decode step
-POSITION_PRIOR = 1.0  # rounds' worth of the estimate a draft position starts from (the position before's)
+POSITION_PRIOR = 4.0  # rounds' worth of the pooled acceptance each draft position's estimate starts from
 KEEP = 0.8  # weight of a session's past at each drafted round: its acceptance follows the last five rounds or so
 
 
@@ -292,15 +292,17 @@ class CostModelLength:
 
     def positions(self) -> list[float]:
         """a_i, the chance the i-th draft is kept once the ones before it were, for i = 1 .. k_max + 1: what the
-        rounds that reached it kept, shrunk towards a_(i-1) (a_1's towards `acceptance`) by `POSITION_PRIOR` rounds,
-        so a position no round has reached takes the one before's. Acceptance comes in runs (a draft that matched
+        rounds that reached it kept, shrunk towards the pooled `acceptance` by `POSITION_PRIOR` rounds, so a
+        position no round has reached recently takes the pooled one. Acceptance comes in runs (a draft that matched
         the first tokens of a passage matches its next ones), which one a for every draft would underrate: n-gram
-        lookup keeping a fifth of its drafts still paid at k = 6 where that a said k = 0."""
-        out, prior = [], self.acceptance
-        for reached, kept in zip(self.reached, self.kept):
-            prior = (kept + POSITION_PRIOR * prior) / (reached + POSITION_PRIOR)
-            out.append(prior)
-        return [*out, prior]  # the next token's: the guess a pipelined round rides on
+        lookup keeping a fifth of its drafts still paid at k = 6 where that a said k = 0. Each position is shrunk
+        towards the pooled acceptance, not the position before's, and by four rounds, not one: with one, a single
+        rejection deep in a round set that position's a for every later round (the rounds then stopped short of it,
+        so nothing corrected it), and a draft at a = 0.96 ran at 3-6 drafts a round where 8 pays most (served, and
+        in `benchmarks`' simulation)."""
+        a = self.acceptance
+        return [*((kept + POSITION_PRIOR * a) / (reached + POSITION_PRIOR)
+                  for reached, kept in zip(self.reached, self.kept)), a]  # last: the next token's guess
 
     @property
     def continuation(self) -> float:
