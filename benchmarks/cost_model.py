@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import report
+from benchmarks import cost_model_sim, report
 from benchmarks.load import measure
 from benchmarks.loopback import PROMPTS, Server, stop_all, target_only_outputs
 from benchmarks.moe_passes import moe_config
@@ -130,7 +130,7 @@ def cost_model(quick: bool = False) -> dict:
                  for name, (target, draft, p) in drafts.items()}
     command = "deltaspec bench --only cost_model" + (" --quick" if quick else "")
     return {"header": report.header(command, started), "cost_k_max": COST_K_MAX, "max_new_tokens": tokens,
-            "window_s": QUICK_WINDOW_S if quick else WINDOW_S,
+            "window_s": QUICK_WINDOW_S if quick else WINDOW_S, "simulated": cost_model_sim.simulate(),
             "warm_generations": WARM_GENERATIONS, "repeats": repeats, "pairs": pairs}
 
 
@@ -157,3 +157,5 @@ def print_rows(result: dict) -> None:
                   f"{statistics.median(r['cost_k']):>6.2f} {_spread(r['cost_vs_best']):>18} "
                   f"{_spread(r['cost_vs_k0']):>18} {_spread(r['cost_vs_fixed']):>18}  {once}")
     print(f"goal: cost / better (the better of k = 0 and the best fixed k, each repeat) >= {GOAL} in every row")
+    if "simulated" in result:
+        cost_model_sim.print_rows(result["simulated"])

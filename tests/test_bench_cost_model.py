@@ -1,6 +1,6 @@
 """`deltaspec bench --only cost_model` at its smallest: real servers, a never-matching draft on a MoE target (the
 case the cost model must not lose in), every output checked against target-only decoding by the bench itself."""
-from benchmarks import cost_model
+from benchmarks import cost_model, cost_model_sim
 
 
 def test_served_rows_compare_k0_the_best_fixed_k_and_the_cost_model(tmp_path, capsys):
@@ -14,3 +14,12 @@ def test_served_rows_compare_k0_the_best_fixed_k_and_the_cost_model(tmp_path, ca
     cost_model.print_rows({"header": "test", "cost_k_max": 8, "max_new_tokens": 8, "warm_generations": 8,
                            "window_s": 0.3, "repeats": 1, "pairs": {"useless draft": rows}})
     assert "cost / better" in capsys.readouterr().out
+
+
+def test_simulated_rounds_compare_the_cost_model_with_every_fixed_k(capsys):
+    """The simulation behind the bench's last table: a draft that matches 96 % of the time behind the embedded
+    pair's measured costs, where the longest round pays most."""
+    (row,) = cost_model_sim.simulate([("pair", True, cost_model_sim.Iid(0.96))])
+    assert row["best_fixed_k"] == 8 and 0 < row["cost_vs_best"] <= 1.05 and row["mean_k"] > 6
+    cost_model_sim.print_rows([row])
+    assert "Iid(a=0.96)" in capsys.readouterr().out

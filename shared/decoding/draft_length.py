@@ -35,11 +35,11 @@ MAX_PROBE_EVERY = 256  # the longest wait, after rejected or dear probes
 PROBE_SHARE = 0.01  # at most this share of the rounds' time goes to probes' extra cost
 COST_MODEL_K_MAX = 8  # the most drafts a server's cost model measures (and so picks) a round
 NEAR_BEST = 0.97  # a k whose expected gain over decoding is within 3 % of the best one's counts as good as it
-PRIOR, PRIOR_ROUNDS = 0.9, 2.0  # a fresh session's acceptance, worth two rounds: a draft someone chose is likely
+PRIOR, PRIOR_ROUNDS = 0.9, 8.0  # a fresh session's acceptance, worth eight rounds: a draft someone chose is likely
 # good, and starting low costs a good draft several short rounds while starting high costs a bad one one long round
 SHADOW_SHARE = 0.01  # at k = 0, unverified drafts are asked for where they cost at most this share of a decode step
 POSITION_PRIOR = 4.0  # rounds' worth of the pooled acceptance each draft position's estimate starts from
-KEEP = 0.8  # weight of a session's past at each drafted round: its acceptance follows the last five rounds or so
+KEEP = 0.9  # weight of a session's past at each drafted round: its acceptance follows the last ten rounds or so
 
 
 @dataclass(frozen=True)
