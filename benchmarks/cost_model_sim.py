@@ -5,7 +5,8 @@ first rejection; `Runs`: the first draft kept with p, each next one with c, as n
 the pass costs of one of three measured shapes (`COSTS`: the embedded pair served with its remote draft's round
 trip, overlapped by pipelining; n-gram lookup, free; the bench's MoE target with an in-process draft model). A run
 is `GENERATIONS` generations of `TOKENS` tokens, each with a fresh `CostModelLength` on one server-wide `Tally`,
-probes included (n-gram's unverified shadow drafts are not simulated: its rows are the model without them). The
+probes included, and the unverified shadow drafts a round at k = 0 asks for where drafting is free (n-gram lookup),
+each taught at once as the tokens it guessed were emitted (served, they are taught over the next rounds). The
 row: the cost model's tokens per simulated second over the best fixed k's (k = 0..8), median of `SEEDS` seeds.
 """
 from __future__ import annotations
@@ -72,6 +73,11 @@ def run(costs: PassCosts, draft: Iid | Runs, k: int | None, overlapped: bool, se
         made = 0
         while made < TOKENS:
             drafts = min(model.choose() if model else k, TOKENS - made - 1)  # type: ignore[arg-type]
+            shadow = min(model.shadow_k(), TOKENS - made - 1) if model and not drafts else 0
+            if shadow:  # unverified drafts (free ones: n-gram lookup), checked against the tokens emitted next
+                matched = draft.kept(shadow, rng)
+                model.shadow([0] * shadow, shadow)
+                model.emitted([0] * matched + [1] * (matched < shadow))
             kept = draft.kept(drafts, rng)
             hidden = overlapped and drafts and kept == drafts and rng.random() < draft.guess
             seconds += costs.target_s[drafts] + (costs.draft_fixed_s + drafts * costs.draft_s
