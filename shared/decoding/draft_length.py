@@ -75,8 +75,8 @@ class PassCosts:
 
         def shared(k: int) -> float:
             whole, part = divmod(k, size)
-            return row[min(whole, len(row) - 1)] + part / size * (row[min(whole + 1, len(row) - 1)]
-                                                                  - row[min(whole, len(row) - 1)])
+            below, above = row[min(whole, len(row) - 1)], row[min(whole + 1, len(row) - 1)]
+            return below + part / size * (above - below)
         return PassCosts(tuple(shared(start + k) for k in range(len(row))), self.draft_s,
                          draft_fixed_s=self.draft_fixed_s, others=size - 1)
 
@@ -315,7 +315,7 @@ class CostModelLength:
         towards the pooled acceptance, not the position before's, and by four rounds, not one: with one, a single
         rejection deep in a round set that position's a for every later round (the rounds then stopped short of it,
         so nothing corrected it), and a draft at a = 0.96 ran at 3-6 drafts a round where 8 pays most (served, and
-        in `benchmarks`' simulation)."""
+        simulated: `benchmarks/cost_model_sim.py`)."""
         a = self.acceptance
         return [*((kept + POSITION_PRIOR * a) / (reached + POSITION_PRIOR)
                   for reached, kept in zip(self.reached, self.kept)), a]  # last: the next token's guess
