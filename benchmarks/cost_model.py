@@ -120,17 +120,18 @@ def cost_model(quick: bool = False) -> dict:
     ngram_prompts = [tokenizer.encode(p) for p in NGRAM_PROMPTS]
     levels, repeats, ks = (QUICK_LEVELS, QUICK_REPEATS, QUICK_FIXED_KS) if quick else (LEVELS, REPEATS, FIXED_KS)
     tokens = 32 if quick else 64
+    window_s = QUICK_WINDOW_S if quick else WINDOW_S
     with tempfile.TemporaryDirectory() as root:
         moe_target, random_draft = moe_pair(Path(root))
         drafts = {"good draft: the embedded pair": (DEFAULT_TARGET, DEFAULT_DRAFT, prompts),
                   "useless draft: MoE target, random draft": (moe_target, random_draft, prompts),
                   "changing draft: n-gram, prompts it matches and does not, in turn": (DEFAULT_TARGET, None,
                                                                                        ngram_prompts)}
-        pairs = {name: served(target, draft, p, levels, ks, repeats, tokens, QUICK_WINDOW_S if quick else WINDOW_S)
+        pairs = {name: served(target, draft, p, levels, ks, repeats, tokens, window_s)
                  for name, (target, draft, p) in drafts.items()}
     command = "deltaspec bench --only cost_model" + (" --quick" if quick else "")
     return {"header": report.header(command, started), "cost_k_max": COST_K_MAX, "max_new_tokens": tokens,
-            "window_s": QUICK_WINDOW_S if quick else WINDOW_S, "simulated": cost_model_sim.simulate(),
+            "window_s": window_s, "simulated": cost_model_sim.simulate(),
             "warm_generations": WARM_GENERATIONS, "repeats": repeats, "pairs": pairs}
 
 
@@ -143,7 +144,7 @@ def print_rows(result: dict) -> None:
     print(f"k per round from the cost model (up to {result['cost_k_max']}), served (server loop, greedy, "
           f"{result['max_new_tokens']} tokens a generation, outputs equal to target-only; the cost-model server "
           f"warmed by {result['warm_generations']} generations; aggregate tok/s, every stream generating back to "
-          f"back for {result.get('window_s', 0):g} s a run, median [min-max] of "
+          f"back for {result['window_s']:g} s a run, median [min-max] of "
           f"{result['repeats']} alternated runs; fixed k once each)")
     for pair, rows in result["pairs"].items():
         print(f"{pair}:")

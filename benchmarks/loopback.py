@@ -59,8 +59,7 @@ class Server:
 
     def samples(self) -> dict[str, float]:
         """Every sample of the server's /metrics, by name with its labels, from one scrape."""
-        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as reply:
-            lines = reply.read().decode().splitlines()
+        lines = metrics_page(self.metrics).splitlines()
         return {sample: float(value) for sample, value in (line.rsplit(" ", 1) for line in lines
                                                            if line and not line.startswith("#"))}
 
@@ -83,6 +82,12 @@ class Server:
                 self.serving = True
                 self.ready.set()
         self.ready.set()  # stderr closed: the process ended (a start that failed says why in the log)
+
+
+def metrics_page(address: str) -> str:
+    """The Prometheus text page `address` serves at /metrics now."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        return reply.read().decode()
 
 
 def pin_threads(pid: int, cpus: set[int]) -> None:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.loopback import PROMPTS, cpu_seconds, percentile, start_pair, stop_all
+from benchmarks.loopback import PROMPTS, cpu_seconds, metrics_page, percentile, start_pair, stop_all
 
 LEVELS, KS, PATHS = (1, 4, 8), (4, 0), ("grpc", "openai", "http")
 FIELDS = ("path", "k", "concurrency", "tokens", "tokens_per_s", "ttft_ms_p50", "added_ms_p50", "tpot_ms_p50",
@@ -63,9 +63,7 @@ def bucket_quantile(buckets: Buckets, q: float) -> float | None:
 
 def scrape_added(address: str) -> Buckets:
     """The front's added-time histogram as its /metrics page gives it now."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as page:
-        text = page.read().decode()
-    family = next(f for f in text_string_to_metric_families(text) if f.name == ADDED)
+    family = next(f for f in text_string_to_metric_families(metrics_page(address)) if f.name == ADDED)
     return [(float(s.labels["le"]), s.value) for s in family.samples if s.name == f"{ADDED}_bucket"]
 
 
