@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import itertools
 import json
 import math
 import os
@@ -45,7 +46,9 @@ LEVELS, KS, PATHS = (1, 4, 8), (4, 0), ("grpc", "openai", "http")
 FIELDS = ("path", "k", "concurrency", "tokens", "tokens_per_s", "ttft_ms_p50", "added_ms_p50", "tpot_ms_p50",
           "front_ms_tok", "front_ms_req", "client_ms_tok")
 ADDED = "deltaspec_openai_front_added_seconds"
+WINDOW_S = 3.0  # each run: every stream generating back to back for this long (`row`)
 GOAL_ADDED_MS = 2.0  # issue 45: the front costs at most 2 ms of median time to first token
+GOAL_SHARE = 0.05  # and at most 5 % of tokens/s at the top concurrency; the speedup within 5 % of gRPC's
 Buckets = list[tuple[float, float]]  # a histogram's (upper bound, cumulative count), +Inf last
 
 
@@ -154,21 +157,28 @@ def _own_cpu_s() -> float:
     return own.ru_utime + own.ru_stime
 
 
-def row(path: str, address: str, k: int, concurrency: int, n: int, generations: int,
+def row(path: str, address: str, k: int, concurrency: int, n: int, window_s: float,
         front: Front | None = None) -> dict:
-    """`concurrency` threads, `generations` each, of `n` greedy tokens from the shared prompts; each thread keeps one
-    client (one channel, one HTTP connection pool), as an application does, so what is timed is the requests.
-    `front`: whose CPU time is counted as the front's, and, on its paths, whose added time is read (`added`: the
+    """`concurrency` threads run greedy generations of `n` tokens from the shared prompts back to back for `window_s`,
+    and tokens/s counts the tokens delivered within it: every stream stays busy the whole window, where a fixed share
+    per thread ends with the slowest streams running alone and a path whose streams finish unevenly looks slower for
+    it. Each thread keeps one client (one channel, one HTTP connection pool), as an application does, so what is
+    timed is the requests. `front`: whose CPU time is counted as the front's (per token over every token delivered,
+    the window's and the last generations' after it), and, on its paths, whose added time is read (`added`: the
     run's buckets)."""
     opener, stream = PATH_FNS[path]
-    first, per_token, counts = [], [], []
-    lock = threading.Lock()
+    first, per_token, counts, within = [], [], [], [0]
+    lock, start = threading.Lock(), threading.Barrier(concurrency + 1)
 
     def worker(i: int) -> None:
         client = opener(address)
-        for g in range(generations):
+        start.wait()
+        deadline = time.perf_counter() + window_s
+        for g in itertools.count():
+            if time.perf_counter() >= deadline:
+                break
             sent = last = time.perf_counter()
-            mine_first, mine, total = None, [], 0
+            mine_first, mine, total, inside = None, [], 0, 0
             for m in stream(client, PROMPTS[(i + g) % len(PROMPTS)], n, k):
                 now = time.perf_counter()
                 if mine_first is None:
@@ -176,26 +186,27 @@ def row(path: str, address: str, k: int, concurrency: int, n: int, generations: 
                 else:
                     mine += [(now - last) / m] * m
                 last, total = now, total + m
+                inside += m if now <= deadline else 0
             with lock:
                 first.append(mine_first)
                 per_token.extend(mine)
                 counts.append(total)
+                within[0] += inside
         client.close()
 
     scraped = front if path != "grpc" else None  # the front sees no gRPC request
     before = scrape_added(scraped.address) if scraped else None
-    front_cpu, client_cpu = front.cpu_s() if front else 0.0, _own_cpu_s()
-    started = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
     for t in threads:
         t.start()
+    front_cpu, client_cpu = front.cpu_s() if front else 0.0, _own_cpu_s()
+    start.wait()
     for t in threads:
         t.join()
-    seconds = time.perf_counter() - started
     front_cpu, client_cpu = (front.cpu_s() if front else 0.0) - front_cpu, _own_cpu_s() - client_cpu
     added = bucket_sum([scrape_added(scraped.address)], minus=before) if scraped else None
     tokens = sum(counts)
-    return {"k": k, "concurrency": concurrency, "tokens": tokens, "tokens_per_s": tokens / seconds,
+    return {"k": k, "concurrency": concurrency, "tokens": within[0], "tokens_per_s": within[0] / window_s,
             "ttft_ms_p50": 1000 * statistics.median(first), "added_ms_p50": _added_ms(added),
             "tpot_ms_p50": 1000 * percentile(sorted(per_token), 0.5), "front_ms_tok": 1000 * front_cpu / tokens,
             "front_ms_req": 1000 * front_cpu / len(counts), "client_ms_tok": 1000 * client_cpu / tokens,
@@ -226,8 +237,9 @@ def pair_behind_front(target_dir: Path, draft_dir: Path) -> Iterator[tuple[dict,
 def openai_front(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
     """Per concurrency and k, the three paths in turn, `repeats` times (each repeat starting from the next path):
     a row per path with the medians of its runs, and the runs themselves (`runs`, paired by repeat for the ratios).
-    On the 2-core host a repeat takes about 70 s (23 s a path), so about 6 min in all; --quick under a minute."""
-    n, generations, repeats = (48, 2, 1) if quick else (96, 4, 5)
+    On the 2-core host a run takes `WINDOW_S` and its last generations' tail (about 3.3 s), a repeat 18 runs (about
+    60 s), so about 5 min in all; --quick under a minute."""
+    n, window_s, repeats = (48, 1.0, 1) if quick else (96, WINDOW_S, 5)
     rows = []
     with pair_behind_front(target_dir, draft_dir) as (servers, front):
         for concurrency in LEVELS:
@@ -237,8 +249,9 @@ def openai_front(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
                     for path in PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]:
                         address = servers["target"].address if path == "grpc" else front.address
                         if not r:
-                            row(path, address, k, 1, 8, 1)  # warm: connections, the prefix cache's first blocks
-                        runs[path].append(row(path, address, k, concurrency, n, generations, front))
+                            row(path, address, k, 1, 8, 0.01)  # warm (one generation): connections, the prefix cache's
+                            # first blocks
+                        runs[path].append(row(path, address, k, concurrency, n, window_s, front))
                 rows += [_cell(path, k, concurrency, mine) for path, mine in runs.items()]
     return rows
 
@@ -316,3 +329,13 @@ def print_rows(rows: list[dict]) -> None:
         print(f"  concurrency {c}: speculative / target-only: " + ", ".join(
             f"{p} " + _spread(paired(p, 4, c, (p, 0), ratio), ".2f") + "x" for p in PATHS))
     print(_goal(rows))
+    top = LEVELS[-1]
+    for p in PATHS[1:]:
+        costs = [_spread(paired(p, k, top, ("grpc", k), ratio), ".3f") for k in KS]
+        speedups = [ratio(a, b) / ratio(c, d) for a, b, c, d in zip(
+            cells[(p, 4, top)]["runs"], cells[(p, 0, top)]["runs"], cells[("grpc", 4, top)]["runs"],
+            cells[("grpc", 0, top)]["runs"])]
+        print(f"goals at concurrency {top}, {p}: front / gRPC tok/s (at least {1 - GOAL_SHARE:g}) " +
+              ", ".join(f"k {k} {c}" for k, c in zip(KS, costs)) +
+              f"; speculative / target-only through the front over the same over gRPC (within 1 +- {GOAL_SHARE:g}) "
+              + _spread(speedups, ".3f"))

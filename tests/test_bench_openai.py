@@ -69,7 +69,30 @@ def test_the_rows_give_the_pooled_median_and_the_goal_reads_the_largest_cell():
     assert grpc.split()[FIELDS.index("added_ms_p50")] == "-"
     assert openai.split()[FIELDS.index("added_ms_p50")] == "1.05"
     assert "front adds 1.05 [1.05 to 1.05] ms" in text
-    assert text.splitlines()[-1].startswith("goal: the front adds at most 2 ms of median time to first token: "
+    assert goal(text, "goal: the front adds").startswith("goal: the front adds at most 2 ms of median time to first token: "
                                             "largest cell, openai 1.05 [1.05 to 1.05] ms (concurrency 1, k 4), "
                                             "http 1.55 [1.55 to 1.55] ms (concurrency 8, k 0): met")
-    assert ": missed (" in printed(2.45).splitlines()[-1]
+    assert ": missed (" in goal(printed(2.45), "goal: the front adds")
+
+
+def goal(text: str, start: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(start))
+
+
+def test_the_throughput_goals_pair_each_repeat_at_the_top_concurrency():
+    """Front over gRPC tok/s per k, and the front's speedup over gRPC's, each repeat's runs paired."""
+    speeds = {("grpc", 4): (600.0, 500.0), ("grpc", 0): (400.0, 400.0), ("openai", 4): (570.0, 450.0),
+              ("openai", 0): (380.0, 400.0), ("http", 4): (600.0, 500.0), ("http", 0): (400.0, 400.0)}
+
+    def runs(path: str, k: int) -> list[dict]:
+        return [{**run(path, [1.0]), "tokens_per_s": v} for v in speeds[path, k]]
+
+    rows = [_cell(path, k, c, runs(path, k)) for c in LEVELS for k in KS for path in PATHS]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_rows(rows)
+    # openai: 570/600 and 450/500 at k 4; 380/400 and 1.0 at k 0; speedups (1.5, 1.125) over gRPC's (1.5, 1.25)
+    assert goal(text.getvalue(), "goals at concurrency 8, openai").endswith(
+        "k 4 0.925 [0.900 to 0.950], k 0 0.975 [0.950 to 1.000]; speculative / target-only through the front over "
+        "the same over gRPC (within 1 +- 0.05) 0.950 [0.900 to 1.000]")
+    assert goal(text.getvalue(), "goals at concurrency 8, http").endswith("1.000 [1.000 to 1.000]")
