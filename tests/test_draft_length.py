@@ -58,15 +58,16 @@ def test_learns_the_sessions_acceptance_and_probes_at_zero():
     for _ in range(20):  # every round rejects its first draft (a round of k = 0 teaches nothing)
         length.observe(length.choose(), 0)
     assert length.acceptance < 0.7 and length.choose() == 0  # a prior of eight rounds at 0.95, then rejections
-    for _ in range(200):  # at k = 0, one-draft probes, all accepted: acceptance comes back
+    for _ in range(300):  # at k = 0, one-draft probes, all accepted: acceptance comes back
         length.observe(1, 1) if length.choose() else None
     assert length.acceptance > 0.7 and length.choose() > 1
 
 
 def test_acceptance_follows_a_draft_that_stops_matching():
-    """Forty rounds of a draft the target agrees with, then one it never agrees with: within a few rounds the model
-    stops drafting (a session-long average would keep k = 4 for dozens of wasted rounds), and a later run of
-    accepted probes brings drafting back."""
+    """Forty rounds of a draft the target agrees with, then one it never agrees with: within fifteen rounds the model
+    stops drafting (a session-long average would keep drafting for forty and more; the benefit of the doubt, given
+    to a session whose estimate dipped by chance, is not given to rounds in a row that kept nothing), and a later run
+    of accepted probes brings drafting back."""
     length = CostModelLength(PassCosts(target_s=(1.0, 1.3, 1.6, 2.4, 3.2), draft_s=0.05), prior=0.5)
     for _ in range(40):
         length.observe(length.choose(), length.k)
@@ -75,11 +76,47 @@ def test_acceptance_follows_a_draft_that_stops_matching():
     while length.choose():
         length.observe(length.k, 0)
         wasted += 1
-    assert wasted <= 12 and length.reason == "none pays"
+    assert wasted <= 15 and length.reason == "none pays"
     while length.acceptance < 0.7:
         if length.choose():
             length.observe(1, 1)
     assert length.choose() > 1
+
+
+def test_a_drafting_session_stops_only_once_its_rounds_show_drafting_loses():
+    """An estimate a little under break-even stops no session that drafts (its last rounds may have been unlucky,
+    and at k = 0 it would learn nothing more), but starts none that does not (probes aside); well under it, both
+    decode."""
+    costs = PassCosts(target_s=(1.0, 1.3, 1.6, 2.4, 3.2), draft_s=0.05)  # one draft pays from a = 0.35
+
+    def session(accepted: float, drafting: bool) -> CostModelLength:
+        length = CostModelLength(costs, prior=accepted, prior_rounds=30.0)  # thirty rounds' worth of `accepted`
+        length.k = 1 if drafting else 0
+        return length
+
+    assert session(0.33, drafting=True).current() == 1 and session(0.33, drafting=False).current() == 0
+    assert session(0.1, drafting=True).current() == 0
+    unlucky = session(0.33, drafting=True)
+    for _ in range(4):  # a 0.67 ** 4 = 20 % chance: still the doubt
+        unlucky.observe(1, 0)
+        unlucky.k = 1
+    assert unlucky.current() == 1
+    for _ in range(8):  # 0.67 ** 12 < 1 %: the draft stopped matching
+        unlucky.observe(1, 0)
+        unlucky.k = 1
+    assert unlucky.current() == 0
+
+
+def test_draft_positions_after_the_first_follow_the_runs():
+    """A draft whose first token is kept a third of the time, each next one nearly always once a run has begun (as
+    n-gram lookup's): the drafts after the first take the runs' acceptance, not the pooled one the first's misses
+    pull down, and the long rounds that pay are chosen."""
+    length = CostModelLength(PassCosts(target_s=(1.0, 1.4, 1.41, 1.42, 1.43, 1.44, 1.45, 1.46, 1.47), draft_s=0.001))
+    for i in range(60):
+        length.observe(8, 8 if i % 3 == 0 else 0)
+    first, *later, guess = length.positions()
+    assert first == guess == length.acceptance < 0.9 and min(later) > 0.95
+    assert length.choose() == 8
 
 
 def test_unverified_drafts_at_k0_teach_the_acceptance():
@@ -94,11 +131,12 @@ def test_unverified_drafts_at_k0_teach_the_acceptance():
     length.shadow([5, 6, 7], 3)
     length.emitted([5])
     length.emitted([6, 9])  # the third draft missed: two of three kept
-    assert not length.shadows and length.acceptance > before and length.kept[1] > 0 == length.kept[2]
+    assert not length.shadows and length.acceptance > before
+    assert (length.run_reached, length.run_kept) == (2, 1)  # of the drafts after the first: both reached, one kept
     while length.choose() == 0:
         length.shadow([1, 2, 3, 4], 4)
         length.emitted([1, 2, 3, 4])
-    assert length.k > 1 and length.shadow_k() == 0  # drafting again: nothing left to shadow
+    assert length.k and length.shadow_k() == 0  # drafting again: nothing left to shadow
 
 
 def test_a_good_draft_comes_back_without_probes_when_drafting_is_cheap():

@@ -38,7 +38,9 @@ NEAR_BEST = 0.97  # a k whose expected gain over decoding is within 3 % of the b
 PRIOR, PRIOR_ROUNDS = 0.9, 8.0  # a fresh session's acceptance, worth eight rounds: a draft someone chose is likely
 # good, and starting low costs a good draft several short rounds while starting high costs a bad one one long round
 SHADOW_SHARE = 0.01  # at k = 0, unverified drafts are asked for where they cost at most this share of a decode step
-POSITION_PRIOR = 4.0  # rounds' worth of the pooled acceptance each draft position's estimate starts from
+RUN_PRIOR = 4.0  # rounds' worth of the pooled acceptance the estimate for drafts after a round's first starts from
+DOUBT = 1.5  # standard errors of benefit of the doubt a drafting session gets before it stops (`_may_pay`)
+UNLIKELY = 0.01  # ... unless its last rounds all missed, which its estimate before them gave less chance than this
 KEEP = 0.9  # weight of a session's past at each drafted round: its acceptance follows the last ten rounds or so
 
 
@@ -272,7 +274,7 @@ class CostModelLength:
     answer also waits for the others' drafts, time in which the target runs the others' passes, and an estimate that
     made drafting look too dear would never be timed again. `batch_size()`: sequences the next target pass will
     carry (a server's batcher); `k_max`: the most drafts a round may take (at most what `costs` measured);
-    `overlapped`: the rounds are pipelined (`round_s`). `k` and `reason` (`pays`, `none pays`, `probe`, or
+    `overlapped`: the rounds are pipelined (`round_s`). `k` and `reason` (`pays`, `doubt`, `none pays`, `probe`, or
     `capped` by a request that asked for no drafts) are the last choice, `rates()` why: for spans and metrics."""
 
     def __init__(self, costs: PassCosts, prior: float = PRIOR, prior_rounds: float = PRIOR_ROUNDS,
@@ -288,8 +290,10 @@ class CostModelLength:
         self.accepted = prior * prior_rounds
         self.rejected = (1 - prior) * prior_rounds
         self.continued, self.stopped = prior_rounds, 0.0  # drafts made and rounds the drafter ended early
-        # per draft position: rounds that reached it (every draft before it kept) and rounds that kept it
-        self.reached, self.kept = [0.0] * self.k_max, [0.0] * self.k_max
+        # drafts after a round's first that were reached (every draft before them kept), and kept
+        self.run_reached = self.run_kept = 0.0
+        self.misses, self.miss_from = 0, 1.0  # rounds in a row that kept no draft, and the acceptance before them
+        self.doubting = False  # the last k chosen drafts on the benefit of the doubt (`_may_pay`)
         self.probing = False  # the last k chosen was a probe
         self.k, self.reason = 0, "none"
         self.shadows: list[list] = []  # [drafts, matched so far, asked] of unverified proposals (`shadow`)
@@ -307,18 +311,19 @@ class CostModelLength:
         return self.accepted / (self.accepted + self.rejected)
 
     def positions(self) -> list[float]:
-        """a_i, the chance the i-th draft is kept once the ones before it were, for i = 1 .. k_max + 1: what the
-        rounds that reached it kept, shrunk towards the pooled `acceptance` by `POSITION_PRIOR` rounds, so a
-        position no round has reached recently takes the pooled one. Acceptance comes in runs (a draft that matched
-        the first tokens of a passage matches its next ones), which one a for every draft would underrate: n-gram
-        lookup keeping a fifth of its drafts still paid at k = 6 where that a said k = 0. Each position is shrunk
-        towards the pooled acceptance, not the position before's, and by four rounds, not one: with one, a single
-        rejection deep in a round set that position's a for every later round (the rounds then stopped short of it,
-        so nothing corrected it), and a draft at a = 0.96 ran at 3-6 drafts a round where 8 pays most (served, and
-        simulated: `benchmarks/cost_model_sim.py`)."""
+        """a_i, the chance the i-th draft is kept once the ones before it were, for i = 1 .. k_max + 1: the pooled
+        `acceptance` for the first draft (and the next token's guess), and for every later one the acceptance once a
+        run has begun, what the rounds kept of the drafts after their first they reached, shrunk towards the pooled
+        one by `RUN_PRIOR` rounds. Acceptance comes in runs (a draft that matched the first tokens of a passage
+        matches its next ones), which one a for every draft underrates: n-gram lookup keeping a fifth of its drafts
+        still paid at k = 6 where that a said k = 0. Simulated (`benchmarks/cost_model_sim.py`), one estimate for each
+        position was noisy where few rounds reach it: a single rejection deep in a round set that position's a for
+        several rounds, the rounds then stopped short of it, so nothing corrected it (a draft at a = 0.96 ran at 3-6
+        drafts a round where 8 pays most), and n-gram runs kept a third of the time, then 0.95, ran at 6 drafts where
+        8 pay (0.92x the best fixed k with the first draft's own estimate, 0.96x with the pooled one)."""
         a = self.acceptance
-        return [*((kept + POSITION_PRIOR * a) / (reached + POSITION_PRIOR)
-                  for reached, kept in zip(self.reached, self.kept)), a]  # last: the next token's guess
+        run = (self.run_kept + RUN_PRIOR * a) / (self.run_reached + RUN_PRIOR)
+        return [a, *[run] * (self.k_max - 1), a][-self.k_max - 1:]
 
     @property
     def continuation(self) -> float:
@@ -330,7 +335,7 @@ class CostModelLength:
         k = self.current()
         self.probing = False
         if k > 0 or not self.k_max:
-            self.k, self.reason = k, "pays" if k else "capped"
+            self.k, self.reason = k, ("doubt" if self.doubting else "pays") if k else "capped"
             return k
         if self.tally.probe_due():
             self.probing = True
@@ -345,20 +350,43 @@ class CostModelLength:
             return 0
         per_k = self.rates()
         best = max(range(len(per_k)), key=per_k.__getitem__)
+        self.doubting = not best and self.k > 0 and not self.probing and self._may_pay()
+        if self.doubting:
+            return max(range(1, len(per_k)), key=per_k.__getitem__)
         # acceptance comes in runs, which the geometric model, one a for every token, underrates in long rounds:
         # where a longer round promises about the best gain over decoding, the longest
         gain = per_k[best] - per_k[0]
         return max(k for k in range(best, len(per_k)) if per_k[k] - per_k[0] >= NEAR_BEST * gain) if best else 0
+
+    def _may_pay(self) -> bool:
+        """Whether drafting pays at an acceptance `DOUBT` standard errors above the estimate: a session that drafts
+        stops only once its rounds show drafting loses. The estimate of the last ten rounds or so dips below the truth
+        by chance, and a session that stopped at every dip learnt nothing more (a round at k = 0 shows nothing of
+        the draft) and kept the low estimate: it stopped where the rounds were worst, so the server's estimate, the
+        next sessions' start, fell too (simulated: a remote draft at a = 0.75, where 4 drafts pay 1.18x decoding, ran
+        at k = 0 most rounds, 0.90x the best fixed k; 0.97x with this). No doubt after rounds in a row that kept
+        nothing, which the estimate before them made unlikely (`UNLIKELY`): a draft that stopped matching is dropped
+        as soon as without the doubt (a draft kept every time, then never: 15 rounds to stop, 22 with the doubt)."""
+        if self.misses and (1 - self.miss_from) ** self.misses < UNLIKELY:
+            return False
+        a, seen = self.acceptance, self.accepted + self.rejected
+        margin = DOUBT * math.sqrt(a * (1 - a) / seen) if seen else 0.0
+        per_k = rates(self._pass_costs(self.batch_size(), self.others_verify()),
+                      [min(1.0, p + margin) for p in self.positions()], self.overlapped, self.continuation)
+        return max(per_k[1:]) > per_k[0]
 
     def rates(self) -> list[float]:
         """Expected tokens per second at each k up to `k_max`, at this session's acceptance and the next batch's
         pass costs; kept until either changes (a round at k = 0 learns nothing, and asks twice)."""
         key = (self.learned, self.batch_size(), self.others_verify())
         if self.rated is None or self.rated[0] != key:
-            costs = self.costs.at(key[1], key[2])
-            self.rated = key, rates(replace(costs, target_s=costs.target_s[:self.k_max + 1], batched=()),
-                                    self.positions(), self.overlapped, self.continuation)
+            self.rated = key, rates(self._pass_costs(key[1], key[2]), self.positions(), self.overlapped,
+                                    self.continuation)
         return self.rated[1]
+
+    def _pass_costs(self, batch: int, verifying: bool) -> PassCosts:
+        costs = self.costs.at(batch, verifying)
+        return replace(costs, target_s=costs.target_s[:self.k_max + 1], batched=())
 
     def others_verify(self) -> bool:
         """Whether other sessions drafted in the last pass (this one's own last round aside): the next pass then
@@ -421,9 +449,13 @@ class CostModelLength:
     def _learn(self, proposed: int, accepted: int, asked: int) -> None:
         """What a round of `proposed` drafts (of `asked`), `accepted` of them, teaches; the past weighed `keep`."""
         keep, self.learned = self.keep, self.learned + 1
+        if proposed:
+            if not accepted and not self.misses:
+                self.miss_from = self.acceptance
+            self.misses = 0 if accepted else self.misses + 1
         self.accepted, self.rejected = keep * self.accepted + accepted, keep * self.rejected + (accepted < proposed)
         self.continued, self.stopped = keep * self.continued + proposed, keep * self.stopped + (proposed < asked)
-        for i in range(self.k_max):  # draft i + 1 was reached if every draft before it was kept
-            self.reached[i] = keep * self.reached[i] + (i <= accepted and i < proposed)
-            self.kept[i] = keep * self.kept[i] + (i < accepted)
+        # drafts after the first reached (every draft before each kept) and kept
+        self.run_reached = keep * self.run_reached + max(0, min(accepted, proposed - 1))
+        self.run_kept = keep * self.run_kept + max(0, accepted - 1)
         self.tally.add(accepted, accepted < proposed)

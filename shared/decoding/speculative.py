@@ -174,12 +174,13 @@ def decode(session: Session, drafter: Drafter, max_new_tokens: int, num_draft_to
 
 
 def note_draft_length(length: CostModelLength, drafts: int, metrics=None) -> str:
-    """Why a round took the cost model's `drafts` drafts (it paid, nothing paid, a probe, or none made: the drafter
-    had none, or the generation's end left no room), counted in the metrics."""
+    """Why a round took the cost model's `drafts` drafts (it paid, it may still pay (the benefit of the doubt),
+    nothing paid, a probe, or none made: the drafter had none, or the generation's end left no room), counted in the
+    metrics."""
     if drafts:
-        reason = "probe" if length.probing else "pays"
+        reason = "probe" if length.probing else "doubt" if length.reason == "doubt" else "pays"
     else:
-        reason = "none made" if length.reason in ("pays", "probe") else length.reason
+        reason = "none made" if length.reason in ("pays", "doubt", "probe") else length.reason
     if metrics is not None:
         metrics.draft_length_chosen(drafts, reason)
     return reason

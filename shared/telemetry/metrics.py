@@ -80,8 +80,10 @@ class Metrics:
             "speculated, by whether it was kept or made afresh (the client loop reports its own in its stats)",
             ["outcome"], registry=r)
         self.draft_length = Counter("deltaspec_draft_length_rounds", "Rounds of the cost model's draft length "
-                                    "(--draft-length cost), by the drafts it made and why: pays, none pays (k = 0), probe "
-                                    "(one draft to see whether the acceptance came back) or capped (by the request)",
+                                    "(--draft-length cost), by the drafts it made and why: pays, doubt (the estimate "
+                                    "says none pays, but the session's rounds have not shown it yet), none pays "
+                                    "(k = 0), probe (one draft to see whether the acceptance came back) or capped (by "
+                                    "the request)",
                                     ["k", "reason"], registry=r)
         self.ttft = Histogram("deltaspec_time_to_first_token_seconds", "Request to first generated token",
                               buckets=TOKEN_BUCKETS, registry=r)
