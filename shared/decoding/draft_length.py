@@ -299,6 +299,7 @@ class CostModelLength:
         self.shadows: list[list] = []  # [drafts, matched so far, asked] of unverified proposals (`shadow`)
         self.learned = 0  # rounds learnt from: with the batch size, what `rates` depends on
         self.rated: tuple[tuple[int, int, bool], list[float]] | None = None  # the last `rates`, and for what
+        self.doubt: tuple[tuple[int, int, bool], bool] | None = None  # the last `_may_pay`, and for what
 
     @property
     def wait(self) -> int:
@@ -369,11 +370,14 @@ class CostModelLength:
         as soon as without the doubt (a draft kept every time, then never: 15 rounds to stop, 22 with the doubt)."""
         if self.misses and (1 - self.miss_from) ** self.misses < UNLIKELY:
             return False
-        a, seen = self.acceptance, self.accepted + self.rejected
-        margin = DOUBT * math.sqrt(a * (1 - a) / seen) if seen else 0.0
-        per_k = rates(self._pass_costs(self.batch_size(), self.others_verify()),
-                      [min(1.0, p + margin) for p in self.positions()], self.overlapped, self.continuation)
-        return max(per_k[1:]) > per_k[0]
+        key = (self.learned, self.batch_size(), self.others_verify())
+        if self.doubt is None or self.doubt[0] != key:  # kept as `rates` is
+            a, seen = self.acceptance, self.accepted + self.rejected
+            margin = DOUBT * math.sqrt(a * (1 - a) / seen) if seen else 0.0
+            per_k = rates(self._pass_costs(key[1], key[2]), [min(1.0, p + margin) for p in self.positions()],
+                          self.overlapped, self.continuation)
+            self.doubt = key, max(per_k[1:]) > per_k[0]
+        return self.doubt[1]
 
     def rates(self) -> list[float]:
         """Expected tokens per second at each k up to `k_max`, at this session's acceptance and the next batch's
