@@ -1,7 +1,8 @@
 """The cost model's k against every fixed k on simulated rounds: what its estimates do, free of a host's noise.
 
 Each case draws a round's verdict from a known acceptance (`Iid`: each draft kept with probability a until the
-first rejection; `Runs`: the first draft kept with p, each next one with c, as n-gram lookup behaves) and charges it
+first rejection; `Runs`: the first draft kept with p, each next one with c, as n-gram lookup behaves; `Alternating`:
+one in even sessions, another in odd ones, a draft whose quality changes with the prompt) and charges it
 the pass costs of one of three measured shapes (`COSTS`: the embedded pair served with its remote draft's round
 trip, overlapped by pipelining; n-gram lookup, free; the bench's MoE target with an in-process draft model). A run
 is `GENERATIONS` generations of `TOKENS` tokens, each with a fresh `CostModelLength` on one server-wide `Tally`,
@@ -60,16 +61,36 @@ class Runs:
         return self.c
 
 
+@dataclass(frozen=True)
+class Alternating:
+    """A draft whose quality changes between sessions: `good` for even generations, `bad` for odd ones."""
+    good: Iid | Runs
+    bad: Iid | Runs
+
+    def session(self, generation: int) -> Iid | Runs:
+        return self.bad if generation % 2 else self.good
+
+
+Draft = Iid | Runs | Alternating
+
+
+def session_draft(draft: Draft, generation: int) -> Iid | Runs:
+    return draft.session(generation) if isinstance(draft, Alternating) else draft
+
+
 CASES = [("pair", True, Iid(0.96)), ("pair", True, Iid(0.9)), ("pair", True, Iid(0.75)), ("pair", True, Iid(0.65)),
          ("pair", True, Iid(0.5)), ("pair", True, Iid(0.0)),
          ("ngram", False, Runs(0.3, 0.95)), ("ngram", False, Runs(0.5, 0.9)), ("ngram", False, Iid(0.6)),
-         ("moe", False, Iid(0.95)), ("moe", False, Iid(0.8)), ("moe", False, Iid(0.7)), ("moe", False, Iid(0.0))]
+         ("ngram", False, Alternating(Runs(0.7, 0.9), Iid(0.1))),
+         ("moe", False, Iid(0.95)), ("moe", False, Iid(0.8)), ("moe", False, Iid(0.7)), ("moe", False, Iid(0.0)),
+         ("moe", False, Alternating(Iid(0.9), Iid(0.0)))]
 
 
-def run(costs: PassCosts, draft: Iid | Runs, k: int | None, overlapped: bool, seed: int) -> tuple[float, float]:
+def run(costs: PassCosts, source: Draft, k: int | None, overlapped: bool, seed: int) -> tuple[float, float]:
     """(tokens per simulated second, mean drafts a round) at fixed `k`, or (None) the cost model's."""
     rng, seconds, tokens, ks, tally = random.Random(seed), 0.0, 0, [], Tally()
-    for _ in range(GENERATIONS):
+    for generation in range(GENERATIONS):
+        draft = session_draft(source, generation)
         model = CostModelLength(costs, tally=tally, overlapped=overlapped) if k is None else None
         made = 0
         while made < TOKENS:
@@ -108,9 +129,10 @@ def simulate(cases: list = CASES) -> list[dict]:
 def print_rows(rows: list[dict]) -> None:
     print(f"simulated rounds ({GENERATIONS} generations of {TOKENS} tokens a run, median of {SEEDS} seeds; "
           "benchmarks/cost_model_sim.py):")
-    print(f"{'costs':>6} {'acceptance':>24} {'best fixed k':>12} {'cost / best':>11} {'mean k':>6}")
+    width = max(len(r["draft"]) for r in rows)
+    print(f"{'costs':>6} {'acceptance':>{width}} {'best fixed k':>12} {'cost / best':>11} {'mean k':>6}")
     for r in rows:
-        print(f"{r['costs']:>6} {r['draft']:>24} {r['best_fixed_k']:>12} {r['cost_vs_best']:>11.3f} "
+        print(f"{r['costs']:>6} {r['draft']:>{width}} {r['best_fixed_k']:>12} {r['cost_vs_best']:>11.3f} "
               f"{r['mean_k']:>6.2f}")
 
 

@@ -23,3 +23,14 @@ def test_simulated_rounds_compare_the_cost_model_with_every_fixed_k(capsys):
     assert row["best_fixed_k"] == 8 and 0 < row["cost_vs_best"] <= 1.05 and row["mean_k"] > 6
     cost_model_sim.print_rows([row])
     assert "Iid(a=0.96)" in capsys.readouterr().out
+
+
+def test_simulated_sessions_alternating_a_good_and_a_useless_draft():
+    """Sessions alternate between a draft the target agrees with 90 % of the time and one it never agrees with, on
+    the MoE target's costs: no fixed k suits both, and the model, drafting in the one and not in the other, beats
+    the best of them (k = 0 there)."""
+    sim = cost_model_sim
+    case = sim.Alternating(sim.Iid(0.9), sim.Iid(0.0))
+    assert sim.session_draft(case, 0) == sim.Iid(0.9) and sim.session_draft(case, 1) == sim.Iid(0.0)
+    (row,) = sim.simulate([("moe", False, case)])
+    assert row["best_fixed_k"] == 0 and row["cost_vs_best"] > 1.05 and 0.5 < row["mean_k"] < 3
