@@ -80,9 +80,10 @@ def served(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], l
     expected = target_only_outputs(load_model(target_dir), prompts, max_new_tokens)
     servers = servers_for(target_dir, draft_dir)
     try:
-        def rate(server: str, k: int, n: int, tokens: int = max_new_tokens, window: float | None = window_s) -> dict:
+        def rate(server: str, k: int, n: int, tokens: int = max_new_tokens, window: float | None = window_s,
+                 first: int = 0) -> dict:
             used = {"target": servers[server], **({"draft": servers["draft"]} if "draft" in servers else {})}
-            return measure(used, prompts, [e[:tokens] for e in expected], "server", k, n, tokens, 1, window)
+            return measure(used, prompts, [e[:tokens] for e in expected], "server", k, n, tokens, 1, window, first)
 
         for server, k in (("cost", 0), ("cost", COST_K_MAX), *(("fixed", k) for k in fixed_ks)):
             rate(server, k, 1, 8, None)  # first calls of every path, unrecorded
@@ -101,8 +102,8 @@ def level(rate: Callable[..., dict], n: int, fixed_ks: tuple[int, ...], repeats:
     rates: dict[str, list[float]] = {name: [] for name in names}
     cost_k, acceptance = [], []
     for i in range(repeats):
-        for name in names[i % 3:] + names[:i % 3]:
-            r = rate(*runs[name], n)
+        for name in names[i % 3:] + names[:i % 3]:  # a repeat's three runs start at the same prompt, each repeat
+            r = rate(*runs[name], n, first=i)  # at the next (a window holds a part of the prompts' cycle)
             rates[name].append(r["tokens_per_s"])
             if name == "cost model":
                 cost_k.append(r["drafts_per_round"])

@@ -46,12 +46,14 @@ FIELDS = ("loop", "k", "concurrency", "torch_threads", "generations", "tokens", 
 
 
 def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list[list[int]], loop: str, k: int,
-            concurrency: int, max_new_tokens: int, torch_threads: int, window_s: float | None = None) -> dict:
+            concurrency: int, max_new_tokens: int, torch_threads: int, window_s: float | None = None,
+            first_prompt: int = 0) -> dict:
     """One row (see the module docstring); raises the first error or wrong output of any session. `window_s`: each
     thread instead runs generations back to back (its prompts in turn) for that long, and the row counts the tokens
     delivered within it: all N streams stay busy the whole time, as on a server under steady load, where a fixed
     share per thread ends with the slowest sessions running alone (a policy that finishes some sessions sooner
-    then looks slower for it)."""
+    then looks slower for it). `first_prompt`: where in `prompts` the threads start (a window holds a part of a
+    cycle of unlike prompts, so runs compared over several repeats start each repeat somewhere else)."""
     from deltaspec.shared.rpc.generation import generate_client_driven, generate_on_server
 
     target, draft = servers["target"].address, servers["draft"].address if "draft" in servers else None
@@ -68,7 +70,7 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], expected: list
         for j in itertools.count() if window_s else range(per_thread):
             if time.perf_counter() >= deadline:
                 return
-            p = (i * per_thread + j) % len(prompts)
+            p = (first_prompt + i * per_thread + j) % len(prompts)
             began, last, gaps, within = time.perf_counter(), [0.0], [], [0]
 
             def on_tokens(ids: list[int], text: str) -> None:
