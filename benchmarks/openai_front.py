@@ -234,15 +234,19 @@ def pair_behind_front(target_dir: Path, draft_dir: Path) -> Iterator[tuple[dict,
         stop_all(servers)
 
 
-def openai_front(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
+def openai_front(target_dir: Path, draft_dir: Path, quick: bool, levels: tuple[int, ...] = LEVELS,
+                 repeats: int | None = None) -> list[dict]:
     """Per concurrency and k, the three paths in turn, `repeats` times (each repeat starting from the next path):
     a row per path with the medians of its runs, and the runs themselves (`runs`, paired by repeat for the ratios).
     On the 2-core host a run takes `WINDOW_S` and its last generations' tail (about 3.3 s), a repeat 18 runs (about
-    60 s), so about 5 min in all; --quick under a minute."""
-    n, window_s, repeats = (48, 1.0, 1) if quick else (96, WINDOW_S, 5)
+    60 s), so about 5 min in all; --quick under a minute. `levels` and `repeats`: a study of one concurrency at more
+    repeats than the bench's five (the goals are read at the top one; the 2-core host moves one repeat's ratio by
+    0.1-0.3 there)."""
+    n, window_s, default_repeats = (48, 1.0, 1) if quick else (96, WINDOW_S, 5)
+    repeats = repeats or default_repeats
     rows = []
     with pair_behind_front(target_dir, draft_dir) as (servers, front):
-        for concurrency in LEVELS:
+        for concurrency in levels:
             for k in KS:
                 runs: dict[str, list[dict]] = {path: [] for path in PATHS}
                 for r in range(repeats):
@@ -320,7 +324,8 @@ def print_rows(rows: list[dict]) -> None:
     print("\nfront / gRPC, each repeat's paths paired: tokens/s ratio, median TTFT difference (ms), median [range]; "
           "the front's added time, paired within each request, median [range of the repeats' medians]; "
           "speculative over target-only, each path")
-    for c in LEVELS:
+    levels = sorted({r["concurrency"] for r in rows})
+    for c in levels:
         for k in KS:
             print(f"  concurrency {c}, k {k}: " + "; ".join(
                 f"{p} tok/s " + _spread(paired(p, k, c, ("grpc", k), ratio), ".3f") + ", TTFT "
@@ -329,7 +334,7 @@ def print_rows(rows: list[dict]) -> None:
         print(f"  concurrency {c}: speculative / target-only: " + ", ".join(
             f"{p} " + _spread(paired(p, 4, c, (p, 0), ratio), ".2f") + "x" for p in PATHS))
     print(_goal(rows))
-    top = LEVELS[-1]
+    top = levels[-1]
     for p in PATHS[1:]:
         costs = [_spread(paired(p, k, top, ("grpc", k), ratio), ".3f") for k in KS]
         speedups = [ratio(a, b) / ratio(c, d) for a, b, c, d in zip(
