@@ -370,7 +370,7 @@ class CostModelLength:
         as soon as without the doubt (a draft kept every time, then never: 15 rounds to stop, 22 with the doubt)."""
         if self.misses and (1 - self.miss_from) ** self.misses < UNLIKELY:
             return False
-        key = (self.learned, self.batch_size(), self.others_verify())
+        key = self._situation()
         if self.doubt is None or self.doubt[0] != key:  # kept as `rates` is
             a, seen = self.acceptance, self.accepted + self.rejected
             margin = DOUBT * math.sqrt(a * (1 - a) / seen) if seen else 0.0
@@ -382,11 +382,16 @@ class CostModelLength:
     def rates(self) -> list[float]:
         """Expected tokens per second at each k up to `k_max`, at this session's acceptance and the next batch's
         pass costs; kept until either changes (a round at k = 0 learns nothing, and asks twice)."""
-        key = (self.learned, self.batch_size(), self.others_verify())
+        key = self._situation()
         if self.rated is None or self.rated[0] != key:
             self.rated = key, rates(self._pass_costs(key[1], key[2]), self.positions(), self.overlapped,
                                     self.continuation)
         return self.rated[1]
+
+    def _situation(self) -> tuple[int, int, bool]:
+        """What `rates` and `_may_pay` depend on besides the costs: rounds learnt from, the next batch, whether others
+        verify in it (their results are kept until it changes)."""
+        return self.learned, self.batch_size(), self.others_verify()
 
     def _pass_costs(self, batch: int, verifying: bool) -> PassCosts:
         costs = self.costs.at(batch, verifying)
