@@ -78,12 +78,12 @@ def session_draft(draft: Draft, generation: int) -> Iid | Runs:
     return draft.session(generation) if isinstance(draft, Alternating) else draft
 
 
-CASES = [("pair", True, Iid(0.96)), ("pair", True, Iid(0.9)), ("pair", True, Iid(0.75)), ("pair", True, Iid(0.65)),
-         ("pair", True, Iid(0.5)), ("pair", True, Iid(0.0)),
-         ("ngram", False, Runs(0.3, 0.95)), ("ngram", False, Runs(0.5, 0.9)), ("ngram", False, Iid(0.6)),
-         ("ngram", False, Alternating(Runs(0.7, 0.9), Iid(0.1))),
-         ("moe", False, Iid(0.95)), ("moe", False, Iid(0.8)), ("moe", False, Iid(0.7)), ("moe", False, Iid(0.0)),
-         ("moe", False, Alternating(Iid(0.9), Iid(0.0)))]
+CASES = [("pair", True, Iid(0.96)), ("pair", True, Iid(0.9)), ("pair", True, Iid(0.8)), ("pair", True, Iid(0.75)),
+         ("pair", True, Iid(0.65)), ("pair", True, Iid(0.5)), ("pair", True, Iid(0.0)), ("pair", True, Runs(0.4, 0.95)),
+         ("ngram", False, Runs(0.3, 0.95)), ("ngram", False, Runs(0.5, 0.9)), ("ngram", False, Runs(0.1, 0.8)),
+         ("ngram", False, Iid(0.6)), ("ngram", False, Alternating(Runs(0.7, 0.9), Iid(0.1))),
+         ("moe", False, Iid(0.95)), ("moe", False, Iid(0.8)), ("moe", False, Iid(0.75)), ("moe", False, Iid(0.7)),
+         ("moe", False, Iid(0.0)), ("moe", False, Runs(0.5, 0.9)), ("moe", False, Alternating(Iid(0.9), Iid(0.0)))]
 
 
 def run(costs: PassCosts, source: Draft, k: int | None, overlapped: bool, seed: int) -> tuple[float, float]:

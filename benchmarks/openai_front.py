@@ -40,7 +40,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.loopback import PROMPTS, cpu_seconds, metrics_page, percentile, start_pair, stop_all
+from benchmarks.loopback import PROMPTS, cpu_seconds, metrics_page, percentile, pin_threads, start_pair, stop_all
 
 LEVELS, KS, PATHS = (1, 4, 8), (4, 0), ("grpc", "openai", "http")
 FIELDS = ("path", "k", "concurrency", "tokens", "tokens_per_s", "ttft_ms_p50", "added_ms_p50", "tpot_ms_p50",
@@ -220,22 +220,38 @@ def _added_ms(buckets: Buckets | None) -> float | None:
 
 
 @contextlib.contextmanager
-def pair_behind_front(target_dir: Path, draft_dir: Path) -> Iterator[tuple[dict, Front]]:
+def pair_behind_front(target_dir: Path, draft_dir: Path, pin: bool = False) -> Iterator[tuple[dict, Front]]:
     """`serve-draft`, a `serve-target` speculating with it and `serve-openai` over the target, stopped on the way
-    out."""
+    out. `pin`: the target alone on the first core, the draft, the front and this process (the clients) on the rest
+    (`placement`), where there are at least two."""
     servers = start_pair(target_dir, draft_dir)
     front = None
+    cores = sorted(os.sched_getaffinity(0))
     try:
         front = Front(servers["target"].address)
+        if pin and len(cores) > 1:
+            servers["target"].pin(set(cores[:1]))
+            for pid in (servers["draft"].proc.pid, front.proc.pid, os.getpid()):
+                pin_threads(pid, set(cores[1:]))
         yield servers, front
     finally:
+        pin_threads(os.getpid(), set(cores))
         if front is not None:
             front.stop()
         stop_all(servers)
 
 
+def placement(pin: bool) -> str:
+    """Where the bench's processes run, for its header."""
+    cores = sorted(os.sched_getaffinity(0))
+    if pin and len(cores) > 1:
+        return (f"the target alone on core {cores[0]}; the draft, the front and the clients on "
+                f"{'core' if len(cores) == 2 else 'cores'} {', '.join(map(str, cores[1:]))}")
+    return f"every process on the same {len(cores)} cores"
+
+
 def openai_front(target_dir: Path, draft_dir: Path, quick: bool, levels: tuple[int, ...] = LEVELS,
-                 repeats: int | None = None) -> list[dict]:
+                 repeats: int | None = None, pin: bool = True) -> list[dict]:
     """Per concurrency and k, the three paths in turn, `repeats` times (each repeat starting from the next path):
     a row per path with the medians of its runs, and the runs themselves (`runs`, paired by repeat for the ratios).
     On the 2-core host a run takes `WINDOW_S` and its last generations' tail (about 3.3 s), a repeat 18 runs (about
@@ -245,7 +261,7 @@ def openai_front(target_dir: Path, draft_dir: Path, quick: bool, levels: tuple[i
     n, window_s, default_repeats = (48, 1.0, 1) if quick else (96, WINDOW_S, 5)
     repeats = repeats or default_repeats
     rows = []
-    with pair_behind_front(target_dir, draft_dir) as (servers, front):
+    with pair_behind_front(target_dir, draft_dir, pin) as (servers, front):
         for concurrency in levels:
             for k in KS:
                 runs: dict[str, list[dict]] = {path: [] for path in PATHS}

@@ -113,10 +113,11 @@ def test_speculative_decoding_with_compiled_models_equals_target_only(models):
 
 
 def test_compiled_services_serve_target_only_tokens(models, tmp_path):
-    """`serve-draft --compile` and `serve-target --compile` as real processes (their graphs compile at start-up),
-    both loops over gRPC."""
+    """`serve-target --compile` as a real process (its graphs compile at start-up), both loops over gRPC. Its draft
+    runs eager: a compiled draft's rounds are `test_speculative_decoding_with_compiled_models_equals_target_only`'s,
+    and `serve-draft --compile` compiles the same way at start-up (the suite's time: a second process compiling)."""
     target, draft = models["target"][0], models["draft"][0]
-    with Served("serve-draft", save_checkpoint(draft, tmp_path / "draft"), "--compile") as drafted, \
+    with Served("serve-draft", save_checkpoint(draft, tmp_path / "draft")) as drafted, \
             Served("serve-target", save_checkpoint(target, tmp_path / "target"), "--draft-addr", drafted.address,
                    "--compile") as served:
         prompt = torch.randint(0, target.config.vocab_size, (9,), generator=torch.Generator().manual_seed(4)).tolist()

@@ -39,7 +39,9 @@ PRIOR, PRIOR_ROUNDS = 0.9, 8.0  # a fresh session's acceptance, worth eight roun
 # good, and starting low costs a good draft several short rounds while starting high costs a bad one one long round
 SHADOW_SHARE = 0.01  # at k = 0, unverified drafts are asked for where they cost at most this share of a decode step
 RUN_PRIOR = 4.0  # rounds' worth of the pooled acceptance the estimate for drafts after a round's first starts from
-DOUBT = 1.5  # standard errors of benefit of the doubt a drafting session gets before it stops (`_may_pay`)
+DOUBT = 1.0  # standard errors of benefit of the doubt a drafting session gets before it stops (`_may_pay`)
+START_DOUBT = 0.5  # standard errors below the estimate where drafting must still pay to start a session whose
+# rounds at k = 0 keep teaching (unverified drafts, `_may_start`)
 UNLIKELY = 0.01  # ... unless its last rounds all missed, which its estimate before them gave less chance than this
 KEEP = 0.9  # weight of a session's past at each drafted round: its acceptance follows the last ten rounds or so
 
@@ -239,7 +241,8 @@ class Tally:
 
     def __init__(self, keep: float = 0.99) -> None:
         self.keep = keep  # weight of the past at each round
-        self.accepted = self.rejected = 0.0
+        self.first_reached = self.first_kept = 0.0  # rounds that drafted, and kept their first draft
+        self.run_reached = self.run_kept = 0.0  # drafts after a round's first reached (all before kept), and kept
         self.wait = PROBE_EVERY  # rounds at k = 0 between probes, from the last probe's outcome and cost
         self.idle = 0  # rounds at k = 0 since the last probe
         self.lock = threading.Lock()
@@ -254,25 +257,48 @@ class Tally:
             return True
 
     def acceptance(self) -> float | None:
-        with self.lock:
-            seen = self.accepted + self.rejected
-            return self.accepted / seen if seen >= 1 else None
+        """The first draft's acceptance; None before a round's worth."""
+        return self.first()[0]
 
-    def add(self, accepted: int, rejected: bool) -> None:
+    def first(self) -> tuple[float | None, float]:
+        """(the first draft's acceptance, or None before a round's worth; the weighed rounds it is estimated from)."""
         with self.lock:
-            self.accepted = self.keep * self.accepted + accepted
-            self.rejected = self.keep * self.rejected + rejected
+            return (self.first_kept / self.first_reached if self.first_reached >= 1 else None), self.first_reached
+
+    def run(self) -> float | None:
+        """The acceptance of a round's drafts after its first, once a run has begun; None before a draft's worth."""
+        with self.lock:
+            return self.run_kept / self.run_reached if self.run_reached >= 1 else None
+
+    def add(self, proposed: int, accepted: int) -> None:
+        """A round that kept `accepted` of `proposed` drafts."""
+        keep = self.keep
+        with self.lock:
+            self.first_reached, self.first_kept, self.run_reached, self.run_kept = learnt(
+                (self.first_reached, self.first_kept, self.run_reached, self.run_kept), keep, proposed, accepted)
+
+
+def learnt(counts: tuple[float, float, float, float], keep: float, proposed: int,
+           accepted: int) -> tuple[float, float, float, float]:
+    """(first reached, first kept, run reached, run kept) after a round of `proposed` drafts that kept `accepted`,
+    the past weighed `keep`: every round that drafts reaches its first draft; the drafts after it are reached while
+    every one before them was kept."""
+    first_reached, first_kept, run_reached, run_kept = counts
+    if not proposed:
+        return counts
+    return (keep * first_reached + 1, keep * first_kept + (accepted > 0),
+            keep * run_reached + max(0, min(accepted, proposed - 1)), keep * run_kept + max(0, accepted - 1))
 
 
 class CostModelLength:
-    """Chooses k per round (`choose`) and learns the session's acceptance from each round (`observe`): accepted
-    drafts over accepted drafts plus rounds ended by a rejection (the geometric model's estimate), each round's past
-    weighed by `keep` (so a draft that stops matching mid-generation is noticed within a few rounds, and one that
-    starts matching again at the next probe), from a prior worth `prior_rounds` rounds: what `tally` (a server's
-    sessions) has shown, else `prior`. What drafting costs is measured, as the target's passes are (`PassCosts`: per
-    step, and per round for a remote draft's round trip), not learned from the rounds: at several sessions a draft's
-    answer also waits for the others' drafts, time in which the target runs the others' passes, and an estimate that
-    made drafting look too dear would never be timed again. `batch_size()`: sequences the next target pass will
+    """Chooses k per round (`choose`) and learns the session's acceptance from each round (`observe`): how often a
+    round keeps its first draft, and how often a draft after it is kept once the ones before were (`positions`), each
+    round's past weighed by `keep` (so a draft that stops matching mid-generation is noticed within a few rounds, and
+    one that starts matching again at the next probe), the first from a prior worth `prior_rounds` rounds: what
+    `tally` (a server's sessions) has shown, else `prior`. What drafting costs is measured, as the target's passes
+    are (`PassCosts`: per step, and per round for a remote draft's round trip), not learned from the rounds: at
+    several sessions a draft's answer also waits for the others' drafts, time in which the target runs the others'
+    passes, and an estimate that made drafting look too dear would never be timed again. `batch_size()`: sequences the next target pass will
     carry (a server's batcher); `k_max`: the most drafts a round may take (at most what `costs` measured);
     `overlapped`: the rounds are pipelined (`round_s`). `k` and `reason` (`pays`, `doubt`, `none pays`, `probe`, or
     `capped` by a request that asked for no drafts) are the last choice, `rates()` why: for spans and metrics."""
@@ -287,11 +313,11 @@ class CostModelLength:
         self.overlapped, self.keep = overlapped, keep
         shown = self.tally.acceptance()
         prior = prior if shown is None else shown
-        self.accepted = prior * prior_rounds
-        self.rejected = (1 - prior) * prior_rounds
-        self.continued, self.stopped = prior_rounds, 0.0  # drafts made and rounds the drafter ended early
-        # drafts after a round's first that were reached (every draft before them kept), and kept
+        # rounds that drafted and kept their first draft, from the prior; drafts after a round's first that were
+        # reached (every draft before them kept), and kept
+        self.first_reached, self.first_kept = prior_rounds, prior * prior_rounds
         self.run_reached = self.run_kept = 0.0
+        self.continued, self.stopped = prior_rounds, 0.0  # drafts made and rounds the drafter ended early
         self.misses, self.miss_from = 0, 1.0  # rounds in a row that kept no draft, and the acceptance before them
         self.doubting = False  # the last k chosen drafts on the benefit of the doubt (`_may_pay`)
         self.probing = False  # the last k chosen was a probe
@@ -300,6 +326,10 @@ class CostModelLength:
         self.learned = 0  # rounds learnt from: with the batch size, what `rates` depends on
         self.rated: tuple[tuple[int, int, bool], list[float]] | None = None  # the last `rates`, and for what
         self.doubt: tuple[tuple[int, int, bool], bool] | None = None  # the last `_may_pay`, and for what
+        self.start: tuple[tuple[int, int, bool], bool] | None = None  # the last `_may_start`, and for what
+        # the session drafts (its last k chosen was more than 0, and no probe): the doubt is its to keep. A new one
+        # does where the server's sessions have shown drafting may pay (`_shown_to_pay`)
+        self.drafts = self._shown_to_pay()
 
     @property
     def wait(self) -> int:
@@ -308,23 +338,27 @@ class CostModelLength:
 
     @property
     def acceptance(self) -> float:
-        """Per-token acceptance, one number for every draft (what a new session's prior and a span report)."""
-        return self.accepted / (self.accepted + self.rejected)
+        """The chance a round keeps its first draft (what a span reports, and where the doubt is measured)."""
+        return self.first_kept / self.first_reached
 
     def positions(self) -> list[float]:
-        """a_i, the chance the i-th draft is kept once the ones before it were, for i = 1 .. k_max + 1: the pooled
-        `acceptance` for the first draft (and the next token's guess), and for every later one the acceptance once a
-        run has begun, what the rounds kept of the drafts after their first they reached, shrunk towards the pooled
-        one by `RUN_PRIOR` rounds. Acceptance comes in runs (a draft that matched the first tokens of a passage
-        matches its next ones), which one a for every draft underrates: n-gram lookup keeping a fifth of its drafts
-        still paid at k = 6 where that a said k = 0. Simulated (`benchmarks/cost_model_sim.py`), one estimate for each
-        position was noisy where few rounds reach it: a single rejection deep in a round set that position's a for
-        several rounds, the rounds then stopped short of it, so nothing corrected it (a draft at a = 0.96 ran at 3-6
-        drafts a round where 8 pays most), and n-gram runs kept a third of the time, then 0.95, ran at 6 drafts where
-        8 pay (0.92x the best fixed k with the first draft's own estimate, 0.96x with the pooled one)."""
+        """a_i, the chance the i-th draft is kept once the ones before it were, for i = 1 .. k_max + 1: the first
+        draft's `acceptance`, and for every later one (and the guess of the token after a round kept whole) the
+        acceptance once a run has begun: what the rounds kept of the drafts after their first they reached, shrunk by
+        `RUN_PRIOR` rounds towards what the server's sessions have shown of it (`Tally.run`: many more runs than one
+        session's; this session's first-draft acceptance before any). Acceptance comes in runs (a draft that matched
+        the first tokens of a passage matches its next ones), which one a for every draft misjudges both ways: n-gram
+        lookup keeping a fifth of its drafts still paid at k = 6 where that a said k = 0, and drafts pooled over a
+        round put the first one's acceptance above what it is where runs are long, so a draft whose first token
+        matches once in ten looked worth drafting. Simulated (`benchmarks/cost_model_sim.py`, the best fixed k over
+        the cost model's: docs/drafters.md), one estimate for each position was noisy where few rounds reach it (a
+        draft at a = 0.96 ran at 3-6 drafts a round where 8 pays most); runs shrunk towards the pooled acceptance of
+        the session swung with its last rounds (n-gram runs first kept a third of the time, then 0.95: 6.6 drafts a
+        round where 8 pay, 0.958x; 7.3 and 0.996x now)."""
         a = self.acceptance
-        run = (self.run_kept + RUN_PRIOR * a) / (self.run_reached + RUN_PRIOR)
-        return [a, *[run] * (self.k_max - 1), a][-self.k_max - 1:]
+        shown = self.tally.run()
+        run = (self.run_kept + RUN_PRIOR * (a if shown is None else shown)) / (self.run_reached + RUN_PRIOR)
+        return [a, *[run] * (self.k_max - 1), run][-self.k_max - 1:]
 
     @property
     def continuation(self) -> float:
@@ -334,7 +368,7 @@ class CostModelLength:
     def choose(self) -> int:
         """This round's k, moving the probe schedule on."""
         k = self.current()
-        self.probing = False
+        self.probing, self.drafts = False, k > 0
         if k > 0 or not self.k_max:
             self.k, self.reason = k, ("doubt" if self.doubting else "pays") if k else "capped"
             return k
@@ -351,11 +385,14 @@ class CostModelLength:
             return 0
         per_k = self.rates()
         best = max(range(len(per_k)), key=per_k.__getitem__)
-        self.doubting = not best and self.k > 0 and not self.probing and self._may_pay()
+        self.doubting = not best and self.drafts and not self._unverified() and self._may_pay()
         if self.doubting:
             return max(range(1, len(per_k)), key=per_k.__getitem__)
-        # acceptance comes in runs, which the geometric model, one a for every token, underrates in long rounds:
-        # where a longer round promises about the best gain over decoding, the longest
+        if best and not self.drafts and self._unverified() and not self._may_start():
+            return 0
+        # the rate is flat near its best k and read at an estimate: where a longer round promises about the best
+        # gain over decoding, the longest (simulated: a draft at a = 0.96 behind a remote draft, 0.993x the best
+        # fixed k; 0.986x with the best k at the estimate)
         gain = per_k[best] - per_k[0]
         return max(k for k in range(best, len(per_k)) if per_k[k] - per_k[0] >= NEAR_BEST * gain) if best else 0
 
@@ -365,19 +402,44 @@ class CostModelLength:
         by chance, and a session that stopped at every dip learnt nothing more (a round at k = 0 shows nothing of
         the draft) and kept the low estimate: it stopped where the rounds were worst, so the server's estimate, the
         next sessions' start, fell too (simulated: a remote draft at a = 0.75, where 4 drafts pay 1.18x decoding, ran
-        at k = 0 most rounds, 0.90x the best fixed k; 0.97x with this). No doubt after rounds in a row that kept
-        nothing, which the estimate before them made unlikely (`UNLIKELY`): a draft that stopped matching is dropped
-        as soon as without the doubt (a draft kept every time, then never: 15 rounds to stop, 22 with the doubt)."""
+        at 0.7 drafts a round, 0.88x the best fixed k; 0.98x with this). No doubt after rounds in a row that kept
+        nothing, which the estimate before them made unlikely (`UNLIKELY`), nor where rounds at k = 0 keep teaching
+        (`shadow`): a draft that stopped matching is dropped as soon as without the doubt (a draft kept every time,
+        then never: 10 rounds to stop, with or without it)."""
         if self.misses and (1 - self.miss_from) ** self.misses < UNLIKELY:
             return False
         key = self._situation()
         if self.doubt is None or self.doubt[0] != key:  # kept as `rates` is
-            a, seen = self.acceptance, self.accepted + self.rejected
-            margin = DOUBT * math.sqrt(a * (1 - a) / seen) if seen else 0.0
-            per_k = rates(self._pass_costs(key[1], key[2]), [min(1.0, p + margin) for p in self.positions()],
-                          self.overlapped, self.continuation)
-            self.doubt = key, max(per_k[1:]) > per_k[0]
+            self.doubt = key, self._pays_above(self.acceptance, self.first_reached, key, DOUBT)
         return self.doubt[1]
+
+    def _may_start(self) -> bool:
+        """Whether drafting pays at an acceptance `START_DOUBT` standard errors below the estimate: what a session
+        whose rounds at k = 0 keep teaching (`shadow`) needs to start drafting. Its estimate of ten rounds or so swings
+        by chance, and a swing up started long rounds that a draft kept a tenth of the time could not pay for
+        (simulated: n-gram drafts whose first is kept 10 % of the time, each next one 80 %, where no k pays: 0.954x
+        decoding, 0.972x with this)."""
+        key = self._situation()
+        if self.start is None or self.start[0] != key:  # kept as `rates` is
+            self.start = key, self._pays_above(self.acceptance, self.first_reached, key, -START_DOUBT)
+        return self.start[1]
+
+    def _shown_to_pay(self) -> bool:
+        """Whether drafting pays at the server's acceptance (`tally`) plus `DOUBT` standard errors of its count: a new
+        session then starts as a drafting one, with the doubt to keep. Its own prior is worth a few rounds, and a
+        session that stopped at its first dip drafted only where the server's estimate was above break-even by
+        chance (simulated: a draft model on a MoE target at a = 0.7, where 2 drafts pay 1.04x decoding, ran at
+        0.3 drafts a round, 0.965x the best fixed k; 0.984x with this)."""
+        shown, seen = self.tally.first()
+        return shown is not None and bool(self.k_max) and self._pays_above(shown, seen, self._situation(), DOUBT)
+
+    def _pays_above(self, a: float, seen: float, key: tuple[int, int, bool], errors: float) -> bool:
+        """Whether some k > 0 pays at acceptance `a` plus `errors` standard errors of its estimate from `seen` rounds
+        (the drafts after a round's first at theirs plus the same margin)."""
+        margin = errors * math.sqrt(a * (1 - a) / seen) if seen else 0.0
+        per_k = rates(self._pass_costs(key[1], key[2]), [min(1.0, max(0.0, p + margin)) for p in self.positions()],
+                      self.overlapped, self.continuation)
+        return max(per_k[1:]) > per_k[0]
 
     def rates(self) -> list[float]:
         """Expected tokens per second at each k up to `k_max`, at this session's acceptance and the next batch's
@@ -411,7 +473,11 @@ class CostModelLength:
         a decode step to draft (n-gram lookup: microseconds each; a draft model: none). Checked against the tokens
         the target then emits, such drafts teach the acceptance for no pass at all, where probes cost a verify each:
         a session whose text starts repeating gets n-gram drafts back within a few tokens."""
-        if self.k or not self.k_max:
+        return 0 if self.k else self._unverified()
+
+    def _unverified(self) -> int:
+        """Drafts a round at k = 0 asks for and does not verify (`shadow_k`, whatever the last k)."""
+        if not self.k_max:
             return 0
         costs = self.costs.at(self.batch_size())
         budget = SHADOW_SHARE * costs.target_s[0] - costs.draft_fixed_s
@@ -462,9 +528,7 @@ class CostModelLength:
             if not accepted and not self.misses:
                 self.miss_from = self.acceptance
             self.misses = 0 if accepted else self.misses + 1
-        self.accepted, self.rejected = keep * self.accepted + accepted, keep * self.rejected + (accepted < proposed)
         self.continued, self.stopped = keep * self.continued + proposed, keep * self.stopped + (proposed < asked)
-        # drafts after the first reached (every draft before each kept) and kept
-        self.run_reached = keep * self.run_reached + max(0, min(accepted, proposed - 1))
-        self.run_kept = keep * self.run_kept + max(0, accepted - 1)
-        self.tally.add(accepted, accepted < proposed)
+        self.first_reached, self.first_kept, self.run_reached, self.run_kept = learnt(
+            (self.first_reached, self.first_kept, self.run_reached, self.run_kept), keep, proposed, accepted)
+        self.tally.add(proposed, accepted)
