@@ -17,10 +17,12 @@ to find the best; then k = 0 (on the cost server, so the two runs it is compared
 best fixed k and the cost model (up to `COST_K_MAX`), alternated in a rotating order, `REPEATS` times. The cost
 server first serves `WARM_GENERATIONS` generations, as a server that has run a while has (its sessions start from
 what earlier ones showed: `draft_length.Tally`). Each repeat's ratio is the cost model's rate over the better of
-that repeat's k = 0 and best fixed k; medians with their spread.
+that repeat's k = 0 and best fixed k; medians with their spread. The targets run on a core of their own, the draft
+service and the clients on the rest (`loopback.target_apart`), where the machine has two or more.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from benchmarks import cost_model_sim, report
 from benchmarks.load import measure
-from benchmarks.loopback import PROMPTS, Server, stop_all, target_only_outputs
+from benchmarks.loopback import PROMPTS, Server, stop_all, target_apart, target_only_outputs, unpin
 from benchmarks.moe_passes import moe_config
 from deltaspec.shared.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from deltaspec.shared.model.checkpoint import hf_config, random_model, save_checkpoint
@@ -80,6 +82,8 @@ def served(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], l
     expected = target_only_outputs(load_model(target_dir), prompts, max_new_tokens)
     servers = servers_for(target_dir, draft_dir)
     try:
+        placed = target_apart([servers[name].proc.pid for name in ("fixed", "cost")],
+                              [*([servers["draft"].proc.pid] if "draft" in servers else []), os.getpid()])
         def rate(server: str, k: int, n: int, tokens: int = max_new_tokens, window: float | None = window_s,
                  first: int = 0) -> dict:
             used = {"target": servers[server], **({"draft": servers["draft"]} if "draft" in servers else {})}
@@ -89,8 +93,9 @@ def served(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], l
             rate(server, k, 1, 8, None)  # first calls of every path, unrecorded
         for _ in range(WARM_GENERATIONS // 4):  # the cost-model server's first sessions
             rate("cost", COST_K_MAX, 4, window=None)
-        return [level(rate, n, fixed_ks, repeats) for n in levels]
+        return [{**level(rate, n, fixed_ks, repeats), "placement": placed} for n in levels]
     finally:
+        unpin()
         stop_all(servers)
 
 
@@ -148,7 +153,7 @@ def print_rows(result: dict) -> None:
           f"back for {result['window_s']:g} s a run, median [min-max] of "
           f"{result['repeats']} alternated runs; fixed k once each)")
     for pair, rows in result["pairs"].items():
-        print(f"{pair}:")
+        print(f"{pair}:" + (f" ({rows[0]['placement']})" if "placement" in rows[0] else ""))
         print(f"{'N':>3} {'k = 0':>19} {'best fixed k':>24} {'cost model':>19} {'accept':>6} {'mean k':>6} "
               f"{'cost / better':>18} {'cost / k=0':>18} {'cost / fixed':>18}  fixed k once")
         for r in rows:

@@ -99,6 +99,27 @@ def pin_threads(pid: int, cpus: set[int]) -> None:
             pass
 
 
+def target_apart(targets: list[int], others: list[int], who: str = "the draft and the clients") -> str:
+    """Pin the target processes `targets` to the first core and `others` (the draft, a front, this process: the
+    clients) to the rest, where there are at least two: the target's own core stands for its own accelerator, and
+    none of the rest takes time from its passes. Returns the placement in words (`who`: what `others` are), for a
+    bench's header; `unpin` undoes it for this process."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return f"every process on the one core {cores[0]}"
+    for pid in targets:
+        pin_threads(pid, set(cores[:1]))
+    for pid in others:
+        pin_threads(pid, set(cores[1:]))
+    rest = ("cores " if len(cores) > 2 else "core ") + ", ".join(map(str, cores[1:]))
+    return f"the target alone on core {cores[0]}; {who} on {rest}"
+
+
+def unpin() -> None:
+    """This process back on every core the machine has."""
+    pin_threads(os.getpid(), set(range(os.cpu_count() or 1)))
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU seconds (user + system, all threads) process `pid` has used so far."""
     with open(f"/proc/{pid}/stat") as f:

@@ -104,7 +104,7 @@ def aiperf_rows(target_dir: Path, draft_dir: Path, quick: bool) -> list[dict]:
     exe = aiperf_executable()
     n, generations = (48, 2) if quick else (96, 4)
     rows = []
-    with pair_behind_front(target_dir, draft_dir) as (_, front), tempfile.TemporaryDirectory() as tmp:
+    with pair_behind_front(target_dir, draft_dir) as (_, front, _), tempfile.TemporaryDirectory() as tmp:
         tokenizer = byte_tokenizer(Path(tmp) / "tokenizer")
         for concurrency in LEVELS:
             for k in KS:

@@ -40,7 +40,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.loopback import PROMPTS, cpu_seconds, metrics_page, percentile, pin_threads, start_pair, stop_all
+from benchmarks.loopback import (PROMPTS, cpu_seconds, metrics_page, percentile, start_pair, stop_all, target_apart,
+                                unpin)
 
 LEVELS, KS, PATHS = (1, 4, 8), (4, 0), ("grpc", "openai", "http")
 FIELDS = ("path", "k", "concurrency", "tokens", "tokens_per_s", "ttft_ms_p50", "added_ms_p50", "tpot_ms_p50",
@@ -220,34 +221,22 @@ def _added_ms(buckets: Buckets | None) -> float | None:
 
 
 @contextlib.contextmanager
-def pair_behind_front(target_dir: Path, draft_dir: Path, pin: bool = False) -> Iterator[tuple[dict, Front]]:
+def pair_behind_front(target_dir: Path, draft_dir: Path, pin: bool = False) -> Iterator[tuple[dict, Front, str]]:
     """`serve-draft`, a `serve-target` speculating with it and `serve-openai` over the target, stopped on the way
-    out. `pin`: the target alone on the first core, the draft, the front and this process (the clients) on the rest
-    (`placement`), where there are at least two."""
+    out; with the placement in words. `pin`: the target on a core of its own, the draft, the front and the clients
+    on the rest (`loopback.target_apart`)."""
     servers = start_pair(target_dir, draft_dir)
     front = None
-    cores = sorted(os.sched_getaffinity(0))
     try:
         front = Front(servers["target"].address)
-        if pin and len(cores) > 1:
-            servers["target"].pin(set(cores[:1]))
-            for pid in (servers["draft"].proc.pid, front.proc.pid, os.getpid()):
-                pin_threads(pid, set(cores[1:]))
-        yield servers, front
+        placed = (target_apart([servers["target"].proc.pid], [servers["draft"].proc.pid, front.proc.pid, os.getpid()],
+                               "the draft, the front and the clients") if pin else "every process on every core")
+        yield servers, front, placed
     finally:
-        pin_threads(os.getpid(), set(cores))
+        unpin()
         if front is not None:
             front.stop()
         stop_all(servers)
-
-
-def placement(pin: bool) -> str:
-    """Where the bench's processes run, for its header."""
-    cores = sorted(os.sched_getaffinity(0))
-    if pin and len(cores) > 1:
-        return (f"the target alone on core {cores[0]}; the draft, the front and the clients on "
-                f"{'core' if len(cores) == 2 else 'cores'} {', '.join(map(str, cores[1:]))}")
-    return f"every process on the same {len(cores)} cores"
 
 
 def openai_front(target_dir: Path, draft_dir: Path, quick: bool, levels: tuple[int, ...] = LEVELS,
@@ -261,7 +250,7 @@ def openai_front(target_dir: Path, draft_dir: Path, quick: bool, levels: tuple[i
     n, window_s, default_repeats = (48, 1.0, 1) if quick else (96, WINDOW_S, 5)
     repeats = repeats or default_repeats
     rows = []
-    with pair_behind_front(target_dir, draft_dir, pin) as (servers, front):
+    with pair_behind_front(target_dir, draft_dir, pin) as (servers, front, placed):
         for concurrency in levels:
             for k in KS:
                 runs: dict[str, list[dict]] = {path: [] for path in PATHS}
@@ -273,7 +262,7 @@ def openai_front(target_dir: Path, draft_dir: Path, quick: bool, levels: tuple[i
                             # first blocks
                         runs[path].append(row(path, address, k, concurrency, n, window_s, front))
                 rows += [_cell(path, k, concurrency, mine) for path, mine in runs.items()]
-    return rows
+    return [{**r, "placement": placed} for r in rows]
 
 
 def _cell(path: str, k: int, concurrency: int, runs: list[dict]) -> dict:
@@ -326,6 +315,8 @@ def print_rows(rows: list[dict]) -> None:
           "median; added: the front's own time before the first token, median over the requests (its histogram's "
           "0.1 ms buckets); tpot per token p50; CPU ms of the front per output token and per request, of the client "
           "per output token)")
+    if "placement" in rows[0]:
+        print(f"placement: {rows[0]['placement']}")
     print(" ".join(f"{f:>13}" for f in FIELDS))
     for r in rows:
         print(" ".join(_column(f, r[f]) for f in FIELDS))
