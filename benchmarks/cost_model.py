@@ -161,7 +161,7 @@ def print_rows(result: dict) -> None:
             once = " ".join(f"{k}:{v:.0f}" for k, v in r["fixed_once"].items())
             print(f"{r['concurrency']:>3} {_spread(t[0], 1):>19} {'k=' + str(r['best_fixed_k']) + ' ' + _spread(t[1], 1):>24} "
                   f"{_spread(t[2], 1):>19} {statistics.median(r['acceptance']):>6.2f} "
-                  f"{statistics.median(r['cost_k']):>6.2f} {_spread(r['cost_vs_best']):>18} "
+                  f"{statistics.median(r['cost_k']):>6.2f} {_spread(r['cost_vs_best'], 3):>18} "
                   f"{_spread(r['cost_vs_k0']):>18} {_spread(r['cost_vs_fixed']):>18}  {once}")
     print(f"goal: cost / better (the better of k = 0 and the best fixed k, each repeat) >= {GOAL} in every row")
     if "simulated" in result:
