@@ -13,6 +13,7 @@ import threading
 import urllib.request
 from pathlib import Path
 
+CORES = os.sched_getaffinity(0)  # the cores this process may use, as it started (`unpin`)
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
            "for i in range(10):\n    ", "# Read a file and count its lines\n", "def parse(text):\n    \"\"\"",
            "with open(path) as f:\n", "try:\n    import json\nexcept ImportError:\n"]
@@ -116,8 +117,8 @@ def target_apart(targets: list[int], others: list[int], who: str = "the draft an
 
 
 def unpin() -> None:
-    """This process back on every core the machine has."""
-    pin_threads(os.getpid(), set(range(os.cpu_count() or 1)))
+    """This process back on the cores it was given when it started (`CORES`)."""
+    pin_threads(os.getpid(), CORES)
 
 
 def cpu_seconds(pid: int) -> float:

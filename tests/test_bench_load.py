@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import pytest
 
@@ -69,3 +70,29 @@ def _thread_affinities(pid: int) -> list[set[int]]:
         except ProcessLookupError:  # ended meanwhile
             pass
     return found
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="placing the target apart needs two cores")
+def test_the_target_is_placed_on_a_core_of_its_own_and_the_rest_on_the_others():
+    """`target_apart`: every thread of the target processes on the first core, the others' on the rest, said in
+    words; `unpin` gives this process every core back."""
+    import subprocess
+    import sys
+
+    from benchmarks.loopback import target_apart, unpin
+
+    cores = sorted(os.sched_getaffinity(0))
+    target = subprocess.Popen([sys.executable, "-c", "import threading, time; threading.Thread(target=time.sleep, "
+                                                     "args=(30,)).start(); time.sleep(30)"])
+    try:
+        time.sleep(0.5)  # its second thread started
+        placed = target_apart([target.pid], [os.getpid()], "the clients")
+        threads = os.listdir(f"/proc/{target.pid}/task")
+        assert len(threads) == 2 and all(os.sched_getaffinity(int(t)) == {cores[0]} for t in threads)
+        assert os.sched_getaffinity(0) == set(cores[1:])
+        assert placed.startswith(f"the target alone on core {cores[0]}; the clients on core")
+    finally:
+        unpin()
+        target.kill()
+        target.wait()
+    assert os.sched_getaffinity(0) == set(cores)
