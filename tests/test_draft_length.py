@@ -105,6 +105,41 @@ def test_a_drafting_session_stops_only_once_its_rounds_show_drafting_loses():
     assert unlucky.current() == 0
 
 
+def test_a_new_session_drafts_where_the_servers_sessions_showed_drafting_may_pay():
+    """A fresh session starts as a drafting one (the doubt its to keep) where the server's first-draft acceptance,
+    one standard error up, pays; not where even that does not; and its drafts after the first start from the
+    server's runs."""
+    costs = PassCosts(target_s=(1.0, 1.3, 1.6, 2.4, 3.2), draft_s=0.05)  # one draft pays from a = 0.35
+
+    def shown(every: int, run: bool = False) -> Tally:
+        """Sixty rounds of 4 drafts, one in `every` keeping its first (and, with `run`, all four)."""
+        tally = Tally()
+        for i in range(60):
+            tally.add(4, 0 if i % every else 1 + 3 * run)
+        return tally
+
+    near = CostModelLength(costs, tally=shown(3))  # a = 0.33 from about 45 rounds: 0.40 a standard error up
+    assert near.drafts and near.current() == 1 and near.reason == "none"
+    assert not CostModelLength(costs, tally=shown(10)).drafts  # a = 0.1: 0.14 a standard error up
+    runs = CostModelLength(CHEAP, tally=shown(3, run=True))  # every kept first draft ran on to the fourth
+    assert runs.positions()[0] == pytest.approx(runs.acceptance) and min(runs.positions()[1:]) > 0.99
+
+
+def test_free_drafts_get_no_doubt_and_start_only_where_drafting_clearly_pays():
+    """Where rounds at k = 0 keep teaching (unverified drafts, free to make), a session that drafts stops at the
+    estimate, without the doubt, and one that does not starts only where drafting pays half a standard error down."""
+    free = PassCosts(target_s=(1.0, 1.3, 1.6, 2.4, 3.2), draft_s=0.0)  # one draft pays from a = 0.3
+
+    def session(accepted: float, drafting: bool) -> CostModelLength:
+        length = CostModelLength(free, prior=accepted, prior_rounds=30.0)
+        length.drafts = drafting
+        return length
+
+    assert session(0.28, drafting=True).current() == 0  # the doubt would have kept it drafting
+    assert session(0.33, drafting=False).current() == 0  # pays at the estimate, not 0.5 standard errors down
+    assert session(0.5, drafting=False).current() > 0
+
+
 def test_draft_positions_after_the_first_follow_the_runs():
     """A draft whose first token is kept a third of the time, each next one nearly always once a run has begun (as
     n-gram lookup's): the first draft takes its own acceptance, the drafts after it (and the guess of the token after
