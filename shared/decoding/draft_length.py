@@ -38,7 +38,7 @@ NEAR_BEST = 0.97  # a k whose expected gain over decoding is within 3 % of the b
 PRIOR, PRIOR_ROUNDS = 0.9, 8.0  # a fresh session's acceptance, worth eight rounds: a draft someone chose is likely
 # good, and starting low costs a good draft several short rounds while starting high costs a bad one one long round
 SHADOW_SHARE = 0.01  # at k = 0, unverified drafts are asked for where they cost at most this share of a decode step
-RUN_PRIOR = 4.0  # rounds' worth of the pooled acceptance the estimate for drafts after a round's first starts from
+RUN_PRIOR = 4.0  # rounds' worth of the server's run acceptance the drafts after a round's first start from
 DOUBT = 1.0  # standard errors of benefit of the doubt a drafting session gets before it stops (`_may_pay`)
 START_DOUBT = 0.5  # standard errors below the estimate where drafting must still pay to start a session whose
 # rounds at k = 0 keep teaching (unverified drafts, `_may_start`)
@@ -298,10 +298,11 @@ class CostModelLength:
     `tally` (a server's sessions) has shown, else `prior`. What drafting costs is measured, as the target's passes
     are (`PassCosts`: per step, and per round for a remote draft's round trip), not learned from the rounds: at
     several sessions a draft's answer also waits for the others' drafts, time in which the target runs the others'
-    passes, and an estimate that made drafting look too dear would never be timed again. `batch_size()`: sequences the next target pass will
-    carry (a server's batcher); `k_max`: the most drafts a round may take (at most what `costs` measured);
-    `overlapped`: the rounds are pipelined (`round_s`). `k` and `reason` (`pays`, `doubt`, `none pays`, `probe`, or
-    `capped` by a request that asked for no drafts) are the last choice, `rates()` why: for spans and metrics."""
+    passes, and an estimate that made drafting look too dear would never be timed again. `batch_size()`: sequences
+    the next target pass will carry (a server's batcher); `k_max`: the most drafts a round may take (at most what
+    `costs` measured); `overlapped`: the rounds are pipelined (`round_s`). `k` and `reason` (`pays`, `doubt`,
+    `none pays`, `probe`, or `capped` by a request that asked for no drafts) are the last choice, `rates()` why: for
+    spans and metrics."""
 
     def __init__(self, costs: PassCosts, prior: float = PRIOR, prior_rounds: float = PRIOR_ROUNDS,
                  batch_size: Callable[[], int] = lambda: 1, k_max: int | None = None,
