@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import torch
 
@@ -44,6 +45,8 @@ START_DOUBT = 0.5  # standard errors below the estimate where drafting must stil
 # rounds at k = 0 keep teaching (unverified drafts, `_may_start`)
 UNLIKELY = 0.01  # ... unless its last rounds all missed, which its estimate before them gave less chance than this
 KEEP = 0.9  # weight of a session's past at each drafted round: its acceptance follows the last ten rounds or so
+Situation = tuple[int, int, bool]  # rounds learnt from, the next batch, whether others verify in it
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -325,9 +328,7 @@ class CostModelLength:
         self.k, self.reason = 0, "none"
         self.shadows: list[list] = []  # [drafts, matched so far, asked] of unverified proposals (`shadow`)
         self.learned = 0  # rounds learnt from: with the batch size, what `rates` depends on
-        self.rated: tuple[tuple[int, int, bool], list[float]] | None = None  # the last `rates`, and for what
-        self.doubt: tuple[tuple[int, int, bool], bool] | None = None  # the last `_may_pay`, and for what
-        self.start: tuple[tuple[int, int, bool], bool] | None = None  # the last `_may_start`, and for what
+        self.kept: dict[str, tuple[Situation, Any]] = {}  # `rates`, `_may_pay`, `_may_start`, and for what
         # the session drafts (its last k chosen was more than 0, and no probe): the doubt is its to keep. A new one
         # does where the server's sessions have shown drafting may pay (`_shown_to_pay`)
         self.drafts = self._shown_to_pay()
@@ -409,10 +410,8 @@ class CostModelLength:
         then never: 10 rounds to stop, with or without it)."""
         if self.misses and (1 - self.miss_from) ** self.misses < UNLIKELY:
             return False
-        key = self._situation()
-        if self.doubt is None or self.doubt[0] != key:  # kept as `rates` is
-            self.doubt = key, self._pays_above(self.acceptance, self.first_reached, key, DOUBT)
-        return self.doubt[1]
+        return self._in_situation("doubt", lambda key: self._pays_above(self.acceptance, self.first_reached, key,
+                                                                       DOUBT))
 
     def _may_start(self) -> bool:
         """Whether drafting pays at an acceptance `START_DOUBT` standard errors below the estimate: what a session
@@ -420,10 +419,8 @@ class CostModelLength:
         by chance, and a swing up started long rounds that a draft kept a tenth of the time could not pay for
         (simulated: n-gram drafts whose first is kept 10 % of the time, each next one 80 %, where no k pays: 0.954x
         decoding, 0.972x with this)."""
-        key = self._situation()
-        if self.start is None or self.start[0] != key:  # kept as `rates` is
-            self.start = key, self._pays_above(self.acceptance, self.first_reached, key, -START_DOUBT)
-        return self.start[1]
+        return self._in_situation("start", lambda key: self._pays_above(self.acceptance, self.first_reached, key,
+                                                                       -START_DOUBT))
 
     def _shown_to_pay(self) -> bool:
         """Whether drafting pays at the server's acceptance (`tally`) plus `DOUBT` standard errors of its count: a new
@@ -434,7 +431,7 @@ class CostModelLength:
         shown, seen = self.tally.first()
         return shown is not None and bool(self.k_max) and self._pays_above(shown, seen, self._situation(), DOUBT)
 
-    def _pays_above(self, a: float, seen: float, key: tuple[int, int, bool], errors: float) -> bool:
+    def _pays_above(self, a: float, seen: float, key: Situation, errors: float) -> bool:
         """Whether some k > 0 pays at acceptance `a` plus `errors` standard errors of its estimate from `seen` rounds
         (the drafts after a round's first at theirs plus the same margin)."""
         margin = errors * math.sqrt(a * (1 - a) / seen) if seen else 0.0
@@ -445,16 +442,21 @@ class CostModelLength:
     def rates(self) -> list[float]:
         """Expected tokens per second at each k up to `k_max`, at this session's acceptance and the next batch's
         pass costs; kept until either changes (a round at k = 0 learns nothing, and asks twice)."""
-        key = self._situation()
-        if self.rated is None or self.rated[0] != key:
-            self.rated = key, rates(self._pass_costs(key[1], key[2]), self.positions(), self.overlapped,
-                                    self.continuation)
-        return self.rated[1]
+        return self._in_situation("rates", lambda key: rates(self._pass_costs(key[1], key[2]), self.positions(),
+                                                             self.overlapped, self.continuation))
 
-    def _situation(self) -> tuple[int, int, bool]:
-        """What `rates` and `_may_pay` depend on besides the costs: rounds learnt from, the next batch, whether others
-        verify in it (their results are kept until it changes)."""
+    def _situation(self) -> Situation:
+        """What `rates`, `_may_pay` and `_may_start` depend on besides the costs: rounds learnt from, the next batch,
+        whether others verify in it."""
         return self.learned, self.batch_size(), self.others_verify()
+
+    def _in_situation(self, name: str, compute: Callable[[Situation], T]) -> T:
+        """`compute(situation)`, kept under `name` until the situation changes."""
+        key = self._situation()
+        kept = self.kept.get(name)
+        if kept is None or kept[0] != key:
+            kept = self.kept[name] = key, compute(key)
+        return kept[1]
 
     def _pass_costs(self, batch: int, verifying: bool) -> PassCosts:
         costs = self.costs.at(batch, verifying)
