@@ -59,12 +59,6 @@ def apply_experts(w_in: Tensor, down_proj: Tensor, x: Tensor, weights: Tensor, c
     `first`: expert parallelism (`deltaspec.shared.model.parallel`): `w_in` and `down_proj` hold the experts first..
     only, and the pairs routed to any other expert add nothing here (a token none of whose experts are here gets 0).
     Finding the pairs reads their count on the host."""
-    if grouped is None:
-        many = CPU_GROUPED_PAIRS_PER_EXPERT * chosen.numel() >= len(down_proj)
-        grouped = (torch.compiler.is_compiling() or grouped_gemm_fast(x.device, x.dtype, *down_proj.shape[1:])
-                   or (x.device.type == "cpu" and x.shape[0] > 1 and many))
-    if not grouped and first is None and x.shape[0] == 1:
-        return _one_token(w_in, down_proj, x, weights, chosen, act), chosen.shape[1]
     flat, pair_weights = chosen.flatten(), weights.flatten()
     pair_tokens = None  # a pair's token: its index // k unless some pairs were left out
     if first is not None:
@@ -73,6 +67,12 @@ def apply_experts(w_in: Tensor, down_proj: Tensor, x: Tensor, weights: Tensor, c
         if not mine.numel():
             return torch.zeros_like(x), 0
         flat, pair_weights, pair_tokens = flat[mine], pair_weights[mine], mine // chosen.shape[1]
+    if grouped is None:
+        many = CPU_GROUPED_PAIRS_PER_EXPERT * flat.numel() >= len(down_proj)
+        grouped = (torch.compiler.is_compiling() or grouped_gemm_fast(x.device, x.dtype, *down_proj.shape[1:])
+                   or (x.device.type == "cpu" and x.shape[0] > 1 and many))
+    if not grouped and first is None and x.shape[0] == 1:
+        return _one_token(w_in, down_proj, x, weights, chosen, act), chosen.shape[1]
     by_expert, order = flat.sort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order within a group
     tokens = order // chosen.shape[1] if pair_tokens is None else pair_tokens[order]
     xs = x.index_select(0, tokens)
