@@ -312,7 +312,9 @@ def in_one_batch(model: BatchedModel, calls: list[tuple[Tensor, ModelState]], mo
     def hold(layer, f, x, *rest):
         if x.shape[0] == HOLD and not holding.broken and holding.n_waiting == len(calls):
             holding.wait()  # every caller is about to call
-            time.sleep(0.05)  # and has queued its call
+            deadline = time.monotonic() + 30
+            while len(model._queue) < len(calls) and time.monotonic() < deadline:  # and has queued its call (a
+                time.sleep(0.001)  # fixed 50 ms was not always enough on a loaded host)
         return real_layer(layer, f, x, *rest)
 
     def call(i: int) -> tuple[Tensor, Tensor] | Exception:
