@@ -93,6 +93,9 @@ CHECKPOINTS = {
         **WIDE, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8, n_mamba_heads=8, mamba_d_state=64,
         mamba_ngroups=2, mamba_d_conv=4, num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=16,
         use_mem_rope=True, layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "mamba", "hybrid"])),
+    "recurrent_gemma": ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", dict(  # HF's cycle, MQA, as published
+        **WIDE, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+        lru_width=256)),
 }
 
 

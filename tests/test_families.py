@@ -185,6 +185,15 @@ CONFIGS = {
         intermediate_size=40, n_mamba_heads=6, mamba_d_state=16, mamba_ngroups=1, mamba_d_conv=3, mamba_expand=1,
         add_bias_linear=True, hidden_act="silu", adapter_rank=3, tie_word_embeddings=False, time_step_min=0.01,
         layers_block_type=["hybrid", "mamba", "mamba", "hybrid"])),
+    "recurrent_gemma-a": ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", dict(  # HF's cycle, MQA, window 8
+        vocab_size=97, hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+        intermediate_size=64, lru_width=48, attention_window_size=8, conv1d_width=4)),
+    "recurrent_gemma-b": ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", dict(  # attention first, a wider LRU,
+        # a tight soft cap, biases, full rotary, untied
+        vocab_size=89, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        intermediate_size=40, lru_width=48, attention_window_size=5, conv1d_width=3, logits_soft_cap=5.0,
+        attention_bias=True, block_types=["attention", "recurrent"], tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 1.0})),
 }
 # per model_type: config changes a load refuses, and what its message names
 REFUSED = {
@@ -234,6 +243,9 @@ REFUSED = {
                 ({"layer_types": ["linear_attention", "sliding_attention"], "num_hidden_layers": 2},
                  "'sliding_attention'"), ({"num_local_experts": 0}, "num_local_experts"),
                 ({"block_size": 0}, "block_size"), ({"mlp_beta_factor": "x"}, "mlp_beta_factor")),
+    "recurrent_gemma": (({"hidden_activation": "gelu"}, "hidden_activation"), ({"lru_width": 49}, "lru_width"),
+                        ({"block_types": ["recurrent", "mlp"]}, "'mlp'"), ({"block_types": []}, "block_types"),
+                        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type")),
 }
 
 
@@ -413,6 +425,22 @@ def test_published_names_and_hand_written_configs_read_as_hf_reads_them(checkpoi
         assert ours.rope_theta == hf.rope_parameters["rope_theta"] == 300.0
         assert ours.mamba_head_dim == hf.mamba_d_head and ours.num_key_value_heads == hf.num_key_value_heads
         assert ours.layer_types == tuple(hf.layers_block_type)
+    if model_type == "recurrent_gemma":  # the published configs' layout: rotary and theta at the top, no head_dim
+        bare = {k: config[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                       "intermediate_size", "attention_window_size")}
+        bare |= {"rope_theta": 300.0, "partial_rotary_factor": 0.5, "embeddings_scale_by_sqrt_dim": True}
+        read = transformers.RecurrentGemmaConfig(**bare)
+        ours = ModelConfig.from_dict({**bare, "model_type": "recurrent_gemma"})
+        assert ours.rotary_dim == int(read.head_dim * read.rope_parameters["partial_rotary_factor"])
+        assert ours.rope_theta == read.rope_parameters["rope_theta"] == 300.0 and ours.head_dim == read.head_dim
+        assert ours.layer_types == tuple(read.block_types * read.num_hidden_layers)[:read.num_hidden_layers]
+        assert (ours.lru_width, ours.num_key_value_heads, ours.tie_word_embeddings) == (read.lru_width,
+                                                                                         read.num_key_value_heads, True)
+        again = transformers.RecurrentGemmaForCausalLM.from_pretrained(save_checkpoint(load_model(directory),
+                                                                                       tmp_path))
+        ids = torch.arange(12)[None] % config["vocab_size"]
+        with torch.no_grad():
+            assert torch.equal(again.eval()(ids).logits, hf(ids).logits)
     if model_type == "nemotron_h":
         again = transformers.NemotronHForCausalLM.from_pretrained(save_checkpoint(load_model(directory), tmp_path))
         ids = torch.arange(12)[None] % config["vocab_size"]
@@ -653,8 +681,9 @@ def test_no_family_is_named_outside_the_model_and_state_floors():
 
 
 # Mamba2, a conv window alone, Mamba1, KDA beside latent attention, lightning attention (no conv window) with
-# experts, and layers holding both states (a shared block reading the embeddings)
-@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a", "falcon_mamba-a", "kimi_linear-a", "minimax-b", "zamba2-a"])
+# experts, layers holding both states (a shared block reading the embeddings), and local attention beside the RG-LRU
+@pytest.mark.parametrize("name", ["nemotron_h-a", "lfm2-a", "falcon_mamba-a", "kimi_linear-a", "minimax-b", "zamba2-a",
+                                  "recurrent_gemma-a"])
 def test_services_serve_hf_tokens(name, tmp_path):
     """serve-target beside serve-draft (the same checkpoint as draft: a near-copy), as an operator starts them:
     HF's greedy tokens through the target's loop and the client-driven one (pipelined), then five Generate streams

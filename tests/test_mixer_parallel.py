@@ -16,9 +16,10 @@ from support import rel_err
 
 HIDDEN, HEADS, KV, D = 32, 4, 2, 8
 ATTENTION = SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=D,
-                            attention_bias=True, attention_output_gate=False, attention_qk_norm=False,
-                            attention_qk_norm_per_head=True, rms_norm_eps=1e-6, norm_offset=0.0, attention_scale=None,
-                            residual_multiplier=1.0, rotary_dim=D)
+                            attention_bias=True, attention_out_bias=None, attention_window=0,
+                            attention_output_gate=False, attention_qk_norm=False, attention_qk_norm_per_head=True,
+                            rms_norm_eps=1e-6, norm_offset=0.0, attention_scale=None, residual_multiplier=1.0,
+                            rotary_dim=D)
 
 
 def mixer() -> ParallelMixer:

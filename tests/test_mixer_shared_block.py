@@ -18,8 +18,8 @@ from support import rel_err
 
 HIDDEN, HEADS, D = 16, 4, 8  # attention over 2 x hidden inputs: head_dim 2 hidden / heads
 CFG = SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=D,
-                      attention_bias=False, attention_output_gate=False, attention_qk_norm=False,
-                      attention_qk_norm_per_head=True, rms_norm_eps=1e-5, norm_offset=0.0,
+                      attention_bias=False, attention_out_bias=None, attention_window=0, attention_output_gate=False,
+                      attention_qk_norm=False, attention_qk_norm_per_head=True, rms_norm_eps=1e-5, norm_offset=0.0,
                       attention_scale=1 / math.sqrt(D / 2), residual_multiplier=1.0, rotary_dim=D,
                       intermediate_size=24, mlp_bias=True)
 

@@ -53,7 +53,8 @@ CONV_CFG = dict(model_type="lfm2", vocab_size=V, hidden_size=32, num_attention_h
                 layer_types=["conv", "full_attention"])
 MAMBA_CFG = dict(model_type="falcon_mamba", vocab_size=V, hidden_size=16, num_hidden_layers=2, state_size=6,
                  conv_kernel=3)
-# KDA beside latent attention (`kda`, Kimi Linear), lightning attention (`lightning`, MiniMax)
+# KDA beside latent attention (`kda`, Kimi Linear), lightning attention (`lightning`, MiniMax), the RG-LRU beside
+# local attention (`rglru`, RecurrentGemma: a window of 4 positions)
 KDA_CFG = dict(model_type="kimi_linear", vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                num_key_value_heads=2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
                intermediate_size=32, linear_attn_config=dict(head_dim=8, num_heads=2, short_conv_kernel_size=3),
@@ -62,9 +63,13 @@ KDA_CFG = dict(model_type="kimi_linear", vocab_size=V, hidden_size=32, num_hidde
 LIGHTNING_CFG = dict(model_type="minimax", vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=4,
                      num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"])
+RGLRU_CFG = dict(model_type="recurrent_gemma", vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, intermediate_size=64, lru_width=32, attention_window_size=4,
+                 block_types=["recurrent", "attention"], eos_token_id=None)
 TARGETS = {"dense": with_mtp(CFG, 1), "moe": with_mtp(MOE_CFG, 5), "ssd": random_model(SSD_CFG, seed=11),
            "conv": random_model(CONV_CFG, seed=12), "mamba": random_model(MAMBA_CFG, seed=13),
-           "kda": random_model(KDA_CFG, seed=14), "lightning": random_model(LIGHTNING_CFG, seed=15)}
+           "kda": random_model(KDA_CFG, seed=14), "lightning": random_model(LIGHTNING_CFG, seed=15),
+           "rglru": random_model(RGLRU_CFG, seed=16)}
 TARGET = TARGETS["dense"]
 HEADS = {name: MTPHead(TARGETS[name]) for name in ("dense", "moe")}
 DRAFT = random_model(CFG, seed=2)  # a different model: q differs from p, so both accepts and rejections occur
@@ -141,11 +146,11 @@ def p_values(tokens: torch.Tensor, sampling: SamplingParams, target: str = "dens
                          [("dense", "model", T1), ("dense", "model-stop", T1), ("dense", "ngram", T1),
                           ("dense", "mtp", FILTERED), ("moe", "model", T1), ("moe", "mtp", FILTERED),
                           ("ssd", "model", T1), ("conv", "model", FILTERED), ("mamba", "model", T1),
-                          ("kda", "model", T1), ("lightning", "model", FILTERED)],
+                          ("kda", "model", T1), ("lightning", "model", FILTERED), ("rglru", "model", T1)],
                          ids=["model-T1", "model-stop_below-T1", "ngram-T1", "mtp-T0.8-topk10-topp0.9",
                               "moe-model-T1", "moe-mtp-T0.8-topk10-topp0.9", "ssd-model-T1",
                               "conv-model-T0.8-topk10-topp0.9", "mamba-model-T1", "kda-model-T1",
-                              "lightning-model-T0.8-topk10-topp0.9"])
+                              "lightning-model-T0.8-topk10-topp0.9", "rglru-model-T1"])
 def test_speculative_sampling_matches_target(target, drafter, sampling):
     tokens, totals = sample(drafter, sampling, target=target)
     assert 0 < totals["accepted"] < totals["drafted"], totals  # both accepts and rejections happened

@@ -42,6 +42,8 @@ class ModelConfig:
     attention_qk_norm_per_head: bool = True  # False: q/k RMSNorms over the whole projection (OLMo's)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    attention_out_bias: bool | None = None  # o_proj's bias; None: as `attention_bias` (RecurrentGemma's: always)
+    attention_window: int = 0  # a query sees the last this many positions, its own included (0: all of them)
     mlp_bias: bool = False
     eos_token_id: tuple[int, ...] = ()
     mtp_num_hidden_layers: int = 0
@@ -74,6 +76,9 @@ class ModelConfig:
     mamba_norm_eps: float = 1e-5
     mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
     mamba_dt_rank: int = 0  # Mamba1 layers (mamba_num_heads: d_inner, every channel a head): dt's low rank
+    # RecurrentGemma's RG-LRU blocks: the recurrence's width and its conv's
+    lru_width: int = 0
+    lru_conv_width: int = 4
     # short conv layers (LFM2)
     short_conv_kernel: int = 3
     short_conv_bias: bool = False
@@ -97,6 +102,7 @@ class ModelConfig:
     attention_scale: float | None = None  # the attention's softmax scale; None: 1/sqrt(head_dim)
     logits_scaling: float = 1.0  # divides the logits (`HybridLM.logits`)
     logits_multiplier: float = 1.0  # multiplies them (Falcon-H1's `lm_head_multiplier`)
+    logits_soft_cap: float = 0.0  # cap * tanh(logits / cap) (RecurrentGemma's); 0: none
     # multi-head latent attention (Kimi Linear, Bailing hybrid: `mixers/mla.py`); KDA's decay (`mixers/kda.py`)
     q_lora_rank: int = 0  # 0: one query projection
     kv_lora_rank: int = 0

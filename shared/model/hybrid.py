@@ -55,13 +55,16 @@ class HybridLM(nn.Module):
 
     def logits(self, y: Tensor) -> Tensor:
         """The LM head on final-normed hidden states `y`, divided by `logits_scaling` (Granite's) or multiplied by
-        `logits_multiplier` (Falcon-H1's) in the weights' dtype as HF does: float32 logits. Every pass and the MTP
-        drafter compute logits here."""
+        `logits_multiplier` (Falcon-H1's), then soft-capped (`logits_soft_cap`, RecurrentGemma's), in the weights'
+        dtype as HF does: float32 logits. Every pass and the MTP drafter compute logits here."""
         logits = self.lm_head(y)
-        scaling, multiplier = self.config.logits_scaling, self.config.logits_multiplier
+        cfg = self.config
+        scaling, multiplier, cap = cfg.logits_scaling, cfg.logits_multiplier, cfg.logits_soft_cap
         if scaling != 1.0:
             logits = logits / scaling
-        return (logits if multiplier == 1.0 else logits * multiplier).float()
+        if multiplier != 1.0:
+            logits = logits * multiplier
+        return (logits if not cap else torch.tanh(logits / cap) * cap).float()
 
     def new_state(self, capacity: int = 256, log_capacity: int = LOG_CAPACITY) -> ModelState:
         """A fresh sequence state; in a slot of the model's state pool when one is attached

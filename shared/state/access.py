@@ -40,9 +40,10 @@ class StateAccess(Protocol):
         returns the recurrence's output `(N, H, Dv)`."""
         ...
 
-    def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
         """Attention layer j: writes k, v `(N, Hkv, D)` at the tokens' positions, attends causally with q
-        `(N, H, D)`; `(N, H, D)`."""
+        `(N, H, D)` (to the last `window` positions only, a query's own included, where one is given);
+        `(N, H, D)`."""
         ...
 
 
@@ -53,25 +54,38 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Te
                                           enable_gqa=q.shape[2] != k.shape[1]).transpose(1, 2)
 
 
-def position_mask(query_at: Tensor, L: int) -> Tensor:
+def first_token(T: int, device: torch.device) -> Tensor:
+    """`Start.first` of a pass whose first token is a sequence's first: `(T, 1)`, 1 in row 0."""
+    first = torch.zeros(T, 1, device=device)
+    first[0] = 1.0
+    return first
+
+
+def position_mask(query_at: Tensor, L: int, window: int | None = None) -> Tensor:
     """Each query at its position `query_at` (`(T,)`, or `(B, T)`) sees the keys at positions up to its own among
-    0..L-1: `(T, L)`, or `(B, 1, T, L)` (SDPA's CPU kernels round as the single-sequence form only with these)."""
-    mask = torch.arange(L, device=query_at.device) <= query_at[..., None]
+    0..L-1, and (`window`) none `window` or more before it: `(T, L)`, or `(B, 1, T, L)` (SDPA's CPU kernels round as
+    the single-sequence form only with these)."""
+    at = torch.arange(L, device=query_at.device)
+    mask = at <= query_at[..., None]
+    if window is not None:
+        mask &= at > query_at[..., None] - window
     return mask[:, None] if mask.ndim == 3 else mask
 
 
-def attend(st: AttnLayerState, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+def attend(st: AttnLayerState, q: Tensor, k: Tensor, v: Tensor, start: int, window: int | None = None) -> Tensor:
     """One sequence: write its k, v `(T, Hkv, D)` at positions start.. into the cache and attend causally with q
-    `(T, H, D)`; `(T, H, D)`."""
+    `(T, H, D)`, to the last `window` positions where one is given; `(T, H, D)`. Keys no query of the pass sees are
+    not read."""
     T = q.shape[0]
     end = start + T
     st.ensure_capacity(end)
     st.k[:, start:end] = k.transpose(0, 1)
     st.v[:, start:end] = v.transpose(0, 1)
+    first = 0 if window is None else max(0, start + 1 - window)  # the first query's oldest key
     mask = None  # one query sees every key; query i of several sits at start + i
     if T > 1:
-        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(start)
-    return causal_attention(q[None], st.k[None, :, :end], st.v[None, :, :end], mask)[0]
+        mask = position_mask(torch.arange(start, end, device=q.device), end, window)[:, first:]
+    return causal_attention(q[None], st.k[None, :, first:end], st.v[None, :, first:end], mask)[0]
 
 
 class SequenceAccess:
@@ -84,13 +98,14 @@ class SequenceAccess:
     def recurrent(self, i: int, x: Tensor, inputs: tuple[Tensor, ...], core: Recurrence) -> Tensor:
         st = RecurrentSlot(self.state.recurrent, i, self.offset)
         full = torch.cat([st.conv_window(), x], dim=0)  # (K-1+T, C)
+        first = first_token(x.shape[0], x.device) if self.start == 0 else None
         step = core(full, inputs, Start(st.initial_state(), out_state=st.state_out(),
-                                        logs=lambda: st.verify_logs(x.shape[0])))
+                                        logs=lambda: st.verify_logs(x.shape[0]), first=first))
         st.stage(x, step.k, step.d, step.g, step.final, full, kernel_logged=step.logged)
         return step.out
 
-    def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return attend(self.state.attn[j], q, k, v, self.start)
+    def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
+        return attend(self.state.attn[j], q, k, v, self.start, window)
 
 
 RECURRENT_BUFFERS = ("conv_in", "state_in", "window", "spare", "x", "k", "delta", "g")  # a static recurrent layer's
@@ -108,6 +123,8 @@ class StaticAccess:
     buffers: dict[str, Sequence[Tensor]]
     kv: Sequence[tuple[Tensor, Tensor]]
     embeds: Tensor | None = None
+    first: Tensor | None = None  # `Start.first`, made at the first recurrent layer that runs
+
 
     @staticmethod
     def recurrent_buffers(state: ModelState, per_layer: bool = False) -> dict:
@@ -124,7 +141,9 @@ class StaticAccess:
     def recurrent(self, i: int, x: Tensor, inputs: tuple[Tensor, ...], core: Recurrence) -> Tensor:
         buf = {name: self.buffers[name][i] for name in RECURRENT_BUFFERS}
         full = torch.cat([buf["conv_in"], x], dim=0)
-        step = core(full, inputs, Start(buf["state_in"], static=True))
+        if self.first is None:
+            self.first = (self.positions == 0).to(torch.float32)[:, None]
+        step = core(full, inputs, Start(buf["state_in"], static=True, first=self.first))
         buf["spare"].copy_(step.final)
         buf["window"].copy_(full[full.shape[0] - buf["window"].shape[0]:])  # none for K = 1
         buf["x"].index_copy_(0, self.slots, x)
@@ -133,11 +152,11 @@ class StaticAccess:
         buf["g"].index_copy_(buf["g"].ndim - 1, self.slots, step.g.movedim(0, -1))
         return step.out
 
-    def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
         k_cache, v_cache = self.kv[j]
         k_cache.index_copy_(1, self.positions, k.transpose(0, 1))
         v_cache.index_copy_(1, self.positions, v.transpose(0, 1))
-        mask = position_mask(self.positions, k_cache.shape[1])
+        mask = position_mask(self.positions, k_cache.shape[1], window)
         return causal_attention(q[None], k_cache[None], v_cache[None], mask)[0]
 
 
@@ -150,6 +169,7 @@ class _Group:
     T: int
     rows: slice | Tensor  # rows of the packed tokens in (member, t) order; padding repeats a member's last row
     valid: Tensor | None  # (G, T, 1) 1 for real tokens, 0 for padding; None when nothing is padded
+    first: Tensor | None = None  # (G, T, 1) `Start.first`: 1 on a member's token at position 0; None when none is
     logs: VerifyLogs | None = None  # where the Triton kernel logs the members: made at the first layer that runs it
 
     def take(self, x: Tensor) -> Tensor:
@@ -183,14 +203,18 @@ class BatchAccess:
     def _group(self, members: list[int], device: torch.device) -> _Group:
         lens = [self.lengths[i] for i in members]
         T = max(lens)
+        first = None
+        if any(self.starts[i] == 0 for i in members):
+            first = torch.zeros(len(members), T, 1, device=device)
+            first[:, 0, 0] = torch.tensor([float(self.starts[i] == 0) for i in members])
         contiguous = members == list(range(members[0], members[0] + len(members)))
         if min(lens) == T and contiguous:
-            first = self.offsets[members[0]]
-            return _Group(members, lens, T, slice(first, self.offsets[members[-1]] + T), None)
+            row = self.offsets[members[0]]
+            return _Group(members, lens, T, slice(row, self.offsets[members[-1]] + T), None, first)
         rows = torch.tensor([self.offsets[i] + min(t, n - 1) for i, n in zip(members, lens) for t in range(T)],
                             device=device)
         valid = torch.tensor([[float(t < n)] for n in lens for t in range(T)], device=device).view(len(members), T, 1)
-        return _Group(members, lens, T, rows, valid if min(lens) < T else None)
+        return _Group(members, lens, T, rows, valid if min(lens) < T else None, first)
 
     def _unpad(self, device: torch.device) -> Tensor | None:
         """Packed row -> row of the groups' concatenated `(G T)` outputs; None when they coincide."""
@@ -230,26 +254,26 @@ class BatchAccess:
                 g.logs = verify_logs(slots, g.lengths)
             return None if g.logs is None else g.logs._replace(layer=slots[0].i)
 
-        step = core(full, tuple(g.take(t) for t in inputs), Start(initial, valid=g.valid, logs=logs))
+        step = core(full, tuple(g.take(t) for t in inputs), Start(initial, valid=g.valid, logs=logs, first=g.first))
         _stage(g, slots, xs, full, step.k.permute(0, 2, 3, 1), step.d.transpose(1, 2), step.g.movedim(1, -1),
                step.final, step.logged)
         return step.out.reshape(-1, *step.out.shape[2:])
 
-    def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, j: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
         outs = []
         for g in self.groups:
             members = [self.states[i].attn[j] for i in g.members]
             if len(g.members) == 1:  # a long prefill piece, or a group of one: the single-sequence form
                 i = g.members[0]
                 o, T = self.offsets[i], g.T
-                outs.append(attend(members[0], q[o:o + T], k[o:o + T], v[o:o + T], self.starts[i]))
+                outs.append(attend(members[0], q[o:o + T], k[o:o + T], v[o:o + T], self.starts[i], window))
             else:
-                outs.append(self._attend_group(g, q, k, v, members, [self.starts[i] for i in g.members]))
+                outs.append(self._attend_group(g, q, k, v, members, [self.starts[i] for i in g.members], window))
         return self._packed(outs)
 
     @staticmethod
     def _attend_group(g: _Group, q: Tensor, k: Tensor, v: Tensor, states: list[AttnLayerState],
-                      starts: list[int]) -> Tensor:
+                      starts: list[int], window: int | None = None) -> Tensor:
         """Masked attention for one group: each member writes its K/V at its positions, then all attend at once over
         their caches gathered into a zero-padded `(G, Hkv, L, D)` (a member's query t sees keys up to start + t)."""
         G, T, Hkv, D = len(g.members), g.T, k.shape[1], k.shape[2]
@@ -267,7 +291,8 @@ class BatchAccess:
                              [st.k[:, :end] for st, end in zip(states, ends)]
                              + [st.v[:, :end] for st, end in zip(states, ends)])
         query_at = torch.tensor(starts, device=q.device)[:, None] + torch.arange(T, device=q.device)  # (G, T)
-        out = causal_attention(g.take(q), torch.stack(cache_k), torch.stack(cache_v), position_mask(query_at, L))
+        out = causal_attention(g.take(q), torch.stack(cache_k), torch.stack(cache_v),
+                               position_mask(query_at, L, window))
         return out.reshape(G * T, *out.shape[2:])
 
 

@@ -7,8 +7,8 @@ of the model, so the engine never asks which family it serves: a new family decl
 Every recurrent kind evolves as decay times state plus an outer product, `S_t = D(g_t) S_{t-1} + k_t d_t^T`, so one
 closed-form commit serves them all (`rollback.closed_form`); a kind says only how its log decay g is laid out
 (`DECAYS`): one number per head (GDN, Mamba2/SSD), one per head and key channel (KDA, Mamba1), or no state at all
-beside the conv window (a short conv); a kind whose state is as small as one token's log (Mamba1) logs the state after
-each token and commits by copying it.
+beside the conv window (a short conv); a kind whose state is as small as one token's log (Mamba1, RecurrentGemma's
+RG-LRU) logs the state after each token and commits by copying it.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ HOLDS = {RECURRENT: (RECURRENT,), ATTENTION: (ATTENTION,), HYBRID: (RECURRENT, A
 # "snapshot": a kind whose state is no larger than what one token would log (Mamba1: a decay per channel and state
 # entry) logs the state after each staged token instead (as d: the layer's whole state one head of 1 x Dv, so one
 # token's states are contiguous in the logs), and a commit copies the one it keeps
-DECAYS = {"gdn": "head", "ssd": "head", "kda": "key", "mamba": "snapshot", "conv": "none", "lightning": "head"}
+DECAYS = {"gdn": "head", "ssd": "head", "kda": "key", "mamba": "snapshot", "rglru": "snapshot", "conv": "none",
+          "lightning": "head"}
 RECURRENT_KINDS = tuple(DECAYS)
 
 LOG_CAPACITY = 36  # staged tokens logged: two chained rounds (a pipelined one on top) of k <= 16 drafts plus inputs

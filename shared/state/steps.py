@@ -35,10 +35,12 @@ class Start:
     """Where a recurrence starts: the state before the pass `initial (..., H, Dk, Dv)` float32; `valid (..., T, 1)`
     (None: all real) 0 on a batch's padding tokens, which must leave the state as it is (no update, log decay 0);
     `out_state` where a one-token step may write the final state; `logs` where a kernel may log k, d, g itself;
-    `static` a pass recorded as a graph (shape-static forms only)."""
+    `static` a pass recorded as a graph (shape-static forms only); `first (..., T, 1)` 1 on a sequence's first token
+    (position 0), where a kind treats it apart (RecurrentGemma's RG-LRU), None when the pass holds none."""
 
     initial: Tensor
     valid: Tensor | None = None
     out_state: Tensor | None = None
     logs: Callable[[], VerifyLogs | None] | None = None
     static: bool = False
+    first: Tensor | None = None

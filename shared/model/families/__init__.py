@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from deltaspec.shared.model.families import (bailing_hybrid, bamba, falcon_h1, falcon_mamba, granitemoehybrid,
                                              jamba, kimi_linear, lfm2, lfm2_moe, mamba, mamba2, minimax, nemotron_h,
-                                             olmo_hybrid, qwen3_5, qwen3_next, zamba2)
+                                             olmo_hybrid, qwen3_5, qwen3_next, recurrent_gemma, zamba2)
 from deltaspec.shared.model.families.qwen3_5 import ConfigFields
 from deltaspec.shared.state.spec import StateSpec
 
@@ -49,7 +49,7 @@ class Family:
 
 FAMILIES = tuple(Family.of(module) for module in (
     qwen3_5, qwen3_next, nemotron_h, bamba, granitemoehybrid, mamba2, lfm2, lfm2_moe, mamba, falcon_mamba, olmo_hybrid,
-    jamba, kimi_linear, bailing_hybrid, minimax, falcon_h1, zamba2))
+    jamba, kimi_linear, bailing_hybrid, minimax, falcon_h1, zamba2, recurrent_gemma))
 
 
 def family_of(model_type: object) -> Family | None:

@@ -3,7 +3,8 @@ output gate) or the plain one (Nemotron-H: no norm, no rotary, no gate), by the 
 span the whole projection, all heads at once). Granite's softmax scale (`attention_scale`, in place of 1/sqrt(D))
 scales q before the state access attends at 1/sqrt(D); its `residual_multiplier` scales the output as it is added
 to the residual. Falcon-H1's multipliers scale the input and the keys (`in_multiplier`, `key_multiplier`); Zamba2's
-projections take [hidden; embeddings] (`input_size`) and its adapters add a `delta` to them.
+projections take [hidden; embeddings] (`input_size`) and its adapters add a `delta` to them. RecurrentGemma's local
+attention sees the last `attention_window` positions only, and biases o_proj alone (`attention_out_bias`).
 
 K/V are written past the committed length and cut by position, so a rejected token costs nothing to roll back. The
 fast path runs q (with its gate), k and v as one matmul (their biases as one) and q and k through one rotary call;
@@ -36,6 +37,8 @@ class AttentionFields(Protocol):
     num_key_value_heads: int
     head_dim: int
     attention_bias: bool
+    attention_out_bias: bool | None
+    attention_window: int
     attention_output_gate: bool
     attention_qk_norm: bool
     attention_qk_norm_per_head: bool
@@ -75,11 +78,13 @@ class Attention(nn.Module):
         self.q_scale = 1.0 if cfg.attention_scale is None else cfg.attention_scale * math.sqrt(self.head_dim)
         self.in_multiplier, self.key_multiplier = in_multiplier, key_multiplier
         self.out_multiplier = cfg.residual_multiplier if out_multiplier is None else out_multiplier
+        self.window = cfg.attention_window or None  # a sliding window's width, None: every position
         bias, width = cfg.attention_bias, input_size or cfg.hidden_size
+        out_bias = bias if cfg.attention_out_bias is None else cfg.attention_out_bias
         self.q_proj = nn.Linear(width, (1 + self.gated) * self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=out_bias)
         self.norm_per_head = cfg.attention_qk_norm_per_head
         if cfg.attention_qk_norm:
             q_heads, k_heads = (1, 1) if self.norm_per_head else (self.n_heads, self.n_kv)
@@ -110,7 +115,7 @@ class Attention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         v = v.view(T, self.n_kv, self.head_dim)
-        out = attend(st, q, k, v, start).reshape(T, -1)  # (T, H D)
+        out = attend(st, q, k, v, start, self.window).reshape(T, -1)  # (T, H D)
         out = self.o_proj(out if gate is None else out * torch.sigmoid(gate.reshape(T, -1)))
         return out if self.out_multiplier == 1.0 else out * self.out_multiplier
 
@@ -147,7 +152,7 @@ class Attention(nn.Module):
             q, k = rotary(torch.cat([q, k], dim=1), *rope).split([H, Hkv], dim=1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        out = access.attend(j, q, k, v.view(T, Hkv, D))
+        out = access.attend(j, q, k, v.view(T, Hkv, D), self.window)
         if self.gated:
             out = out * torch.sigmoid(q_gate[..., D:])
         out = torch.addmm(residual, out.reshape(T, -1), f.out_t, alpha=self.out_multiplier)
