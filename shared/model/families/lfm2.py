@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from deltaspec.shared.model.families.qwen3_5 import ConfigFields
-from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, supported_kinds
+from deltaspec.shared.model.fields import json_float, positive_int, refuse_unless, supported_kinds
 from deltaspec.shared.model.mixers.attention import Attention
 from deltaspec.shared.model.mixers.short_conv import ShortConv
 from deltaspec.shared.model.mlp import MLP
@@ -63,9 +63,7 @@ def _ff_dim(cfg: dict[str, Any]) -> int:
 def fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """`ModelConfig` fields of an LFM2 config, as HF 5.25's `Lfm2Config` reads it."""
     rope = cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"config.json: lfm2 with rope_parameters.rope_type={rope['rope_type']!r} is not supported "
-                          "(supported: 'default')")
+    refuse_unless(rope, "rope_type", ("default",), "lfm2")
     n_layers = positive_int(cfg, "num_hidden_layers")
     heads = positive_int(cfg, "num_attention_heads")
     return dict(

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from deltaspec.shared.model.families.qwen3_5 import ConfigFields, state_spec  # noqa: F401 (its GDN state)
-from deltaspec.shared.model.fields import ConfigError, json_float, positive_int, refuse_unless, rename
+from deltaspec.shared.model.fields import json_float, positive_int, refuse_unless, rename
 from deltaspec.shared.model.mixers.attention import Attention
 from deltaspec.shared.model.mixers.gdn import GatedDeltaNet
 from deltaspec.shared.model.mlp import MLP
@@ -57,9 +57,7 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """`ModelConfig` fields of an OLMo-Hybrid config, with HF 5.25's `OlmoHybridConfig` defaults."""
     refuse_unless(cfg, "hidden_act", ("silu",), "olmo_hybrid")
     rope = cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"config.json: olmo_hybrid with rope_parameters.rope_type={rope['rope_type']!r} is not "
-                          "supported (supported: 'default')")
+    refuse_unless(rope, "rope_type", ("default",), "olmo_hybrid")
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     n_layers, hidden = positive_int(cfg, "num_hidden_layers"), positive_int(cfg, "hidden_size")
     heads = positive_int(cfg, "num_attention_heads")

@@ -45,9 +45,7 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """`ModelConfig` fields of a RecurrentGemma config, as HF 5.25's `RecurrentGemmaConfig` reads it."""
     refuse_unless(cfg, "hidden_activation", ("gelu_pytorch_tanh",), "recurrent_gemma")
     rope = cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"config.json: recurrent_gemma with rope_parameters.rope_type={rope['rope_type']!r} is not "
-                          "supported (supported: 'default')")
+    refuse_unless(rope, "rope_type", ("default",), "recurrent_gemma")
     n_layers, hidden = positive_int(cfg, "num_hidden_layers"), positive_int(cfg, "hidden_size")
     heads = positive_int(cfg, "num_attention_heads")
     blocks = supported_kinds(list(cfg.get("block_types", BLOCK_TYPES)), LAYER_KINDS, "recurrent_gemma", "block type")
