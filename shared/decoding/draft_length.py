@@ -18,6 +18,7 @@ measured at several batch sizes (`PassCosts.batched`) and each round reads the r
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import threading
@@ -64,6 +65,7 @@ class PassCosts:
     def k_max(self) -> int:
         return len(self.target_s) - 1
 
+    @functools.lru_cache(maxsize=64)  # asked every round (`CostModelLength`): a few batch sizes, computed once each
     def at(self, batch: int, verifying: bool = False) -> PassCosts:
         """What one sequence's drafts cost in a pass it shares with others (`batch` in all: the smallest measured
         batch at least that large, else the largest): its k drafts add k tokens to a pass whose others decode one
@@ -328,7 +330,7 @@ class CostModelLength:
         self.k, self.reason = 0, "none"
         self.shadows: list[list] = []  # [drafts, matched so far, asked] of unverified proposals (`shadow`)
         self.learned = 0  # rounds learnt from: with the batch size, what `rates` depends on
-        self.kept: dict[str, tuple[Situation, Any]] = {}  # `rates`, `_may_pay`, `_may_start`, and for what
+        self.kept: dict[tuple[str, Situation], Any] = {}  # `rates`, `_may_pay`, `_may_start`, by situation
         # the session drafts (its last k chosen was more than 0, and no probe): the doubt is its to keep. A new one
         # does where the server's sessions have shown drafting may pay (`_shown_to_pay`)
         self.drafts = self._shown_to_pay()
@@ -451,12 +453,12 @@ class CostModelLength:
         return self.learned, self.batch_size(), self.others_verify()
 
     def _in_situation(self, name: str, compute: Callable[[Situation], T]) -> T:
-        """`compute(situation)`, kept under `name` until the situation changes."""
-        key = self._situation()
-        kept = self.kept.get(name)
-        if kept is None or kept[0] != key:
-            kept = self.kept[name] = key, compute(key)
-        return kept[1]
+        """`compute(situation)`, kept under `name` for each situation until the next round learnt from (`_learn`):
+        the batch size moves between a few values from round to round, and a round at k = 0 learns nothing."""
+        key = name, self._situation()
+        if key not in self.kept:
+            self.kept[key] = compute(key[1])
+        return self.kept[key]
 
     def _pass_costs(self, batch: int, verifying: bool) -> PassCosts:
         costs = self.costs.at(batch, verifying)
@@ -527,6 +529,7 @@ class CostModelLength:
     def _learn(self, proposed: int, accepted: int, asked: int) -> None:
         """What a round of `proposed` drafts (of `asked`), `accepted` of them, teaches; the past weighed `keep`."""
         keep, self.learned = self.keep, self.learned + 1
+        self.kept.clear()  # every situation's results are of the rounds before
         if proposed:
             if not accepted and not self.misses:
                 self.miss_from = self.acceptance

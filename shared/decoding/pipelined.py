@@ -272,6 +272,9 @@ def resolved(value) -> Future:
     return done
 
 
+NOTHING = resolved(None)  # the answer of a round that asks for nothing: one future for all (a done one never changes)
+
+
 def _start_speculation(drafter: Drafter, k: int, after: tuple[int, int] | None) -> Future | None:
     """A future of (guess, proposal) | None: sent at once by a remote drafter, computed here by an in-process one."""
     if k < 1:

@@ -41,7 +41,7 @@ import grpc
 
 from deltaspec.v1 import draft_service_pb2, draft_service_pb2_grpc
 from deltaspec.shared.decoding.drafters import Proposal
-from deltaspec.shared.decoding.pipelined import resolved
+from deltaspec.shared.decoding.pipelined import NOTHING
 from deltaspec.shared.decoding.sampling import SamplingParams
 from deltaspec.shared.errors import InvalidArgument
 from deltaspec.shared.rpc.convert import probs_from_proto, sampling_to_proto
@@ -140,9 +140,9 @@ class RemoteDrafter:
             self.close(wait=False)  # it misses this round's outcome: free it now (a dropped id would hold a slot
             # until its TTL; the last round of every generation has k = 0), rebuild it next time; the round does not
             # wait for the answer
-            return Proposal([]), resolved(None), resolved(None)
+            return Proposal([]), NOTHING, NOTHING
         round_id = f"r{self.rounds}"
-        speculation = third = resolved(None)
+        speculation = third = NOTHING
         try:
             if self.session_id is None:
                 opening, self.opening = self.opening, None
@@ -162,7 +162,7 @@ class RemoteDrafter:
                 spec.abandoned = True
             self.abandoned, self.speculations = self.speculations, []
             self._failed(e)
-            return Proposal([]), resolved(None), resolved(None)
+            return Proposal([]), NOTHING, NOTHING
         self.consecutive_failures = 0
         self.round_id, self.proposed = round_id, proposal.tokens
         self.opened_by, self.previous = self.previous, None  # the outcome is folded in
@@ -180,7 +180,7 @@ class RemoteDrafter:
             self.speculations = [s for s in self.speculations if not s.done.done() or s.answered]
             if (self.session_id is None or self.round_id is None
                     or len(self.speculations) != (0 if after is None else 1)):
-                return resolved(None)
+                return NOTHING
             if after is None:
                 return self._send_speculation(k, self.opened_by if self.previous is None else self.previous)
             outcome = draft_service_pb2.RoundOutcome(round_id=self.round_id, accepted=after[0], next_token=after[1])
@@ -194,7 +194,7 @@ class RemoteDrafter:
         that one is refused. `behind`: the plain Propose sent just before it."""
         timeout = self._timeout()
         if k == 0 or timeout <= 0:
-            return resolved(None)
+            return NOTHING
         self.rounds += 1
         spec = _Speculation(f"r{self.rounds}", previous, parent.round_id if parent else "", behind=behind)
         self.speculations.append(spec)
@@ -227,7 +227,7 @@ class RemoteDrafter:
             refused = e.code() == grpc.StatusCode.FAILED_PRECONDITION or \
                 (spec.builds_on and e.code() == grpc.StatusCode.NOT_FOUND)
             if not refused:  # behind a plain Propose, it fails with it (it waits for it at the peer): counted once
-                (spec.behind or resolved(None)).add_done_callback(  # `e` is unbound once this block ends: bind it
+                (spec.behind or NOTHING).add_done_callback(  # `e` is unbound once this block ends: bind it
                     lambda plain, error=e: self._failed_alone(spec, plain, error))
         except MalformedProposal as e:
             with self.lock:
