@@ -383,9 +383,10 @@ class RecurrentSlot:
             log_x, log_k, log_delta, log_g = logs
             log_x.copy_(x)
             if not kernel_logged:
-                log_k.copy_(k.permute(1, 2, 0))
                 log_delta.copy_(delta.transpose(0, 1))
-                log_g.copy_(g.movedim(0, -1))
+                if s.decay != "snapshot":  # a snapshot kind's k and g are zeros nothing reads (its commit copies d)
+                    log_k.copy_(k.permute(1, 2, 0))
+                    log_g.copy_(g.movedim(0, -1))
         if window_and_x is None:
             window_and_x = torch.cat([self.conv_window(), x.to(s.window.dtype)], dim=0)
         if s.block_heads is not None:  # before the state after this pass overwrites the one before it

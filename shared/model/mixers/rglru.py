@@ -124,16 +124,19 @@ def recurrence(m: RGLRUMixer, f: FusedRGLRU, full: Tensor, extras: tuple[Tensor,
     `snapshot` kind logs: the state after each token as d `(..., T, 1, W)` (k and g zeros, `(..., T, 1, 1)` and
     `(..., T, 1)`), `initial` being `(..., 1, 1, W)`. A padding token (start.valid 0) neither decays nor writes."""
     xc = causal_conv(full, m.conv_1d.weight[:, 0], m.conv_1d.bias)  # (..., T, W)
-    pre = gates(m, xc, f.gates_w, f.gates_b)  # (..., T, heads, 2 block)
-    input_gate, recurrent_gate = (torch.sigmoid(p).flatten(-2) for p in pre.chunk(2, dim=-1))  # (..., T, W)
+    opened = torch.sigmoid(gates(m, xc, f.gates_w, f.gates_b))  # (..., T, heads, 2 block)
+    input_gate, recurrent_gate = (p.flatten(-2) for p in opened.chunk(2, dim=-1))  # (..., T, W)
     log_a = f.rates * recurrent_gate
     d = normalised(xc, input_gate, log_a, start.first).float()
     g = log_a.float()
     if start.valid is not None:
         d, g = d * start.valid, g * start.valid
     lead = start.initial.shape[:-3]
-    initial = start.initial.reshape(*lead, m.width, 1, 1)  # every channel a head of one key and one value
-    states = decay_states(torch.ones_like(d)[..., None], d[..., None], g, initial)[..., 0, 0]  # (..., T, W)
+    if d.shape[-2] == 1:  # a decode step: one multiply-add (the scan's machinery costs more than the step)
+        states = torch.addcmul(d, g.exp(), start.initial.reshape(*lead, 1, m.width))
+    else:
+        initial = start.initial.reshape(*lead, m.width, 1, 1)  # every channel a head of one key and one value
+        states = decay_states(torch.ones_like(d)[..., None], d[..., None], g, initial)[..., 0, 0]  # (..., T, W)
     logged = states[..., None, :]  # (..., T, 1, W)
     zeros = logged.new_zeros(*logged.shape[:-1])
     return Step(states, zeros[..., None], logged, zeros, logged[..., -1, :, None, :])
