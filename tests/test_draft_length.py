@@ -268,6 +268,37 @@ def test_adaptive_rounds_are_serial_while_nothing_is_drafted(draft):
     assert pipelined > 0 if draft == "target" else pipelined == 0  # a draft never drafted for: serial throughout
 
 
+class Flipping(CostModelLength):
+    """A cost model that drafts 2 and nothing in turn, round after round (`current` on its own schedule)."""
+
+    def __init__(self) -> None:
+        super().__init__(CHEAP, overlapped=True)
+        self.asked = 0
+
+    def current(self) -> int:
+        return 2 if self.asked % 2 == 0 else 0
+
+    def choose(self) -> int:
+        k, self.asked = self.current(), self.asked + 1
+        self.k, self.reason, self.probing = k, "pays" if k else "none pays", False
+        return k
+
+
+def test_adaptive_rounds_handing_over_every_round_name_each_round_once():
+    """Pipelined rounds begun again after serial ones are named apart from every earlier one: a name reused with other
+    drafts (the target keeps the round before and the last dropped one for retries) was refused mid-generation
+    (`round 'p0' was already verified with other input`)."""
+    prompt = torch.randint(0, 257, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    session, stats = TargetSession(TARGET, prompt, max_chain=1), Stats()
+    drafter = ModelDrafter(DRAFT)  # a draft that misses often: dropped rounds and speculations
+    drafter.start(list(prompt))
+    attach(drafter, session)
+    for _ in decode_adaptive(session, drafter, 30, Flipping(), set(), stats):
+        pass
+    assert session.generated == generate(TARGET, prompt, 30).token_ids
+    assert stats.drafted > 0
+
+
 def test_pass_costs_measured_for_every_length():
     costs = PassCosts.measure(TARGET, DRAFT, k_max=3, repeats=2)
     assert costs.k_max == 3 and all(t > 0 for t in costs.target_s) and costs.draft_s > 0

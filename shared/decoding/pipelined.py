@@ -78,7 +78,10 @@ def decode_pipelined(session: Session, drafter: Drafter, max_new_tokens: int,
     out = session.generated
     if len(out) >= max_new_tokens or (out and out[-1] in eos):
         return
-    names = (f"p{n}" for n in range(1 << 62))
+    # named apart from every round before, a loop begun again after serial rounds (`decode_adaptive`) included: the
+    # target keeps the round before and the last dropped one for retries, and refuses a name reused with other drafts
+    first = stats.rounds
+    names = (f"p{first}.{n}" for n in range(1 << 62))
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="pipeline") as pool:
         def submit(fn, *args, span: Span | None = None) -> Future:
             """Run `fn` in the pool, in this context (under `span` when given: its RPC spans become its children)."""
