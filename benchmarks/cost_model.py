@@ -41,7 +41,7 @@ from deltaspec.shared.model.tokenizer import load_tokenizer
 LEVELS, QUICK_LEVELS = (1, 4, 8), (1, 4)
 FIXED_KS, QUICK_FIXED_KS = tuple(range(1, 9)), (1, 2, 4, 8)
 COST_K_MAX = 8
-REPEATS, QUICK_REPEATS = 5, 2
+REPEATS, QUICK_REPEATS = 9, 2
 WARM_GENERATIONS = 8
 GOAL = 0.97
 WINDOW_S, QUICK_WINDOW_S = 2.0, 0.5  # each run: every stream generating back to back for this long (`load.measure`)
