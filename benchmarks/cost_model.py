@@ -59,14 +59,14 @@ def moe_pair(root: Path) -> tuple[Path, Path]:
     return target, draft
 
 
-def servers_for(target_dir: Path, draft_dir: Path | None) -> dict[str, Server]:
+def servers_for(target_dir: Path, draft_dir: Path | None, flags: tuple[str, ...] = ()) -> dict[str, Server]:
     """The fixed and the cost-model target, speculating with a draft service on `draft_dir`, or (None) with n-gram
-    lookup in their own process."""
+    lookup in their own process; `flags` for both targets."""
     servers: dict[str, Server] = {}
     try:
         if draft_dir is not None:
             servers["draft"] = Server("serve-draft", "--model", str(draft_dir))
-        flags = ("--model", str(target_dir),
+        flags = ("--model", str(target_dir), *flags,
                  *(("--draft-addr", servers["draft"].address) if draft_dir is not None else ("--draft", "ngram")))
         servers["fixed"] = Server("serve-target", *flags, "--draft-length", "fixed")
         servers["cost"] = Server("serve-target", *flags, "--draft-length", "cost")
@@ -77,10 +77,12 @@ def servers_for(target_dir: Path, draft_dir: Path | None) -> dict[str, Server]:
 
 
 def served(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], levels: tuple[int, ...],
-           fixed_ks: tuple[int, ...], repeats: int, max_new_tokens: int, window_s: float = WINDOW_S) -> list[dict]:
-    """Per level: tokens/s at every fixed k (once), then k = 0, the best fixed k and the cost model, every repeat."""
+           fixed_ks: tuple[int, ...], repeats: int, max_new_tokens: int, window_s: float = WINDOW_S,
+           flags: tuple[str, ...] = ()) -> list[dict]:
+    """Per level: tokens/s at every fixed k (once), then k = 0, the best fixed k and the cost model, every repeat;
+    `flags` for both targets (`--max-batch 1`: no pass costs timed at larger batches)."""
     expected = target_only_outputs(load_model(target_dir), prompts, max_new_tokens)
-    servers = servers_for(target_dir, draft_dir)
+    servers = servers_for(target_dir, draft_dir, flags)
     try:
         placed = target_apart([servers[name].proc.pid for name in ("fixed", "cost")],
                               [*([servers["draft"].proc.pid] if "draft" in servers else []), os.getpid()])

@@ -5,7 +5,8 @@ from benchmarks import cost_model, cost_model_sim
 
 def test_served_rows_compare_k0_the_best_fixed_k_and_the_cost_model(tmp_path, capsys):
     prompts = [[72, 101, 108, 108, 111], [100, 101, 102, 32, 102, 40]]
-    rows = cost_model.served(*cost_model.moe_pair(tmp_path), prompts, (1,), (1,), 1, 8, window_s=0.3)
+    rows = cost_model.served(*cost_model.moe_pair(tmp_path), prompts, (1,), (1,), 1, 8, window_s=0.3,
+                             flags=("--max-batch", "1"))
     (row,) = rows
     assert row["concurrency"] == 1 and set(row["fixed_once"]) == {1} and row["best_fixed_k"] == 1
     assert list(row["tokens_per_s"]) == ["k = 0", f"fixed k = {row['best_fixed_k']}", "cost model"]
