@@ -125,7 +125,6 @@ class StaticAccess:
     embeds: Tensor | None = None
     first: Tensor | None = None  # `Start.first`, made at the first recurrent layer that runs
 
-
     @staticmethod
     def recurrent_buffers(state: ModelState, per_layer: bool = False) -> dict:
         """The recurrent buffers a static pass on `state` reads and writes: the window and state before it (the head's,
