@@ -268,6 +268,17 @@ def test_adaptive_rounds_are_serial_while_nothing_is_drafted(draft):
     assert pipelined > 0 if draft == "target" else pipelined == 0  # a draft never drafted for: serial throughout
 
 
+def test_rates_worked_out_before_the_loop_is_known_are_not_kept():
+    """A server asks whether a round would draft before it knows the loop will be pipelined: the serial rates that
+    asking worked out must not decide the pipelined rounds (at eight sessions they said k = 0 where 7 or 8 pays)."""
+    row = (9.0e-3, 10.4e-3, 11.5e-3, 12.5e-3, 13.6e-3, 14.6e-3, 15.6e-3, 16.7e-3, 17.7e-3)  # batch 8, as a server timed
+    costs = PassCosts(row, 0.76e-3, batched=((8, row),), draft_fixed_s=4.19e-3)
+    length = CostModelLength(costs, prior=0.95, prior_rounds=20, batch_size=lambda: 8, drafting=lambda: 8)
+    assert length.current() == 0  # serial rounds: the draft's round trip is not hidden
+    length.overlapped = True
+    assert length.current() >= 6
+
+
 class Flipping(CostModelLength):
     """A cost model that drafts 2 and nothing in turn, round after round (`current` on its own schedule)."""
 

@@ -316,7 +316,7 @@ class CostModelLength:
         self.costs, self.batch_size, self.drafting = costs, batch_size, drafting
         self.tally = tally if tally is not None else Tally()  # a session of its own keeps its own
         self.k_max = costs.k_max if k_max is None else max(0, min(k_max, costs.k_max))
-        self.overlapped, self.keep = overlapped, keep
+        self._overlapped, self.keep = overlapped, keep
         shown = self.tally.acceptance()
         prior = prior if shown is None else shown
         # rounds that drafted and kept their first draft, from the prior; drafts after a round's first that were
@@ -334,6 +334,19 @@ class CostModelLength:
         # the session drafts (its last k chosen was more than 0, and no probe): the doubt is its to keep. A new one
         # does where the server's sessions have shown drafting may pay (`_shown_to_pay`)
         self.drafts = self._shown_to_pay()
+
+    @property
+    def overlapped(self) -> bool:
+        return self._overlapped
+
+    @overlapped.setter
+    def overlapped(self, value: bool) -> None:
+        """Whether the rounds are pipelined, told once the loop is known (a server learns it after asking whether a
+        round would draft, `expects_drafts`): what was kept was worked out for the other loop (kept serial rates at
+        eight sessions left a good draft's sessions at k = 0, where pipelined rounds of 7 or 8 pay most)."""
+        if value != self._overlapped:
+            self.kept.clear()
+        self._overlapped = value
 
     @property
     def wait(self) -> int:
