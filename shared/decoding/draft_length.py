@@ -46,7 +46,7 @@ START_DOUBT = 0.5  # standard errors below the estimate where drafting must stil
 # rounds at k = 0 keep teaching (unverified drafts, `_may_start`)
 UNLIKELY = 0.01  # ... unless its last rounds all missed, which its estimate before them gave less chance than this
 KEEP = 0.9  # weight of a session's past at each drafted round: its acceptance follows the last ten rounds or so
-Situation = tuple[int, int, bool]  # rounds learnt from, the next batch, whether others verify in it
+Situation = tuple[int, bool]  # the next batch, whether others verify in it
 T = TypeVar("T")
 
 
@@ -329,8 +329,8 @@ class CostModelLength:
         self.probing = False  # the last k chosen was a probe
         self.k, self.reason = 0, "none"
         self.shadows: list[list] = []  # [drafts, matched so far, asked] of unverified proposals (`shadow`)
-        self.learned = 0  # rounds learnt from: with the batch size, what `rates` depends on
-        self.kept: dict[tuple[str, Situation], Any] = {}  # `rates`, `_may_pay`, `_may_start`, by situation
+        # `rates`, `_may_pay`, `_may_start` by situation, until the next round learnt from (`_in_situation`)
+        self.kept: dict[tuple[str, Situation], Any] = {}
         # the session drafts (its last k chosen was more than 0, and no probe): the doubt is its to keep. A new one
         # does where the server's sessions have shown drafting may pay (`_shown_to_pay`)
         self.drafts = self._shown_to_pay()
@@ -450,20 +450,20 @@ class CostModelLength:
         """Whether some k > 0 pays at acceptance `a` plus `errors` standard errors of its estimate from `seen` rounds
         (the drafts after a round's first at theirs plus the same margin)."""
         margin = errors * math.sqrt(a * (1 - a) / seen) if seen else 0.0
-        per_k = rates(self._pass_costs(key[1], key[2]), [min(1.0, max(0.0, p + margin)) for p in self.positions()],
+        per_k = rates(self._pass_costs(*key), [min(1.0, max(0.0, p + margin)) for p in self.positions()],
                       self.overlapped, self.continuation)
         return max(per_k[1:]) > per_k[0]
 
     def rates(self) -> list[float]:
         """Expected tokens per second at each k up to `k_max`, at this session's acceptance and the next batch's
         pass costs; kept until either changes (a round at k = 0 learns nothing, and asks twice)."""
-        return self._in_situation("rates", lambda key: rates(self._pass_costs(key[1], key[2]), self.positions(),
+        return self._in_situation("rates", lambda key: rates(self._pass_costs(*key), self.positions(),
                                                              self.overlapped, self.continuation))
 
     def _situation(self) -> Situation:
-        """What `rates`, `_may_pay` and `_may_start` depend on besides the costs: rounds learnt from, the next batch,
-        whether others verify in it."""
-        return self.learned, self.batch_size(), self.others_verify()
+        """What `rates`, `_may_pay` and `_may_start` depend on besides the costs and the rounds learnt from: the next
+        batch, whether others verify in it."""
+        return self.batch_size(), self.others_verify()
 
     def _in_situation(self, name: str, compute: Callable[[Situation], T]) -> T:
         """`compute(situation)`, kept under `name` for each situation until the next round learnt from (`_learn`):
@@ -541,7 +541,7 @@ class CostModelLength:
 
     def _learn(self, proposed: int, accepted: int, asked: int) -> None:
         """What a round of `proposed` drafts (of `asked`), `accepted` of them, teaches; the past weighed `keep`."""
-        keep, self.learned = self.keep, self.learned + 1
+        keep = self.keep
         self.kept.clear()  # every situation's results are of the rounds before
         if proposed:
             if not accepted and not self.misses:
