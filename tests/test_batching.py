@@ -306,8 +306,12 @@ HOLD = 57  # tokens of the pass that holds the scheduler while other calls queue
 def in_one_batch(model: BatchedModel, calls: list[tuple[Tensor, ModelState]], monkeypatch) -> list:
     """Each call from its own thread, made while the scheduler is held inside another pass, so that all of them
     queue and then run together; the results, or the errors raised, in order. Whether they did run together is
-    for the caller to check (`stats.largest`): timing decides only whether the scenario happened."""
+    for the caller to check (`stats.largest`): timing decides only whether the scenario happened.
+
+    The batcher counts exactly these callers as active, so that the held pass is its own (queued, not run in a
+    caller's thread) and no batch starts before every caller has queued, however slowly a loaded host wakes them."""
     real_layer, holding = fused.decoder_layer, threading.Barrier(len(calls) + 1, timeout=60)
+    real_active = model._active
 
     def hold(layer, f, x, *rest):
         if x.shape[0] == HOLD and not holding.broken and holding.n_waiting == len(calls):
@@ -327,6 +331,7 @@ def in_one_batch(model: BatchedModel, calls: list[tuple[Tensor, ModelState]], mo
             return e
 
     monkeypatch.setattr(fused, "decoder_layer", hold)
+    monkeypatch.setattr(model, "_active", lambda: len(calls))
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = [pool.submit(call, i) for i in range(len(calls))]
         while holding.n_waiting < len(calls):
@@ -334,6 +339,7 @@ def in_one_batch(model: BatchedModel, calls: list[tuple[Tensor, ModelState]], mo
         call(-1)
         results = [f.result() for f in futures]
     monkeypatch.setattr(fused, "decoder_layer", real_layer)
+    monkeypatch.setattr(model, "_active", real_active)
     return results
 
 
