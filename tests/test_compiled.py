@@ -18,6 +18,7 @@ import torch
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.speculative import generate
 from deltaspec.shared.model.checkpoint import hf_config, hf_moe_config, random_model, save_checkpoint
+from deltaspec.shared.state.spec import CHAIN_LOG_CAPACITY, LOG_CAPACITY
 from test_fused import AWKWARD, assert_same_head, close
 from support import Served, both_loops
 
@@ -54,9 +55,12 @@ def assert_same_staging(state, ref) -> None:
 def test_every_pass_and_commit_matches_the_fused_path(models, which):
     eager, compiled = models[which]
     gen = torch.Generator().manual_seed(5)
-    ref, state = eager.new_state(capacity=8), compiled.new_state(capacity=8)  # small: the K/V buffers grow
-    # (tokens, then a pass on top or None, what to keep): 40 tokens do not fit the logs (eager); the rest runs compiled
-    plan = [(40, None, 40), (1, None, 1), (1, 1, 2), (5, None, 2), (1, None, 0), (9, None, 9), (3, 2, 4),
+    # small K/V buffers, which grow; the draft's logs as a drafter's (the graphs the speculative test runs)
+    logs = CHAIN_LOG_CAPACITY if which == "draft" else LOG_CAPACITY
+    ref, state = (m.new_state(capacity=8, log_capacity=logs) for m in (eager, compiled))
+    # (tokens, then a pass on top or None, what to keep): the first pass does not fit the logs (eager); the rest runs
+    # compiled
+    plan = [(logs + 4, None, logs + 4), (1, None, 1), (1, 1, 2), (5, None, 2), (1, None, 0), (9, None, 9), (3, 2, 4),
             (2, 3, None), (1, 1, 1), (6, None, 6), (4, 1, 3)]
     run_plan(plan, (eager, ref), (compiled, state), gen)
     assert compiled.compiled is not None
@@ -103,13 +107,16 @@ def test_a_pipelined_round_matches(models):
 
 
 def test_speculative_decoding_with_compiled_models_equals_target_only(models):
+    """On the graphs the tests above made (both models' states log as they do here), sessions from position 0 on
+    compile nothing more: a graph holds for every position (a rope row at the table's start once made its own)."""
     target, compiled_target = models["target"]
     draft, compiled_draft = models["draft"]
     prompt = torch.randint(0, target.config.vocab_size, (12,), generator=torch.Generator().manual_seed(2)).tolist()
     want = generate(target, prompt, 40).token_ids
-    assert generate(compiled_target, prompt, 40).token_ids == want
-    assert generate(compiled_target, prompt, 40, ModelDrafter(compiled_draft), 4).token_ids == want
-    assert generate(target, prompt, 40, ModelDrafter(compiled_draft), 8).token_ids == want
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert generate(compiled_target, prompt, 40).token_ids == want
+        assert generate(compiled_target, prompt, 40, ModelDrafter(compiled_draft), 4).token_ids == want
+        assert generate(target, prompt, 40, ModelDrafter(compiled_draft), 8).token_ids == want
 
 
 def test_compiled_services_serve_target_only_tokens(models, tmp_path):

@@ -113,6 +113,9 @@ class CompiledPasses:
     def run(self, model: fused.Model, x: Tensor, rope: tuple[Tensor, Tensor], positions: Tensor, slots: Tensor,
             gdn: dict, kv: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         """The compiled pass over given buffers (`static_pass`'s arguments; `gdn` per layer when `per_layer`)."""
+        # the rope rows as tensors of their own: as views of the table at the pass's position, dynamo specialises
+        # graphs on a storage offset of 0 or 1, and the first pass past them recompiles (a server's first request)
+        rope = tuple(t.clone() for t in rope)
         if x.shape[0] > 1:  # one graph for every verify length
             for t in (x, *rope, positions, slots):
                 torch._dynamo.mark_dynamic(t, 0, min=2, max=MAX_PASS_TOKENS)
