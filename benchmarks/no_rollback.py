@@ -47,8 +47,7 @@ class StaleGDNState(ModelState):
     def commit(self, n: int) -> None:
         if not 0 < n <= self.staged:
             raise ValueError(f"commit of {n} tokens, but {self.staged} are staged")
-        self.recurrent.prepare_commit(self.staged, self.staged)  # the spares already hold "after everything"
-        self.recurrent.swap_in()
+        self.recurrent.commit(self.staged, self.staged)  # the staging's buffers hold "after everything"
         self.length += n
         self.staged = 0
 
