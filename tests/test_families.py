@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deltaspec.shared.decoding.draft_length import CostModelLength, PassCosts
+from deltaspec.shared.decoding.draft_length import CostModelLength
 from deltaspec.shared.decoding.drafters.model_drafter import ModelDrafter
 from deltaspec.shared.decoding.drafters.ngram import NgramDrafter
 from deltaspec.shared.decoding.speculative import generate
@@ -25,6 +25,7 @@ from deltaspec.shared.state import pool as state_pool
 from deltaspec.shared.state import prefix_cache
 from support import Served, both_loops
 from test_batching import run_threads
+from test_draft_length import CHEAP, DEAR  # drafting pays (as far as it may), or never does (k = 0 and a probe)
 
 transformers = pytest.importorskip("transformers")
 
@@ -359,12 +360,6 @@ def test_zero_draft_rounds_after_accepted_ones(checkpoint):
     assert int(logits[0].argmax()) == tokens[at + 2]
 
 
-# costs for the cost model's k: drafting pays (it drafts the most it may), or never does (k = 0, and a one-draft probe
-# every few rounds: a round of zero drafts right after each accepted probe)
-PAYS = PassCosts(target_s=(1.0, 1.05, 1.1, 1.15, 1.2), draft_s=0.01)
-NEVER_PAYS = PassCosts(target_s=(1.0, 2.0, 3.0, 4.0, 5.0), draft_s=0.2)
-
-
 def test_greedy_matches_hf_generate_with_every_drafter(checkpoint):
     directory, hf = checkpoint
     ours = load_model(directory)
@@ -373,8 +368,8 @@ def test_greedy_matches_hf_generate_with_every_drafter(checkpoint):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
     assert generate(ours, prompt, 20).token_ids == want
     for drafter, k in ((ModelDrafter(load_model(directory)), 1), (ModelDrafter(load_model(directory)), 4),
-                       (NgramDrafter(), 4), (ModelDrafter(load_model(directory)), CostModelLength(PAYS)),
-                       (ModelDrafter(load_model(directory)), CostModelLength(NEVER_PAYS))):
+                       (NgramDrafter(), 4), (ModelDrafter(load_model(directory)), CostModelLength(CHEAP)),
+                       (ModelDrafter(load_model(directory)), CostModelLength(DEAR))):
         assert generate(ours, prompt, 20, drafter, k).token_ids == want
 
 

@@ -10,8 +10,8 @@ sequence's passes fit that:
   sits. What changes between passes (the tokens, the first position, the first log slot) is copied into static
   inputs before a replay, and the outputs are copied out after it;
 - a graph is kept per token count and per set of state buffers the pass reads and writes, by address: a full
-  accept swaps a state's committed and staged buffers, so a sequence alternates between a few sets, and a new sequence whose
-  buffers sit where an earlier one's did (a state pool's slots never move; the allocator reuses freed K/V) replays
+  accept swaps a state's committed and staged buffers, so a sequence alternates between a few sets, and a new
+  sequence whose buffers sit where an earlier one's did (a state pool's slots never move; the allocator reuses freed K/V) replays
   the graphs recorded for them. Beyond `max_graphs` the least recently used graph is dropped.
 A pass the graphs do not cover runs eagerly: more than `max_tokens` tokens (prefill), a staging past the logs, a
 prefix cache taking heads inside the pass, K/V that must grow first. A sparse MoE model's experts are recorded as
