@@ -1,6 +1,7 @@
 """Draft length from a cost model: the k it picks, what it learns from verdicts, and exactness whatever it picks."""
 import math
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from deltaspec.shared.decoding.draft_length import (MAX_PROBE_EVERY, PRIOR, PROBE_EVERY, PROBE_SHARE, CostModelLength,
                                                      PassCosts, Tally, best_k, draft_line, drafting_cost,
-                                                     expected_tokens, round_s)
+                                                     expected_tokens, rates, round_s)
 from deltaspec.shared.decoding.pipelined import decode_adaptive, decode_pipelined
 from deltaspec.shared.decoding.speculative import Stats
 from deltaspec.shared.telemetry import attributes as attr
@@ -42,6 +43,43 @@ DEAR = PassCosts(target_s=(1.0, 2.0, 3.0, 4.0, 5.0), draft_s=0.2)  # a verify co
 def test_expected_tokens_is_the_geometric_sum():
     assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def naive_rates(costs: PassCosts, acceptance: list[float], overlapped: bool, c: float) -> list[float]:
+    """`rates` written out: each k's worth the expectation over the lengths i <= k a round asked for k drafts has,
+    every product of acceptances taken afresh."""
+    def tokens(i: int) -> float:
+        return 1 + sum(math.prod(acceptance[:j]) for j in range(1, i + 1))
+
+    def seconds(i: int) -> float:
+        hidden = math.prod(acceptance[:i + 1]) if overlapped else 0.0
+        return costs.target_s[i] + (costs.draft_fixed_s + i * costs.draft_s) * (1 - hidden) if i else costs.target_s[0]
+
+    def chance(i: int, k: int) -> float:
+        return c**i * (1 - c) if i < k else c**k
+
+    return [(costs.others + sum(chance(i, k) * tokens(i) for i in range(k + 1)))
+            / sum(chance(i, k) * seconds(i) for i in range(k + 1)) for k in range(costs.k_max + 1)]
+
+
+def test_rates_equal_their_naive_form():
+    """`rates` sums in one pass over k what the naive form recomputes for every k and length."""
+    g = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        u = torch.rand(12, generator=g, dtype=torch.float64).tolist()
+        costs = PassCosts(tuple(1.0 + 0.3 * t + u[0] * t * t for t in range(9)), draft_s=u[1] / 5,
+                          draft_fixed_s=u[2] / 3, others=trial % 4)
+        positions = u[3:12]
+        for acceptance in (positions, u[3]):
+            spelled = positions if acceptance is positions else [u[3]] * 9
+            for overlapped in (False, True):
+                c = 1.0 if trial % 5 == 0 else u[4]
+                assert rates(costs, acceptance, overlapped, c) == pytest.approx(
+                    naive_rates(costs, spelled, overlapped, c), rel=1e-12)
+                for k in range(9):
+                    assert round_s(costs, acceptance, k, overlapped) == pytest.approx(
+                        naive_rates(replace(costs, others=0), spelled, overlapped, 1.0)[k] ** -1
+                        * expected_tokens(acceptance, k), rel=1e-12)
 
 
 def test_best_k_follows_costs_and_acceptance():
