@@ -15,8 +15,9 @@ whether the speculated next round was used (the client loop reports the same in 
 `deltaspec_draft_speculations_total{outcome}`, kept | dropped: the speculative rounds it
 proposed and how they ended (dropped ones are draft passes spent for nothing);
 `deltaspec_draft_length_rounds_total{k, reason}`: the cost model's draft length per round, and why.
-`deltaspec_draft_branches_total{outcome}` and `deltaspec_draft_branch_seconds_total{outcome}`, used | unused | cut: the
-next rounds it staged for likely misses (`serve-draft --branches`), and its time making them. Generations (the server-side loop):
+`deltaspec_draft_branches_total{outcome}` and `deltaspec_draft_branch_seconds_total{outcome}`, used | unused | cut:
+the next rounds it staged for likely misses (`serve-draft --branches`), and its time making them. Generations (the
+server-side loop):
 `deltaspec_time_to_first_token_seconds`, `deltaspec_time_per_output_token_seconds`. Sessions:
 `deltaspec_sessions` (live) and `deltaspec_sessions_expired_total`. Batching (`deltaspec.shared.decoding.batcher`):
 `deltaspec_batch_size` (sequences per forward pass), `deltaspec_batch_tokens`, `deltaspec_batch_wait_seconds`
@@ -42,6 +43,7 @@ TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Counter] = {}  # `_child`
         r = self.registry
         self.num_drafts = Counter("deltaspec_spec_decode_num_drafts", "Rounds that carried draft tokens", registry=r)
         self.num_draft_tokens = Counter("deltaspec_spec_decode_num_draft_tokens", "Draft tokens proposed",
@@ -114,7 +116,7 @@ class Metrics:
         if accepted:
             self.num_accepted_tokens.inc(accepted)
             for position in range(accepted):
-                self.accepted_per_pos.labels(str(position)).inc()
+                self._child(self.accepted_per_pos, str(position)).inc()
         self.commits.inc()
         if staged_bytes:
             self.staged_bytes.inc(staged_bytes)
@@ -126,7 +128,16 @@ class Metrics:
                 histogram.observe(seconds)
 
     def draft_length_chosen(self, k: int, reason: str) -> None:
-        self.draft_length.labels(str(k), reason).inc()
+        self._child(self.draft_length, str(k), reason).inc()
+
+    def _child(self, metric: Counter, *values: str) -> Counter:
+        """`metric.labels(*values)`, looked up once (prometheus_client validates and locks on every `labels` call:
+        a round of 7 kept drafts made 8 of them)."""
+        key = id(metric), values
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     def speculation_ended(self, outcome: str, n: int = 1) -> None:
         """Draft speculations ended: kept or dropped (`ModelDrafter`'s `speculation_ended`)."""
