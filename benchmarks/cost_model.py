@@ -22,7 +22,6 @@ service and the clients on the rest (`loopback.target_apart`), where the machine
 """
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import tempfile
@@ -144,28 +143,6 @@ def cost_model(quick: bool = False) -> dict:
             "warm_generations": WARM_GENERATIONS, "repeats": repeats, "pairs": pairs}
 
 
-def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
-    """(low, high, coverage): the order statistics around the median that hold the true median of repeats' ratios
-    with at least `confidence` whatever their distribution (the binomial count of repeats below it; nine repeats:
-    the 2nd and 8th, 96.1 %); fewer than six repeats: the range, its coverage below `confidence`."""
-    ordered, n = sorted(values), len(values)
-    below = 0.0  # chance that fewer than j of n repeats fall below the median
-    for j in range(1, n // 2 + 1):
-        below += math.comb(n, j - 1) / 2**n
-        if 2 * (below + math.comb(n, j) / 2**n) > 1 - confidence:
-            return ordered[j - 1], ordered[n - j], 1 - 2 * below
-    return ordered[0], ordered[-1], 1 - 2 / 2**n
-
-
-def verdict(values: list[float]) -> str:
-    """Whether a cell's median meets `GOAL`, and where it does not, whether its interval says so."""
-    low, high, coverage = median_interval(values)
-    if statistics.median(values) >= GOAL:
-        return "met"
-    return f"missed ({coverage:.0%} interval {low:.3f}-{high:.3f}" + (
-        f", reaching {GOAL}: not resolved by these repeats)" if high >= GOAL else ")")
-
-
 def _spread(values: list[float], digits: int = 2) -> str:
     return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
@@ -191,7 +168,7 @@ def print_rows(result: dict) -> None:
                   f"{_spread(r['cost_vs_k0']):>18} {_spread(r['cost_vs_fixed']):>18}  {once}")
     print(f"goal: cost / better (the better of k = 0 and the best fixed k, each repeat) >= {GOAL} in every row")
     for pair, rows in result["pairs"].items():
-        print(f"  {pair.split(':')[0]}: " + "; ".join(f"N = {r['concurrency']} {verdict(r['cost_vs_best'])}"
-                                                    for r in rows))
+        print(f"  {pair.split(':')[0]}: " + "; ".join(
+            f"N = {r['concurrency']} {report.median_verdict(r['cost_vs_best'], low=GOAL)}" for r in rows))
     if "simulated" in result:
         cost_model_sim.print_rows(result["simulated"])

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks import report
 from benchmarks.loopback import (PROMPTS, cpu_seconds, metrics_page, percentile, start_pair, stop_all, target_apart,
                                 unpin)
 
@@ -343,11 +344,13 @@ def print_rows(rows: list[dict]) -> None:
     print(_goal(rows))
     top = levels[-1]
     for p in PATHS[1:]:
-        costs = [_spread(paired(p, k, top, ("grpc", k), ratio), ".3f") for k in KS]
+        costs = [paired(p, k, top, ("grpc", k), ratio) for k in KS]
         speedups = [ratio(a, b) / ratio(c, d) for a, b, c, d in zip(
             cells[(p, 4, top)]["runs"], cells[(p, 0, top)]["runs"], cells[("grpc", 4, top)]["runs"],
             cells[("grpc", 0, top)]["runs"])]
         print(f"goals at concurrency {top}, {p}: front / gRPC tok/s (at least {1 - GOAL_SHARE:g}) " +
-              ", ".join(f"k {k} {c}" for k, c in zip(KS, costs)) +
+              ", ".join(f"k {k} {_spread(c, '.3f')}, {report.median_verdict(c, low=1 - GOAL_SHARE)}"
+                        for k, c in zip(KS, costs)) +
               f"; speculative / target-only through the front over the same over gRPC (within 1 +- {GOAL_SHARE:g}) "
-              + _spread(speedups, ".3f"))
+              + _spread(speedups, ".3f") + ", "
+              + report.median_verdict(speedups, low=1 - GOAL_SHARE, high=1 + GOAL_SHARE))

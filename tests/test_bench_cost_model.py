@@ -2,7 +2,7 @@
 case the cost model must not lose in), every output checked against target-only decoding by the bench itself."""
 import torch
 
-from benchmarks import cost_model, cost_model_sim
+from benchmarks import cost_model, cost_model_sim, report
 
 
 def test_served_rows_compare_k0_the_best_fixed_k_and_the_cost_model(tmp_path, capsys):
@@ -23,14 +23,18 @@ def test_served_rows_compare_k0_the_best_fixed_k_and_the_cost_model(tmp_path, ca
 def test_a_cells_median_interval_holds_the_median_as_often_as_it_says():
     """Nine repeats: the 2nd and 8th of them, 96.1 %; drawn afresh from a known distribution, the interval holds
     its median about that often; a miss whose interval reaches the goal is said to be unresolved."""
-    assert cost_model.median_interval([float(i) for i in range(9, 0, -1)]) == (2.0, 8.0, 0.9609375)
-    assert cost_model.median_interval([3.0, 1.0, 2.0])[:2] == (1.0, 3.0)  # too few repeats for 95 %: the range
+    assert report.median_interval([float(i) for i in range(9, 0, -1)]) == (2.0, 8.0, 0.9609375)
+    assert report.median_interval([3.0, 1.0, 2.0])[:2] == (1.0, 3.0)  # too few repeats for 95 %: the range
     g = torch.Generator().manual_seed(3)
-    held = sum(lo <= 0 <= hi for lo, hi, _ in (cost_model.median_interval(torch.randn(9, generator=g).tolist())
+    held = sum(lo <= 0 <= hi for lo, hi, _ in (report.median_interval(torch.randn(9, generator=g).tolist())
                                                 for _ in range(4000)))
     assert 0.95 <= held / 4000 <= 0.97
-    assert cost_model.verdict([1.0] * 9) == "met" and "not resolved" not in cost_model.verdict([0.9] * 9)
-    assert "not resolved" in cost_model.verdict([0.9, 0.92, 0.93, 0.95, 0.96, 0.97, 0.98, 1.0, 1.1])
+    spread = [0.9, 0.92, 0.93, 0.95, 0.96, 0.97, 0.98, 1.0, 1.1]
+    assert report.median_verdict([1.0] * 9, low=0.97) == "met"
+    assert "not resolved" not in report.median_verdict([0.9] * 9, low=0.97)
+    assert "not resolved" in report.median_verdict(spread, low=0.97)
+    assert report.median_verdict(spread, low=0.95, high=1.05) == "met"
+    assert "not resolved" in report.median_verdict([x + 0.1 for x in spread], high=1.05)
 
 
 def test_simulated_rounds_compare_the_cost_model_with_every_fixed_k(capsys):

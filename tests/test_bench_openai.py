@@ -92,7 +92,9 @@ def test_the_throughput_goals_pair_each_repeat_at_the_top_concurrency():
     with contextlib.redirect_stdout(text):
         print_rows(rows)
     # openai: 570/600 and 450/500 at k 4; 380/400 and 1.0 at k 0; speedups (1.5, 1.125) over gRPC's (1.5, 1.25)
+    # each with whether its median meets the goal, and where it misses, whether two repeats resolve that (no)
     assert goal(text.getvalue(), "goals at concurrency 8, openai").endswith(
-        "k 4 0.925 [0.900 to 0.950], k 0 0.975 [0.950 to 1.000]; speculative / target-only through the front over "
-        "the same over gRPC (within 1 +- 0.05) 0.950 [0.900 to 1.000]")
-    assert goal(text.getvalue(), "goals at concurrency 8, http").endswith("1.000 [1.000 to 1.000]")
+        "k 4 0.925 [0.900 to 0.950], missed (50% interval 0.900-0.950, reaching the goal: not resolved by these "
+        "repeats), k 0 0.975 [0.950 to 1.000], met; speculative / target-only through the front over the same over "
+        "gRPC (within 1 +- 0.05) 0.950 [0.900 to 1.000], met")
+    assert goal(text.getvalue(), "goals at concurrency 8, http").endswith("1.000 [1.000 to 1.000], met")
